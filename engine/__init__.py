@@ -1,0 +1,1 @@
+"""markbase engine: owns models, KV caches and the continuous batcher."""

@@ -1,0 +1,29 @@
+"""Engine settings: limits and batching knobs for one served model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    """One model to serve. ``source`` is an alias, a .gguf path or a folder."""
+
+    source: str = "smollm2-135m-instruct"
+    name: str | None = None  # the `model` id clients send; default: the alias or file stem
+    weight_format: str = "auto"
+    max_context: int | None = None  # cap below the model's own context window
+
+
+@dataclass
+class EngineConfig:
+    """Batching and memory limits, shared by every model's worker."""
+
+    max_num_seqs: int = 16  # sequences decoded together in one step
+    max_queued_requests: int = 256  # waiting beyond this answers 429
+    max_kv_tokens: int = 65536  # KV tokens held by running sequences, all together
+    prefill_chunk_tokens: int = 512  # prompt tokens prefilled per step (chunked prefill)
+    prefix_cache_tokens: int = 32768  # KV tokens kept for prefix reuse (LRU), 0 = off
+    queue_timeout_s: float = 30.0  # a request waiting longer for a slot gets 429
+    default_max_tokens: int = 512
+    models: list[ModelConfig] = field(default_factory=lambda: [ModelConfig()])

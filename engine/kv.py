@@ -1,0 +1,175 @@
+"""KV caches that plug into mlx-lm's model modules.
+
+mlx-lm layers call ``cache.update_and_fetch(keys, values)``, read ``cache.offset``
+for RoPE and ask ``cache.make_mask(N, window_size=..., return_array=...)`` for the
+attention mask. Two caches implement that protocol:
+
+- ``SequenceKV``: one sequence, used while its prompt is prefilled chunk by chunk.
+- ``BatchKV``: the running batch, rows left-padded to a common time axis so one
+  forward decodes one token for every row. Each row keeps its own RoPE position
+  (``offset`` is a per-row array) and the mask hides its padding, so a row's
+  result does not depend on what else is in the batch.
+
+Sliding-window layers (Gemma 3) keep full-length KV and get the window through the
+mask: simpler than ring buffers and exact; the memory cost is noted in README.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+_GROW = 256  # time steps allocated at a time: amortises the copy when a cache grows
+
+
+def _grow(buf: mx.array | None, used: int, need: int, like: mx.array) -> mx.array:
+    """Return a buffer with room for ``need`` time steps, keeping ``used`` of ``buf``."""
+    if buf is not None and need <= buf.shape[2]:
+        return buf
+    batch, heads, _, dim = like.shape
+    size = ((need + _GROW - 1) // _GROW) * _GROW
+    fresh = mx.zeros((batch, heads, size, dim), dtype=like.dtype)
+    if buf is not None and used:
+        fresh[:, :, :used, :] = buf[:, :, :used, :]
+    return fresh
+
+
+class SequenceKV:
+    """KV of one sequence (batch 1, no padding)."""
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        start, n = self.offset, keys.shape[2]
+        self.keys = _grow(self.keys, start, start + n, keys)
+        self.values = _grow(self.values, start, start + n, values)
+        self.keys[:, :, start : start + n, :] = keys
+        self.values[:, :, start : start + n, :] = values
+        self.offset = start + n
+        return self.keys[:, :, : self.offset, :], self.values[:, :, : self.offset, :]
+
+    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False):
+        if window_size is None and not return_array:
+            return None if n == 1 else "causal"
+        q = mx.arange(self.offset, self.offset + n)[:, None]
+        k = mx.arange(self.offset + n)[None]
+        mask = q >= k
+        if window_size is not None:
+            mask = mask & (q < k + window_size)
+        return mask
+
+    def kv(self) -> tuple[mx.array, mx.array]:
+        """Keys and values without spare capacity: [1, H, offset, D]."""
+        return self.keys[:, :, : self.offset, :], self.values[:, :, : self.offset, :]
+
+    @classmethod
+    def from_kv(cls, keys: mx.array, values: mx.array) -> SequenceKV:
+        cache = cls()
+        cache.keys, cache.values, cache.offset = keys, values, keys.shape[2]
+        return cache
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class BatchKV:
+    """One layer's KV for the running batch.
+
+    Row ``i`` holds its tokens at time indices ``[pad[i], length)``; ``offset[i]`` is
+    the position of the next token of row ``i`` (``length - pad[i]``).
+    """
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.length = 0
+        self.pad: list[int] = []
+        self._pad_arr = mx.array([], dtype=mx.int32)
+        self.offset = mx.array([], dtype=mx.int32)
+
+    # -- the mlx-lm cache protocol -------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        start, n = self.length, keys.shape[2]
+        self.keys = _grow(self.keys, start, start + n, keys)
+        self.values = _grow(self.values, start, start + n, values)
+        self.keys[:, :, start : start + n, :] = keys
+        self.values[:, :, start : start + n, :] = values
+        self.length = start + n
+        self.offset = self.offset + n
+        return self.keys[:, :, : self.length, :], self.values[:, :, : self.length, :]
+
+    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False):
+        if n == 1 and window_size is None and not any(self.pad):
+            return None
+        k = mx.arange(self.length + n)
+        q = mx.arange(self.length, self.length + n)
+        mask = (q[:, None] >= k[None]) & (k[None, None] >= self._pad_arr[:, None, None])
+        if window_size is not None:
+            mask = mask & (q[None, :, None] < k[None, None] + window_size)
+        return mask[:, None]  # [B, 1, n, T]
+
+    # -- batch membership ----------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return len(self.pad)
+
+    def _set_pad(self, pad: list[int]) -> None:
+        self.pad = pad
+        self._pad_arr = mx.array(pad, dtype=mx.int32)
+        self.offset = mx.array([self.length - p for p in pad], dtype=mx.int32)
+
+    def add(self, keys: mx.array, values: mx.array) -> None:
+        """Append one sequence's KV ([1, H, L, D]) as a new last row."""
+        n = keys.shape[2]
+        if self.keys is None or self.batch_size == 0:
+            self.keys, self.values, self.length = keys, values, n
+            self._set_pad([0])
+            return
+        if n > self.length:  # new row is longer: shift every existing row right
+            shift = n - self.length
+            widths = [(0, 0), (0, 0), (shift, 0), (0, 0)]
+            self.keys = mx.pad(self.keys[:, :, : self.length, :], widths)
+            self.values = mx.pad(self.values[:, :, : self.length, :], widths)
+            self.length = n
+            old_pad = [p + shift for p in self.pad]
+        else:
+            old_pad = list(self.pad)
+            self.keys = self.keys[:, :, : self.length, :]
+            self.values = self.values[:, :, : self.length, :]
+        lead = self.length - n
+        widths = [(0, 0), (0, 0), (lead, 0), (0, 0)]
+        row_k = mx.pad(keys, widths) if lead else keys
+        row_v = mx.pad(values, widths) if lead else values
+        self.keys = mx.concatenate([self.keys, row_k], axis=0)
+        self.values = mx.concatenate([self.values, row_v], axis=0)
+        self._set_pad(old_pad + [lead])
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in that order); drop padding no row needs any more."""
+        if not rows:
+            self.keys = self.values = None
+            self.length = 0
+            self._set_pad([])
+            return
+        pad = [self.pad[i] for i in rows]
+        idx = mx.array(rows, dtype=mx.int32)
+        trim = min(pad)
+        self.keys = self.keys[idx, :, trim : self.length, :]
+        self.values = self.values[idx, :, trim : self.length, :]
+        self.length -= trim
+        self._set_pad([p - trim for p in pad])
+
+    def row_kv(self, row: int) -> tuple[mx.array, mx.array]:
+        """One row's KV without padding: [1, H, L, D]."""
+        p = self.pad[row]
+        return (
+            self.keys[row : row + 1, :, p : self.length, :],
+            self.values[row : row + 1, :, p : self.length, :],
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes

@@ -1,0 +1,50 @@
+"""Batched forward passes over an mlx-lm model with our KV caches.
+
+``prefill`` runs one sequence's prompt chunk; ``decode`` runs one token for every
+row of the running batch. Both return logits lazily (nothing is evaluated here
+except what must be), so the worker decides when to synchronise.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engine.kv import BatchKV, SequenceKV
+
+
+class ModelRunner:
+    def __init__(self, model) -> None:
+        self.model = model
+        self.num_layers = len(model.layers)
+        # The inner transformer (no lm_head): prompt positions whose logits nobody
+        # needs skip the vocabulary projection, the largest matmul for small models.
+        self.body = getattr(model, "model", None)
+
+    def new_sequence_kv(self) -> list[SequenceKV]:
+        return [SequenceKV() for _ in range(self.num_layers)]
+
+    def new_batch_kv(self) -> list[BatchKV]:
+        return [BatchKV() for _ in range(self.num_layers)]
+
+    def prefill(self, kv: list[SequenceKV], tokens: list[int], want_logits: bool) -> mx.array | None:
+        """Feed ``tokens`` of one sequence; return the last position's logits [V] if asked."""
+        if not want_logits:
+            self._forward_body(kv, tokens)
+            mx.eval([c.keys for c in kv] + [c.values for c in kv])
+            return None
+        if len(tokens) > 1:
+            self._forward_body(kv, tokens[:-1])
+        logits = self.model(mx.array([tokens[-1:]], dtype=mx.int32), cache=kv)
+        return logits[0, -1]
+
+    def _forward_body(self, kv: list[SequenceKV], tokens: list[int]) -> None:
+        x = mx.array([tokens], dtype=mx.int32)
+        if self.body is not None:
+            self.body(x, cache=kv)
+        else:
+            self.model(x, cache=kv)
+
+    def decode(self, batch: list[BatchKV], tokens: list[int]) -> mx.array:
+        """One token per row; returns logits [B, V]."""
+        x = mx.array(tokens, dtype=mx.int32)[:, None]
+        return self.model(x, cache=batch)[:, -1, :]

@@ -1,0 +1,58 @@
+"""Who runs this step: admission under the limits, and the prefill token budget.
+
+The worker asks the ``Scheduler`` twice per step and gets plain data back; the
+scheduler mutates nothing itself:
+
+1. ``admit``: which waiting sequences start now (FIFO, within ``max_num_seqs`` and
+   the KV token budget, so memory is bounded before any work is done);
+2. ``plan_prefill``: how many prompt tokens each prefilling sequence computes this
+   step. Running sequences always decode one token; the prefill budget bounds how
+   much prompt work joins a step, so a long prompt cannot stall running streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.sequence import Sequence
+
+
+def kv_need(seq: Sequence) -> int:
+    """KV tokens a sequence may come to hold: its prompt plus all it may generate."""
+    return min(len(seq.prompt) + seq.params.max_tokens, seq.max_len)
+
+
+@dataclass
+class PrefillPlan:
+    chunks: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    def admit(self, waiting: Iterable[Sequence], active: int, kv_reserved: int) -> list[Sequence]:
+        cfg = self.config
+        chosen = []
+        for seq in waiting:  # FIFO: the head blocks later ones, so nobody starves
+            need = kv_need(seq)
+            if active >= cfg.max_num_seqs or kv_reserved + need > cfg.max_kv_tokens:
+                break
+            chosen.append(seq)
+            active += 1
+            kv_reserved += need
+        return chosen
+
+    def plan_prefill(self, prefilling: list[Sequence], decoding: bool) -> PrefillPlan:
+        # With nothing decoding there is no stream to protect: take bigger chunks.
+        budget = self.config.prefill_chunk_tokens * (1 if decoding else 4)
+        plan = PrefillPlan()
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            take = min(len(seq.prompt) - seq.prefilled, budget)
+            plan.chunks.append((seq, take))
+            budget -= take
+        return plan

@@ -1,0 +1,105 @@
+"""Data objects at the seam between the HTTP layer and the engine.
+
+The server builds a ``GenerationRequest`` from an OpenAI request, hands it to
+``EngineClient.generate`` and reads ``TokenEvent``s back. Nothing here holds an
+MLX array, so the HTTP layer never imports MLX.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS token or a stop string
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"  # client went away or the server is shutting down
+    ERROR = "error"  # this sequence failed; the rest of the batch goes on
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-sequence decoding settings; every row of a batch may differ."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # reserved: top-k logprobs per token
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    model: str
+    prompt_tokens: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of one sequence: new text (stop strings already cut) and, at the
+    end, why it finished. ``text`` may be empty while a possible stop string or
+    an incomplete UTF-8 sequence is held back."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    error_kind: str | None = None  # "overloaded" | "engine_dead" | "internal" | "context_length"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the HTTP layer may know about a served model."""
+
+    name: str
+    architecture: str
+    context_length: int
+    source: str
+    created: int
+    has_chat_template: bool
+
+
+class EngineError(Exception):
+    """Base of errors the engine reports to callers; each maps to one HTTP status."""
+
+    status_code = 500
+    error_type = "server_error"
+    code: str | None = None
+    param: str | None = None
+
+
+class UnknownModelError(EngineError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+    param = "model"
+
+
+class ContextLengthError(EngineError):
+    status_code = 400
+    error_type = "invalid_request_error"
+    code = "context_length_exceeded"
+    param = "messages"
+
+
+class OverloadedError(EngineError):
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "overloaded"
+
+
+class EngineDeadError(EngineError):
+    status_code = 503
+    error_type = "server_error"
+    code = "engine_unavailable"

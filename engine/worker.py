@@ -1,0 +1,390 @@
+"""The engine worker: one thread that owns one model, its KV caches and its batch.
+
+Every MLX call for the model happens on this thread. Other threads talk to it only
+through ``submit``/``abort`` (a thread-safe inbox) and the per-request ``emit``
+callback it calls with ``TokenEvent``s. One loop iteration is one step:
+
+    inbox -> admit (scheduler) -> decode the running batch -> prefill chunks
+          -> sample -> emit tokens -> drop finished rows
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from engine import metrics
+from engine.config import EngineConfig
+from engine.kv import BatchKV, SequenceKV
+from engine.prefix_cache import PrefixCache
+from engine.runner import ModelRunner
+from engine.sampler import RowSampler, sample_batch
+from engine.scheduler import Scheduler, kv_need
+from engine.sequence import Sequence, SeqState, StopMatcher
+from engine.types import (
+    ContextLengthError,
+    EngineDeadError,
+    FinishReason,
+    GenerationRequest,
+    OverloadedError,
+    TokenEvent,
+)
+
+log = logging.getLogger("markbase.engine")
+
+Emit = Callable[[TokenEvent], None]
+
+
+class ModelWorker:
+    def __init__(self, loaded, config: EngineConfig, max_context: int | None = None) -> None:
+        self.loaded = loaded
+        self.name = loaded.name
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.context_length = min(
+            c for c in (loaded.context_length, max_context, config.max_kv_tokens) if c
+        )
+        self.runner = ModelRunner(loaded.model)
+        self.scheduler = Scheduler(config)
+        self.prefix_cache = PrefixCache(config.prefix_cache_tokens)
+        self.batch: list[BatchKV] = self.runner.new_batch_kv()
+
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._waiting_count = 0  # read by submitters without the worker's lists
+        self._lock = threading.Lock()
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []
+        self.running: list[Sequence] = []  # row i of self.batch
+        self.kv_reserved = 0
+        self.steps = 0
+        self.fatal: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}", daemon=True)
+
+    # -- called from other threads ------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal is None
+
+    def submit(self, request: GenerationRequest, emit: Emit) -> None:
+        """Queue a request; raises at once when it can never run or the queue is full."""
+        if not self.alive():
+            raise EngineDeadError(f"The engine for model '{self.name}' is not running: {self.fatal!r}")
+        n_prompt = len(request.prompt_tokens)
+        if n_prompt == 0:
+            raise ContextLengthError("The prompt is empty: send at least one token.")
+        if n_prompt >= self.context_length:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.context_length} tokens. "
+                f"However, your prompt has {n_prompt} tokens, which leaves no room for a completion."
+            )
+        with self._lock:
+            if self._waiting_count >= self.config.max_queued_requests:
+                raise OverloadedError(
+                    f"Server overloaded: {self._waiting_count} requests are already waiting "
+                    f"(max_queued_requests={self.config.max_queued_requests}). Retry later."
+                )
+            self._waiting_count += 1
+        seq = Sequence(
+            request=request,
+            sampler=RowSampler.from_params(request.params),
+            detokenizer=self.tokenizer.detokenizer(),
+            stop=StopMatcher(request.params.stop),
+            eos_ids=frozenset() if request.params.ignore_eos else self.tokenizer.eos_token_ids,
+            max_len=self.context_length,
+            emit=emit,
+        )
+        self._inbox.put(("submit", seq))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the loop (worker thread only) ------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                if not (self.waiting or self.prefilling or self.running):
+                    self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                self._drain_inbox()
+                if self.waiting or self.prefilling or self.running:
+                    self.step()
+            self._finish_all(FinishReason.ABORT, "The server is shutting down.", "engine_dead")
+        except BaseException as exc:  # the worker is gone: fail everyone, loudly
+            log.exception("engine worker for %s died", self.name)
+            self.fatal = exc
+            self._finish_all(FinishReason.ERROR, f"The engine failed: {exc!r}", "engine_dead")
+
+    def _drain_inbox(self) -> None:
+        aborted = set()
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                self.waiting.append(item)
+            elif kind == "abort":
+                aborted.add(item)
+        if aborted:
+            self._abort(aborted)
+        self._expire_waiting()
+
+    def _abort(self, ids: set[str]) -> None:
+        for seq in [s for s in self.waiting if s.request_id in ids]:
+            self.waiting.remove(seq)
+            self._dequeued()
+            seq.state = SeqState.FINISHED
+            self._record_finish(seq, FinishReason.ABORT)
+        for seq in [s for s in self.prefilling if s.request_id in ids]:
+            self.prefilling.remove(seq)
+            seq.kv = None
+            self._finish(seq, FinishReason.ABORT, emit=False)
+        gone = [s for s in self.running if s.request_id in ids]
+        for seq in gone:
+            self._finish(seq, FinishReason.ABORT, emit=False)
+        if gone:
+            self._drop_finished_rows()
+
+    def _expire_waiting(self) -> None:
+        limit = self.config.queue_timeout_s
+        now = time.monotonic()
+        while self.waiting and now - self.waiting[0].arrived > limit:
+            seq = self.waiting.popleft()
+            self._dequeued()
+            seq.state = SeqState.FINISHED
+            self._send(seq, "", FinishReason.ERROR,
+                       error=f"Server overloaded: no slot became free within {limit:.0f} s. Retry later.",
+                       error_kind="overloaded")
+            self._record_finish(seq, FinishReason.ERROR)
+
+    def _dequeued(self) -> None:
+        with self._lock:
+            self._waiting_count -= 1
+
+    # -- one step -------------------------------------------------------------------
+    def step(self) -> None:
+        self.steps += 1
+        self._admit()
+        decoding = bool(self.running)
+        if decoding:
+            self._decode_step()
+        plan = self.scheduler.plan_prefill(self.prefilling, decoding=decoding)
+        for seq, n in plan.chunks:
+            self._prefill_chunk(seq, n)
+        self._update_gauges()
+
+    def _admit(self) -> None:
+        active = len(self.running) + len(self.prefilling)
+        for seq in self.scheduler.admit(self.waiting, active, self.kv_reserved):
+            self.waiting.popleft()
+            self._dequeued()
+            seq.reserved_tokens = kv_need(seq)
+            self.kv_reserved += seq.reserved_tokens
+            seq.state = SeqState.PREFILLING
+            matched, cached_kv = self.prefix_cache.lookup(seq.prompt)
+            metrics.prefix_cache_queries.labels(self.name).inc(len(seq.prompt))
+            if matched:
+                seq.kv = [SequenceKV.from_kv(k, v) for k, v in cached_kv]
+                seq.prefilled = seq.cached_tokens = matched
+                metrics.prefix_cache_hits.labels(self.name).inc(matched)
+            else:
+                seq.kv = self.runner.new_sequence_kv()
+            metrics.prompt_tokens.labels(self.name).inc(len(seq.prompt))
+            self.prefilling.append(seq)
+
+    def _prefill_chunk(self, seq: Sequence, n: int) -> None:
+        start = seq.prefilled
+        chunk = seq.prompt[start : start + n]
+        last = start + n >= len(seq.prompt)
+        try:
+            logits = self.runner.prefill(seq.kv, chunk, want_logits=last)
+            seq.prefilled += n
+            if not last:
+                return
+            token = sample_batch(logits[None], [seq.sampler])
+            mx.eval(token, [c.keys for c in seq.kv], [c.values for c in seq.kv])
+        except Exception as exc:  # this sequence fails; the batch goes on
+            log.exception("prefill failed for %s", seq.request_id)
+            self.prefilling.remove(seq)
+            seq.kv = None
+            self._finish(seq, FinishReason.ERROR, error=f"Prefill failed: {exc!r}", error_kind="internal")
+            return
+        self.prefilling.remove(seq)
+        kv, seq.kv = seq.kv, None
+        layer_kv = [c.kv() for c in kv]
+        self.prefix_cache.insert(seq.prompt, layer_kv)
+        if self._accept_token(seq, int(token.item())):
+            return
+        for layer, (k, v) in zip(self.batch, layer_kv):
+            layer.add(k, v)
+        seq.state = SeqState.RUNNING
+        self.running.append(seq)
+
+    def _decode_step(self) -> None:
+        seqs = self.running
+        tokens = [s.next_token for s in seqs]
+        try:
+            logits = self.runner.decode(self.batch, tokens)
+            sampled = sample_batch(logits, [s.sampler for s in seqs])
+            mx.eval(sampled)
+            new_tokens = sampled.tolist()
+        except Exception as exc:
+            # The batched forward itself failed: nothing in this batch can go on.
+            log.exception("decode step failed")
+            for seq in seqs:
+                self._finish(seq, FinishReason.ERROR, error=f"Decode failed: {exc!r}", error_kind="internal")
+            self._drop_finished_rows()
+            return
+        metrics.step_batch_size.labels(self.name).observe(len(seqs))
+        any_done = False
+        for seq, tok in zip(seqs, new_tokens):
+            try:
+                any_done |= self._accept_token(seq, tok)
+            except Exception as exc:  # one sequence's bookkeeping failed: only it ends
+                log.exception("token handling failed for %s", seq.request_id)
+                self._finish(seq, FinishReason.ERROR, error=f"Generation failed: {exc!r}", error_kind="internal")
+                any_done = True
+        if any_done:
+            self._drop_finished_rows()
+
+    # -- tokens out ------------------------------------------------------------------
+    def _accept_token(self, seq: Sequence, token: int) -> bool:
+        """Record a sampled token and emit its text; returns True if the sequence ended."""
+        now = time.monotonic()
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            metrics.time_to_first_token.labels(self.name).observe(now - seq.arrived)
+        else:
+            metrics.inter_token_latency.labels(self.name).observe(now - seq.last_token_at)
+        seq.last_token_at = now
+        seq.output_ids.append(token)
+        metrics.generation_tokens.labels(self.name).inc()
+
+        finish = None
+        if token in seq.eos_ids or token in seq.params.stop_token_ids:
+            text, matched = seq.stop.feed(seq.detokenizer.flush())
+            finish = FinishReason.STOP
+        else:
+            text, matched = seq.stop.feed(seq.detokenizer.add_token(token))
+            if matched:
+                finish = FinishReason.STOP
+            elif len(seq.output_ids) >= seq.params.max_tokens or seq.total_len >= seq.max_len:
+                finish = FinishReason.LENGTH
+                tail, matched = seq.stop.feed(seq.detokenizer.flush())
+                text += tail
+                if matched:
+                    finish = FinishReason.STOP
+        if finish is not None and not matched:
+            text += seq.stop.flush()
+        if finish is None:
+            seq.next_token = token
+            if text:
+                self._send(seq, text, None)
+            return False
+        self._finish(seq, finish, text=text)
+        return True
+
+    def _send(self, seq: Sequence, text: str, finish: FinishReason | None, *,
+              error: str | None = None, error_kind: str | None = None) -> None:
+        event = TokenEvent(
+            request_id=seq.request_id,
+            text=text,
+            token_ids=tuple(seq.output_ids[seq.sent_tokens :]),
+            prompt_tokens=len(seq.prompt),
+            completion_tokens=len(seq.output_ids),
+            cached_tokens=seq.cached_tokens,
+            finish_reason=finish,
+            error=error,
+            error_kind=error_kind,
+        )
+        seq.sent_tokens = len(seq.output_ids)
+        try:
+            seq.emit(event)
+        except Exception:  # the receiver is gone (loop closed); nothing to tell
+            log.debug("could not deliver event for %s", seq.request_id)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, *, text: str = "", emit: bool = True,
+                error: str | None = None, error_kind: str | None = None) -> None:
+        if seq.state is SeqState.FINISHED:
+            return
+        was_running = seq.state is SeqState.RUNNING
+        seq.state = SeqState.FINISHED
+        seq.finish_reason = reason
+        self.kv_reserved -= seq.reserved_tokens
+        seq.reserved_tokens = 0
+        if was_running and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self._remember_conversation(seq)
+        if emit:
+            self._send(seq, text, reason, error=error, error_kind=error_kind)
+        self._record_finish(seq, reason)
+
+    def _remember_conversation(self, seq: Sequence) -> None:
+        """Keep prompt + reply KV so the next turn of this chat reuses it."""
+        if not self.prefix_cache.enabled:
+            return
+        row = self.running.index(seq)
+        fed = seq.prompt + seq.output_ids[:-1]  # the last token was never fed
+        self.prefix_cache.insert(fed, [layer.row_kv(row) for layer in self.batch])
+
+    def _record_finish(self, seq: Sequence, reason: FinishReason) -> None:
+        metrics.requests_finished.labels(self.name, reason.value).inc()
+        metrics.request_latency.labels(self.name).observe(time.monotonic() - seq.arrived)
+
+    def _drop_finished_rows(self) -> None:
+        keep = [i for i, s in enumerate(self.running) if s.state is SeqState.RUNNING]
+        if len(keep) == len(self.running):
+            return
+        for layer in self.batch:
+            layer.keep(keep)
+        self.running = [self.running[i] for i in keep]
+
+    def _finish_all(self, reason: FinishReason, message: str, kind: str) -> None:
+        for seq in [*self.waiting, *self.prefilling, *self.running]:
+            if seq.state is not SeqState.FINISHED:
+                seq.state = SeqState.FINISHED
+                self._send(seq, "", reason, error=message, error_kind=kind)
+        self.waiting.clear()
+        self.prefilling.clear()
+        self.running.clear()
+        while True:  # requests that arrived but were never picked up
+            try:
+                kind_, item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind_ == "submit":
+                self._send(item, "", reason, error=message, error_kind=kind)
+
+    def _update_gauges(self) -> None:
+        metrics.requests_running.labels(self.name).set(len(self.running) + len(self.prefilling))
+        metrics.requests_waiting.labels(self.name).set(len(self.waiting))
+        metrics.kv_usage.labels(self.name).set(self.kv_reserved / max(1, self.config.max_kv_tokens))
+        metrics.kv_bytes.labels(self.name).set(sum(layer.nbytes for layer in self.batch))
+        metrics.prefix_cache_tokens.labels(self.name).set(self.prefix_cache.tokens_held)
+
+    def stats(self) -> dict:
+        return {
+            "running": len(self.running),
+            "prefilling": len(self.prefilling),
+            "waiting": len(self.waiting),
+            "kv_reserved_tokens": self.kv_reserved,
+            "prefix_cache_tokens": self.prefix_cache.tokens_held,
+            "steps": self.steps,
+        }

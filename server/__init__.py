@@ -1,0 +1,1 @@
+"""markbase HTTP layer: OpenAI-compatible API over the engine."""
