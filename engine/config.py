@@ -22,8 +22,16 @@ class EngineConfig:
     max_num_seqs: int = 16  # sequences decoded together in one step
     max_queued_requests: int = 256  # waiting beyond this answers 429
     max_kv_tokens: int = 65536  # KV tokens held by running sequences, all together
-    prefill_chunk_tokens: int = 512  # prompt tokens prefilled per step (chunked prefill)
+    # Prompt tokens prefilled per step (chunked prefill). None: by backend, since a
+    # 512-token chunk is ~1 s of compute on a 2-core CPU but a few ms on a GPU.
+    prefill_chunk_tokens: int | None = None
     prefix_cache_tokens: int = 32768  # KV tokens kept for prefix reuse (LRU), 0 = off
     queue_timeout_s: float = 30.0  # a request waiting longer for a slot gets 429
     default_max_tokens: int = 512
     models: list[ModelConfig] = field(default_factory=lambda: [ModelConfig()])
+
+
+def default_prefill_chunk_tokens() -> int:
+    import mlx.core as mx
+
+    return 2048 if mx.default_device().type == mx.DeviceType.gpu else 128

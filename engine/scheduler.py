@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, default_prefill_chunk_tokens
 from engine.sequence import Sequence
 
 
@@ -32,6 +32,7 @@ class PrefillPlan:
 class Scheduler:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.chunk_tokens = config.prefill_chunk_tokens or default_prefill_chunk_tokens()
 
     def admit(self, waiting: Iterable[Sequence], active: int, kv_reserved: int) -> list[Sequence]:
         cfg = self.config
@@ -47,7 +48,7 @@ class Scheduler:
 
     def plan_prefill(self, prefilling: list[Sequence], decoding: bool) -> PrefillPlan:
         # With nothing decoding there is no stream to protect: take bigger chunks.
-        budget = self.config.prefill_chunk_tokens * (1 if decoding else 4)
+        budget = self.chunk_tokens * (1 if decoding else 4)
         plan = PrefillPlan()
         for seq in prefilling:
             if budget <= 0:

@@ -26,6 +26,7 @@ from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
 from engine.sampler import RowSampler, sample_batch
 from engine.scheduler import Scheduler, kv_need
+from engine.tokenizer import StreamingDetokenizer
 from engine.sequence import Sequence, SeqState, StopMatcher
 from engine.types import (
     ContextLengthError,
@@ -97,7 +98,7 @@ class ModelWorker:
         seq = Sequence(
             request=request,
             sampler=RowSampler.from_params(request.params),
-            detokenizer=self.tokenizer.detokenizer(),
+            detokenizer=StreamingDetokenizer(self.tokenizer, context=request.prompt_tokens[-4:]),
             stop=StopMatcher(request.params.stop),
             eos_ids=frozenset() if request.params.ignore_eos else self.tokenizer.eos_token_ids,
             max_len=self.context_length,
@@ -199,24 +200,30 @@ class ModelWorker:
             seq.reserved_tokens = kv_need(seq)
             self.kv_reserved += seq.reserved_tokens
             seq.state = SeqState.PREFILLING
-            matched, cached_kv = self.prefix_cache.lookup(seq.prompt)
-            metrics.prefix_cache_queries.labels(self.name).inc(len(seq.prompt))
-            if matched:
-                seq.kv = [SequenceKV.from_kv(k, v) for k, v in cached_kv]
-                seq.prefilled = seq.cached_tokens = matched
-                metrics.prefix_cache_hits.labels(self.name).inc(matched)
-            else:
-                seq.kv = self.runner.new_sequence_kv()
             metrics.prompt_tokens.labels(self.name).inc(len(seq.prompt))
             self.prefilling.append(seq)
 
+    def _start_prefill(self, seq: Sequence) -> None:
+        """Take the longest cached prefix. Done at the first chunk, not at admission,
+        so requests that arrive together still reuse the one prefilled before them."""
+        matched, cached_kv = self.prefix_cache.lookup(seq.prompt)
+        metrics.prefix_cache_queries.labels(self.name).inc(len(seq.prompt))
+        if matched:
+            seq.kv = [SequenceKV.from_kv(k, v) for k, v in cached_kv]
+            seq.prefilled = seq.cached_tokens = matched
+            metrics.prefix_cache_hits.labels(self.name).inc(matched)
+        else:
+            seq.kv = self.runner.new_sequence_kv()
+
     def _prefill_chunk(self, seq: Sequence, n: int) -> None:
-        start = seq.prefilled
-        chunk = seq.prompt[start : start + n]
-        last = start + n >= len(seq.prompt)
         try:
+            if seq.kv is None:
+                self._start_prefill(seq)
+            start = seq.prefilled
+            chunk = seq.prompt[start : start + n]
+            last = start + len(chunk) >= len(seq.prompt)
             logits = self.runner.prefill(seq.kv, chunk, want_logits=last)
-            seq.prefilled += n
+            seq.prefilled += len(chunk)
             if not last:
                 return
             token = sample_batch(logits[None], [seq.sampler])
@@ -243,9 +250,7 @@ class ModelWorker:
         tokens = [s.next_token for s in seqs]
         try:
             logits = self.runner.decode(self.batch, tokens)
-            sampled = sample_batch(logits, [s.sampler for s in seqs])
-            mx.eval(sampled)
-            new_tokens = sampled.tolist()
+            mx.eval(logits)
         except Exception as exc:
             # The batched forward itself failed: nothing in this batch can go on.
             log.exception("decode step failed")
@@ -254,8 +259,12 @@ class ModelWorker:
             self._drop_finished_rows()
             return
         metrics.step_batch_size.labels(self.name).observe(len(seqs))
+        new_tokens = self._sample_rows(logits, seqs)
         any_done = False
         for seq, tok in zip(seqs, new_tokens):
+            if tok is None:
+                any_done = True
+                continue
             try:
                 any_done |= self._accept_token(seq, tok)
             except Exception as exc:  # one sequence's bookkeeping failed: only it ends
@@ -264,6 +273,25 @@ class ModelWorker:
                 any_done = True
         if any_done:
             self._drop_finished_rows()
+
+    def _sample_rows(self, logits: mx.array, seqs: list[Sequence]) -> list[int | None]:
+        """Sample the whole batch at once; if that fails, row by row, so only the
+        rows that fail end (with an error) and the rest of the batch goes on."""
+        try:
+            sampled = sample_batch(logits, [s.sampler for s in seqs])
+            mx.eval(sampled)
+            return sampled.tolist()
+        except Exception:
+            log.exception("batched sampling failed; retrying row by row")
+        out: list[int | None] = []
+        for i, seq in enumerate(seqs):
+            try:
+                tok = sample_batch(logits[i : i + 1], [seq.sampler])
+                out.append(int(tok.item()))
+            except Exception as exc:
+                self._finish(seq, FinishReason.ERROR, error=f"Sampling failed: {exc!r}", error_kind="internal")
+                out.append(None)
+        return out
 
     # -- tokens out ------------------------------------------------------------------
     def _accept_token(self, seq: Sequence, token: int) -> bool:
