@@ -127,6 +127,8 @@ class ModelWorker:
                 self._drain_inbox()
                 if self.waiting or self.prefilling or self.running:
                     self.step()
+                else:
+                    self._update_gauges()  # an abort may have emptied the batch
             self._finish_all(FinishReason.ABORT, "The server is shutting down.", "engine_dead")
         except BaseException as exc:  # the worker is gone: fail everyone, loudly
             log.exception("engine worker for %s died", self.name)

@@ -1,0 +1,49 @@
+"""``create_app(engine_client, settings)``: the FastAPI app over a started engine.
+
+Middleware, outermost first: request context (x-request-id, metrics, access
+log), CORS when configured, API-key auth. All are pure ASGI so streams are not
+buffered. The engine is started and shut down by the caller (server.cli).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
+
+from server.auth import AuthMiddleware
+from server.config import Settings
+from server.errors import install_handlers
+from server.generation import Engine
+from server.middleware import RequestContextMiddleware
+from server.routes import chat, completions, health, models
+
+
+def create_app(engine_client: Engine, settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    app = FastAPI(
+        title="markbase",
+        description="OpenAI-compatible inference server on MLX",
+        version="0.1.0",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.engine = engine_client
+    app.state.settings = settings
+    for module in (models, completions, chat, health):
+        app.include_router(module.router)
+    install_handlers(app)
+
+    s = settings.server
+    # add_middleware wraps: the last added is the outermost.
+    app.add_middleware(AuthMiddleware, api_keys=s.api_keys, protect_metrics=s.metrics_require_auth)
+    if s.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=s.cors_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
+            expose_headers=["X-Request-ID"],
+        )
+    app.add_middleware(RequestContextMiddleware, log_requests=s.log_requests)
+    return app

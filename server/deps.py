@@ -1,0 +1,67 @@
+"""Small helpers every handler uses: the engine and settings of the app, and
+reading a JSON body under the size limit into a request model."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from server.config import Settings
+from server.errors import APIError, validation_error
+from server.generation import Engine
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def engine_of(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+def settings_of(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"Request body too large: the limit on this server is {limit} bytes.",
+        code="request_too_large",
+    )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused with 413 as soon as it is known to pass ``limit``
+    (from Content-Length before reading, or while reading a chunked body)."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        try:
+            if int(length) > limit:
+                raise _too_large(limit)
+        except ValueError:
+            raise APIError(400, "Invalid Content-Length header.") from None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """Validate the JSON body (whatever the Content-Type, as curl -d sends a
+    form type) as ``model``; errors become OpenAI 400 bodies naming the field."""
+    raw = await read_body(request, settings_of(request).server.max_body_bytes)
+    if not raw.strip():
+        raise APIError(
+            400,
+            "The request body is empty; send a JSON object (Content-Type: application/json).",
+            code="invalid_json",
+        )
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise validation_error(exc.errors(include_url=False)) from None

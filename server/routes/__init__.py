@@ -1,0 +1,1 @@
+"""One module per OpenAI endpoint (plus health and metrics)."""

@@ -1,0 +1,180 @@
+"""POST /v1/chat/completions: messages -> chat template -> engine -> answer or SSE chunks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from server.deps import engine_of, parse_body, settings_of
+from server.errors import APIError, bad_request
+from server.generation import (
+    ChoiceResult,
+    check_n,
+    check_supported,
+    make_choices,
+    request_info,
+    resolve_max_tokens,
+    respond,
+    sampling_params,
+)
+from server.routes.models import lookup
+from server.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatMessage,
+    Usage,
+)
+
+router = APIRouter()
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """OpenAI messages as the plain ``{"role", "content": str}`` dicts chat
+    templates expect; ``developer`` is a system message."""
+    if not messages:
+        raise bad_request(
+            "Invalid 'messages': empty array. Expected an array with minimum length 1.",
+            param="messages",
+            code="empty_array",
+        )
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if m.role in ("tool", "function"):
+            raise bad_request(
+                f"Invalid '{where}.role': role '{m.role}' is not supported yet "
+                "(markbase does not do tool calling).",
+                param=f"{where}.role",
+                code="unsupported_value",
+            )
+        if m.tool_calls:
+            raise bad_request(
+                f"'{where}.tool_calls' is not supported yet (markbase does not do tool calling).",
+                param=f"{where}.tool_calls",
+                code="unsupported_parameter",
+            )
+        if m.content is None:
+            if m.role != "assistant":
+                raise bad_request(
+                    f"Missing required parameter: '{where}.content'.", param=f"{where}.content"
+                )
+            text = ""
+        elif isinstance(m.content, str):
+            text = m.content
+        else:
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"Invalid '{where}.content[{j}]': only text parts "
+                        f"({{'type': 'text', 'text': ...}}) are supported, got type '{part.type}'.",
+                        param=f"{where}.content[{j}].type",
+                        code="unsupported_value",
+                    )
+                texts.append(part.text)
+            text = "\n".join(texts)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+    return out
+
+
+class ChatFormat:
+    def __init__(self, response_id: str, created: int, model: str, include_usage: bool) -> None:
+        self.base = {
+            "id": response_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+        }
+        self.include_usage = include_usage
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        chunk = {**self.base, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = usage  # OpenAI: null on every chunk but the last
+        return chunk
+
+    def _choice(self, index: int, delta: dict, finish: str | None = None) -> dict:
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def start(self, index: int) -> dict:
+        return self._chunk([self._choice(index, {"role": "assistant", "content": ""})])
+
+    def content(self, index: int, text: str) -> dict:
+        return self._chunk([self._choice(index, {"content": text})])
+
+    def finish(self, index: int, reason: str) -> dict:
+        return self._chunk([self._choice(index, {}, reason)])
+
+    def usage(self, usage: Usage) -> dict:
+        return {**self.base, "choices": [], "usage": usage.model_dump()}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    body = await parse_body(request, ChatCompletionRequest)
+    settings = settings_of(request)
+    engine = engine_of(request)
+    info = request_info(request)
+    info.stream = bool(body.stream)
+    check_supported(body.unsupported())
+    n = info.n = check_n(body, settings.server.max_n)
+    messages = template_messages(body.messages)
+
+    model = lookup(request, body.model)
+    info.model = model.name
+    tokenizer = engine.tokenizer(model.name)
+    try:
+        prompt = await anyio.to_thread.run_sync(
+            lambda: list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        )
+    except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
+        raise APIError(
+            400, f"The chat template rejected the messages: {exc}", param="messages"
+        ) from None
+    info.prompt_tokens = len(prompt)
+    max_tokens = resolve_max_tokens(
+        body.effective_max_tokens(),
+        settings.engine.default_max_tokens,
+        model,
+        len(prompt),
+        chat=True,
+    )
+
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    # A model without its own chat template is served with the tokenizer's documented
+    # fallback transcript format, which needs its stop strings (e.g. "\nUser:").
+    extra_stops = tuple(getattr(tokenizer, "fallback_stop_strings", ()) or ())
+    choices = make_choices(
+        response_id,
+        model.name,
+        [prompt],
+        n,
+        lambda i: sampling_params(body, max_tokens, i, extra_stops),
+    )
+
+    def build(results: dict[int, ChoiceResult], usage: Usage) -> ChatCompletion:
+        return ChatCompletion(
+            id=response_id,
+            created=created,
+            model=model.name,
+            choices=[
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content=r.text),
+                    finish_reason=r.finish_reason,
+                )
+                for i, r in sorted(results.items())
+            ],
+            usage=usage,
+        )
+
+    fmt = ChatFormat(response_id, created, model.name, body.include_usage())
+    return await respond(request, engine, settings, choices, [prompt], body, fmt, build, chat=True)

@@ -1,0 +1,235 @@
+"""OpenAI request and response shapes, in one module.
+
+Requests are validated from the raw JSON body in strict mode (``"5"`` is not an
+integer, as with OpenAI) and unknown fields are ignored. Parameters OpenAI
+accepts but markbase does not implement yet are accepted at their neutral value
+and rejected otherwise by ``unsupported()``, so nothing is silently ignored.
+Responses are plain pydantic models dumped with every key, ``null`` included,
+because the ``openai`` SDK and other clients expect OpenAI's exact keys. Stream
+chunks are built as dicts by the routes (chat.ChatFormat, completions.
+CompletionFormat); error bodies by server.errors.error_body.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
+StopParam = Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)]
+
+
+class SamplingFields(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1)] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | StopParam | None = None
+    seed: int | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    user: str | None = None
+    # Extensions most OpenAI-compatible servers accept (vLLM, llama-server).
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return tuple(s for s in stops if s)
+
+    def common_unsupported(self) -> tuple[str, str] | None:
+        if self.presence_penalty:
+            return "presence_penalty", "presence_penalty is not supported yet; send 0 or omit it."
+        if self.frequency_penalty:
+            return "frequency_penalty", "frequency_penalty is not supported yet; send 0 or omit it."
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported yet; send {} or omit it."
+        return None
+
+
+# --------------------------------------------------------------------------- completions
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: bool | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs:
+            return "logprobs", "logprobs is not supported yet; send null or omit it."
+        if self.echo:
+            return "echo", "echo is not supported yet; send false or omit it."
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            return "best_of", "best_of is not supported yet; omit it or set it equal to n."
+        if self.suffix:
+            return "suffix", "suffix is not supported yet; send null or omit it."
+        return self.common_unsupported()
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts, each text or token ids (may be empty)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            return []
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- chat
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs:
+            return "logprobs", "logprobs is not supported yet; send false or omit it."
+        if self.top_logprobs:
+            return "top_logprobs", "top_logprobs is not supported yet; send 0 or omit it."
+        if self.response_format is not None and self.response_format.type != "text":
+            return (
+                "response_format",
+                f"response_format type {self.response_format.type!r} is not supported yet; "
+                "only 'text' is.",
+            )
+        if self.tools or self.functions:
+            param = "tools" if self.tools else "functions"
+            return param, "Tool calling is not supported yet; omit tools."
+        for param, choice in (
+            ("tool_choice", self.tool_choice),
+            ("function_call", self.function_call),
+        ):
+            if choice is not None and choice not in ("none", "auto"):
+                return param, f"{param} is not supported yet; omit it or send 'none'."
+        return self.common_unsupported()
+
+    def effective_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "markbase"
+    # Extensions (the openai SDK keeps unknown keys): what a client may want to know.
+    context_length: int | None = None
+    architecture: str | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
