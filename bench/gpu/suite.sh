@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# ON the GPU machine, after remote_setup.sh b: the measurements behind NOTES.md.
+#
+#   bash bench/gpu/suite.sh test 1b-bf16 env matmul 8b-bf16 1b-q4 8b-q4   (2nd call)
+#   bash bench/gpu/suite.sh test ragged-1b ragged-8b                        (3rd call)
+#   bash bench/gpu/suite.sh ab                                              (4th call)
+#
+# Stages run in the order given (put the important ones first); each python run has
+# its own time budget and a hard timeout, so one slow stage cannot eat the call.
+# Results: $OUT/<stage>.json and .log (at most 8 files come back from a call).
+set -uo pipefail
+source bench/gpu/env.sh
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+B="python3 bench/gpu/bench_decode.py --gpu-name=${GPU// /_}"
+for stage in "$@"; do
+    echo "=== $stage ($(date +%T))"
+    case "$stage" in
+    test)
+        timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log"
+        ;;
+    1b-bf16)
+        timeout 200 $B --models 1b --quants bf16 --variants async,fused,fused_async,worker \
+            --variant-batches 1,8,32,128 --chunk 0 --budget-s 170 --out "$OUT/1b-bf16.json"
+        ;;
+    1b-q4)
+        timeout 150 $B --models 1b --quants q4 --variants async,fused_async \
+            --variant-batches 1,8,32,128 --chunk 0 --budget-s 120 --out "$OUT/1b-q4.json"
+        ;;
+    env)  # MLX's CUDA-graph knobs: one graph per step, and no graphs at all
+        MLX_MAX_OPS_PER_BUFFER=4000 MLX_MAX_MB_PER_BUFFER=100000 timeout 90 $B --models 1b --quants bf16 \
+            --batches 1,32,128 --variants async --variant-batches 1,32,128 --prefill 0 --budget-s 70 \
+            --tag ops4000 --out "$OUT/env-ops4000.json"
+        MLX_USE_CUDA_GRAPHS=0 timeout 90 $B --models 1b --quants bf16 \
+            --batches 1,32,128 --variants async --variant-batches 1,32,128 --prefill 0 --budget-s 70 \
+            --tag nographs --out "$OUT/env-nographs.json"
+        ;;
+    matmul)
+        timeout 60 $B --matmul --models 1b --quants bf16,q4 --batches 1,8,32,128 --out "$OUT/matmul.json"
+        ;;
+    8b-bf16)
+        timeout 200 $B --models 8b --quants bf16 --variants async,fused_async --variant-batches 1,32 \
+            --chunk 0 --budget-s 170 --out "$OUT/8b-bf16.json"
+        ;;
+    8b-q4)
+        timeout 150 $B --models 8b --quants q4 --batches 1,8,32 --steps 64 --variants async \
+            --variant-batches 1,32 --chunk 0 --budget-s 120 --out "$OUT/8b-q4.json"
+        ;;
+    ragged-1b)  # rows of different lengths (a mask every step), the real worker, and fixes
+        timeout 240 $B --models 1b --quants bf16 --batches 1,8,32,128 --variant-batches 8,32,128 \
+            --variants ragged,ragged+gqa,ragged+gqa+fused,ragged+gqa+fused+async,fused+async,worker,worker+gqa,worker+gqa+fused \
+            --prefill 0 --budget-s 210 --out "$OUT/ragged-1b.json"
+        ;;
+    ragged-8b)
+        timeout 150 $B --models 8b --quants bf16 --batches 32,128 --variant-batches 32,128 \
+            --variants ragged,ragged+gqa,ragged+gqa+fused+async,fused+async \
+            --prefill 0 --budget-s 120 --out "$OUT/ragged-8b.json"
+        ;;
+    ab)  # the main variants interleaved three times in one process: how large is the noise?
+        timeout 200 $B --models 1b --quants bf16 --batches 1,32,128 --variant-batches 1,32,128 --repeat 3 \
+            --variants async,fused,fused+async,ragged,ragged+gqa,ragged+gqa+fused+async \
+            --prefill 0 --budget-s 170 --out "$OUT/ab.json"
+        ;;
+    *) echo "unknown stage $stage" ;;
+    esac
+done
+# one file for all stages (a call brings back at most 8 files)
+python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+out = sys.argv[1]
+files = sorted(f for f in glob.glob(f"{out}/*.json") if not f.endswith("/all.json"))
+docs = [dict(json.load(open(f)), stage=os.path.basename(f)[:-5]) for f in files]
+json.dump(docs, open(f"{out}/all.json", "w"), indent=1)
+for f in files:
+    os.remove(f)
+PY
+echo "=== done ($(date +%T))"
