@@ -49,8 +49,13 @@ class EngineClient:
         for mc in config.models:
             t0 = time.monotonic()
             lm = load_model(mc.source, name=mc.name, weight_format=mc.weight_format)
-            log.info("loaded %s (%s, %s) in %.1f s", lm.name, lm.architecture, lm.weight_format,
-                     time.monotonic() - t0)
+            log.info(
+                "loaded %s (%s, %s) in %.1f s",
+                lm.name,
+                lm.architecture,
+                lm.weight_format,
+                time.monotonic() - t0,
+            )
             loaded.append((lm, mc.max_context))
         return cls.from_loaded(loaded, config)
 

@@ -26,7 +26,9 @@ class ModelRunner:
     def new_batch_kv(self) -> list[BatchKV]:
         return [BatchKV() for _ in range(self.num_layers)]
 
-    def prefill(self, kv: list[SequenceKV], tokens: list[int], want_logits: bool) -> mx.array | None:
+    def prefill(
+        self, kv: list[SequenceKV], tokens: list[int], want_logits: bool
+    ) -> mx.array | None:
         """Feed ``tokens`` of one sequence; return the last position's logits [V] if asked."""
         if not want_logits:
             self._forward_body(kv, tokens)

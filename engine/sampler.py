@@ -31,7 +31,9 @@ class RowSampler:
         greedy = params.temperature <= 0.0
         key = None
         if not greedy:
-            seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+            seed = (
+                params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+            )
             key = mx.random.key(seed)
         return cls(params.temperature, params.top_p, params.top_k, key)
 

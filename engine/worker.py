@@ -26,8 +26,8 @@ from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
 from engine.sampler import RowSampler, sample_batch
 from engine.scheduler import Scheduler, kv_need
+from engine.sequence import SeqState, Sequence, StopMatcher
 from engine.tokenizer import StreamingDetokenizer
-from engine.sequence import Sequence, SeqState, StopMatcher
 from engine.types import (
     ContextLengthError,
     EngineDeadError,
@@ -54,6 +54,7 @@ class ModelWorker:
         self.runner = ModelRunner(loaded.model)
         self.scheduler = Scheduler(config)
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens)
+        self.metrics = metrics.ModelMetrics(self.name)
         self.batch: list[BatchKV] = self.runner.new_batch_kv()
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -79,7 +80,9 @@ class ModelWorker:
     def submit(self, request: GenerationRequest, emit: Emit) -> None:
         """Queue a request; raises at once when it can never run or the queue is full."""
         if not self.alive():
-            raise EngineDeadError(f"The engine for model '{self.name}' is not running: {self.fatal!r}")
+            raise EngineDeadError(
+                f"The engine for model '{self.name}' is not running: {self.fatal!r}"
+            )
         n_prompt = len(request.prompt_tokens)
         if n_prompt == 0:
             raise ContextLengthError("The prompt is empty: send at least one token.")
@@ -173,9 +176,13 @@ class ModelWorker:
             seq = self.waiting.popleft()
             self._dequeued()
             seq.state = SeqState.FINISHED
-            self._send(seq, "", FinishReason.ERROR,
-                       error=f"Server overloaded: no slot became free within {limit:.0f} s. Retry later.",
-                       error_kind="overloaded")
+            self._send(
+                seq,
+                "",
+                FinishReason.ERROR,
+                error=f"Server overloaded: no slot became free within {limit:.0f} s. Retry later.",
+                error_kind="overloaded",
+            )
             self._record_finish(seq, FinishReason.ERROR)
 
     def _dequeued(self) -> None:
@@ -202,18 +209,18 @@ class ModelWorker:
             seq.reserved_tokens = kv_need(seq)
             self.kv_reserved += seq.reserved_tokens
             seq.state = SeqState.PREFILLING
-            metrics.prompt_tokens.labels(self.name).inc(len(seq.prompt))
+            self.metrics.prompt_tokens.inc(len(seq.prompt))
             self.prefilling.append(seq)
 
     def _start_prefill(self, seq: Sequence) -> None:
         """Take the longest cached prefix. Done at the first chunk, not at admission,
         so requests that arrive together still reuse the one prefilled before them."""
         matched, cached_kv = self.prefix_cache.lookup(seq.prompt)
-        metrics.prefix_cache_queries.labels(self.name).inc(len(seq.prompt))
+        self.metrics.prefix_cache_queries.inc(len(seq.prompt))
         if matched:
             seq.kv = [SequenceKV.from_kv(k, v) for k, v in cached_kv]
             seq.prefilled = seq.cached_tokens = matched
-            metrics.prefix_cache_hits.labels(self.name).inc(matched)
+            self.metrics.prefix_cache_hits.inc(matched)
         else:
             seq.kv = self.runner.new_sequence_kv()
 
@@ -234,7 +241,9 @@ class ModelWorker:
             log.exception("prefill failed for %s", seq.request_id)
             self.prefilling.remove(seq)
             seq.kv = None
-            self._finish(seq, FinishReason.ERROR, error=f"Prefill failed: {exc!r}", error_kind="internal")
+            self._finish(
+                seq, FinishReason.ERROR, error=f"Prefill failed: {exc!r}", error_kind="internal"
+            )
             return
         self.prefilling.remove(seq)
         kv, seq.kv = seq.kv, None
@@ -257,10 +266,12 @@ class ModelWorker:
             # The batched forward itself failed: nothing in this batch can go on.
             log.exception("decode step failed")
             for seq in seqs:
-                self._finish(seq, FinishReason.ERROR, error=f"Decode failed: {exc!r}", error_kind="internal")
+                self._finish(
+                    seq, FinishReason.ERROR, error=f"Decode failed: {exc!r}", error_kind="internal"
+                )
             self._drop_finished_rows()
             return
-        metrics.step_batch_size.labels(self.name).observe(len(seqs))
+        self.metrics.step_batch_size.observe(len(seqs))
         new_tokens = self._sample_rows(logits, seqs)
         any_done = False
         for seq, tok in zip(seqs, new_tokens):
@@ -271,7 +282,12 @@ class ModelWorker:
                 any_done |= self._accept_token(seq, tok)
             except Exception as exc:  # one sequence's bookkeeping failed: only it ends
                 log.exception("token handling failed for %s", seq.request_id)
-                self._finish(seq, FinishReason.ERROR, error=f"Generation failed: {exc!r}", error_kind="internal")
+                self._finish(
+                    seq,
+                    FinishReason.ERROR,
+                    error=f"Generation failed: {exc!r}",
+                    error_kind="internal",
+                )
                 any_done = True
         if any_done:
             self._drop_finished_rows()
@@ -291,7 +307,12 @@ class ModelWorker:
                 tok = sample_batch(logits[i : i + 1], [seq.sampler])
                 out.append(int(tok.item()))
             except Exception as exc:
-                self._finish(seq, FinishReason.ERROR, error=f"Sampling failed: {exc!r}", error_kind="internal")
+                self._finish(
+                    seq,
+                    FinishReason.ERROR,
+                    error=f"Sampling failed: {exc!r}",
+                    error_kind="internal",
+                )
                 out.append(None)
         return out
 
@@ -301,12 +322,12 @@ class ModelWorker:
         now = time.monotonic()
         if seq.first_token_at is None:
             seq.first_token_at = now
-            metrics.time_to_first_token.labels(self.name).observe(now - seq.arrived)
+            self.metrics.time_to_first_token.observe(now - seq.arrived)
         else:
-            metrics.inter_token_latency.labels(self.name).observe(now - seq.last_token_at)
+            self.metrics.inter_token_latency.observe(now - seq.last_token_at)
         seq.last_token_at = now
         seq.output_ids.append(token)
-        metrics.generation_tokens.labels(self.name).inc()
+        self.metrics.generation_tokens.inc()
 
         finish = None
         if token in seq.eos_ids or token in seq.params.stop_token_ids:
@@ -332,8 +353,15 @@ class ModelWorker:
         self._finish(seq, finish, text=text)
         return True
 
-    def _send(self, seq: Sequence, text: str, finish: FinishReason | None, *,
-              error: str | None = None, error_kind: str | None = None) -> None:
+    def _send(
+        self,
+        seq: Sequence,
+        text: str,
+        finish: FinishReason | None,
+        *,
+        error: str | None = None,
+        error_kind: str | None = None,
+    ) -> None:
         event = TokenEvent(
             request_id=seq.request_id,
             text=text,
@@ -351,8 +379,16 @@ class ModelWorker:
         except Exception:  # the receiver is gone (loop closed); nothing to tell
             log.debug("could not deliver event for %s", seq.request_id)
 
-    def _finish(self, seq: Sequence, reason: FinishReason, *, text: str = "", emit: bool = True,
-                error: str | None = None, error_kind: str | None = None) -> None:
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        *,
+        text: str = "",
+        emit: bool = True,
+        error: str | None = None,
+        error_kind: str | None = None,
+    ) -> None:
         if seq.state is SeqState.FINISHED:
             return
         was_running = seq.state is SeqState.RUNNING
@@ -375,8 +411,8 @@ class ModelWorker:
         self.prefix_cache.insert(fed, [layer.row_kv(row) for layer in self.batch])
 
     def _record_finish(self, seq: Sequence, reason: FinishReason) -> None:
-        metrics.requests_finished.labels(self.name, reason.value).inc()
-        metrics.request_latency.labels(self.name).observe(time.monotonic() - seq.arrived)
+        self.metrics.finished(reason.value)
+        self.metrics.request_latency.observe(time.monotonic() - seq.arrived)
 
     def _drop_finished_rows(self) -> None:
         keep = [i for i, s in enumerate(self.running) if s.state is SeqState.RUNNING]
@@ -403,11 +439,11 @@ class ModelWorker:
                 self._send(item, "", reason, error=message, error_kind=kind)
 
     def _update_gauges(self) -> None:
-        metrics.requests_running.labels(self.name).set(len(self.running) + len(self.prefilling))
-        metrics.requests_waiting.labels(self.name).set(len(self.waiting))
-        metrics.kv_usage.labels(self.name).set(self.kv_reserved / max(1, self.config.max_kv_tokens))
-        metrics.kv_bytes.labels(self.name).set(sum(layer.nbytes for layer in self.batch))
-        metrics.prefix_cache_tokens.labels(self.name).set(self.prefix_cache.tokens_held)
+        self.metrics.requests_running.set(len(self.running) + len(self.prefilling))
+        self.metrics.requests_waiting.set(len(self.waiting))
+        self.metrics.kv_usage.set(self.kv_reserved / max(1, self.config.max_kv_tokens))
+        self.metrics.kv_bytes.set(sum(layer.nbytes for layer in self.batch))
+        self.metrics.prefix_cache_tokens.set(self.prefix_cache.tokens_held)
 
     def stats(self) -> dict:
         return {
