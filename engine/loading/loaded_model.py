@@ -19,4 +19,9 @@ class LoadedModel:
     context_length: int
     source: str  # file or folder it came from
     weight_format: str  # e.g. "q4_1+q8_0", "mlx-q4", "float32"
-    config: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)  # mlx-lm config (ModelArgs fields); exportable
+    # Added by the loader (all have defaults so older call sites keep working):
+    has_chat_template: bool = False  # False: tokenizer.chat_template is a fallback
+    compute_dtype: str = "float32"  # dtype of activations / norms / quantization scales
+    quantization: dict | None = None  # mlx-lm "quantization" entry (None: unquantized)
+    load_seconds: float = 0.0
