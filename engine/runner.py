@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from engine import attention
 from engine.kv import BatchKV, SequenceKV
 
 
 class ModelRunner:
     def __init__(self, model) -> None:
         self.model = model
+        attention.install(model)
         self.num_layers = len(model.layers)
         # The inner transformer (no lm_head): prompt positions whose logits nobody
         # needs skip the vocabulary projection, the largest matmul for small models.
