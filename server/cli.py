@@ -150,9 +150,14 @@ def serve(args: argparse.Namespace) -> int:
     log.info("settings: %s", redacted(settings))
 
     from engine.client import EngineClient  # imported here: the engine pulls in MLX
+    from engine.loading import ModelLoadError
     from server.app import create_app
 
-    engine = EngineClient.start(settings.engine)
+    try:
+        engine = EngineClient.start(settings.engine)
+    except ModelLoadError as exc:  # names the file and tensor: the message is enough
+        print(f"markbase: cannot load model: {exc}", file=sys.stderr)
+        return 1
     try:
         app = create_app(engine, settings)
         grace = settings.server.shutdown_grace_s
@@ -212,6 +217,11 @@ def _stop_engine_after(engine, grace: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
+        # Before anything imports MLX: bind its CPU matmuls to a fast BLAS (no-op on
+        # macOS and CUDA builds). The HTTP layer itself never imports MLX.
+        from engine.cpu_blas import ensure_fast_blas
+
+        ensure_fast_blas()
         return serve(args)
     return 2
 

@@ -1,0 +1,271 @@
+"""CPU (Linux, MLX CPU backend) policy and a faster decode step.
+
+Measured on the 2-core AMD EPYC (Zen 5) dev box, MLX 0.32.4 + mlx-lm 0.32.2, a
+random llama with SmolLM2-135M's exact shape (hidden 576, 30 layers, 9/3 heads,
+MLP 1536, vocab 49152, tied embeddings), KV length 256; ``bench/cpu_formats.py``
+prints the table. Other sessions loaded the 2 cores during every run (load
+average 2-7), so absolute numbers moved by up to 3x between runs; compare within
+one row of the table (configurations interleaved in one process).
+
+Decode tok/s (aggregate), batch 1 / 4 / 8 / 16, median (loaded machine):
+
+    float32, OpenBLAS + shim + CpuDecodeStep   22-30 / 50 / 78 / 106  (best 28-37 / 52 / 84 / 113-144)
+    float32, plain OpenBLAS, model(x, cache)   12-14 / 28 / 54 / 78-96
+    float32, vendored reference BLAS             3.4 / 4.4 / 4.5 / 4.9
+    q4 g32 / g64 (MLX quantized)                 8-9 / 9.5 / 9 / 4.6  (any BLAS: 3.3 / 4.7 / 6.3 / 8.5 with the reference one)
+    q8                                           2.5-3 / 3.3 / 3.5 / 3.5
+    bfloat16                                       3 / 6.7 / 8 / 8-9
+    float16                                      2.4 / 8.5 / 11 / 6
+    llama.cpp Q4_1 (same GGUF), 2 threads: 152 at batch 1 on a quiet machine, but
+    0.8-58 under this load; 1 thread, loaded: 82 / 75 / 95 / 85.
+
+Why float32 with a fast BLAS, at every batch size:
+
+* MLX's CPU backend runs everything except float32 matmuls as single-threaded
+  scalar C++ (``simd::max_size == 1`` on x86; ``mx.fast.*`` are all fallbacks
+  built from ordinary ops). Float32 matmuls go to ``cblas_sgemm``: the only
+  multi-threaded, vectorised kernel there is (``engine.cpu_blas`` makes it
+  OpenBLAS instead of the vendored reference BLAS).
+* MLX quantized matmul (4-bit g32/g64, 8-bit) is a scalar loop, ~1 ns per
+  weight and row: 4-bit and 8-bit take ~100-400 ms per step at batch 1 and grow
+  linearly with the batch (no reuse of the dequantized weights).
+* bfloat16/float16 matmuls use MLX's own scalar ``simd_gemm`` (no BLAS); float16
+  also pays a software half conversion.
+* A float32 step at batch 1 is bound by memory: 540 MB of weights per token at
+  the ~15-25 GB/s that 2 cores read (~70% of the step; MLX's per-op overhead is
+  the rest). The shim in ``engine.cpu_blas`` sends those M == 1 products to
+  sgemv: 2-2.6x faster than OpenBLAS 0.3.21's sgemm, which repacks the weight on
+  every call.
+* Without a fast BLAS, "native" (GGUF quantization kept as MLX affine): on par
+  with reference-BLAS float32 at batch 1, 1.1-1.7x faster from batch 4, and 4x
+  less memory.
+
+The ceiling: float32 cannot go past ~40 tok/s single-stream here (540 MB per
+token); llama.cpp reads ~100 MB per token (Q4_1 + Q8_0 embeddings). Half of
+llama.cpp's speed needs 8- or 4-bit weights with a multi-threaded SIMD kernel,
+i.e. a custom MLX CPU primitive (C++ extension); MLX's own quantized kernel is
+~10x too slow for that.
+
+``CpuDecodeStep`` (see ``make_cpu_decode_step``) speeds up one decode step of a
+llama-family mlx-lm model by 1.1-1.3x over ``model(x, cache)`` (real SmolLM2
+float32 at batch 1: 21-30 -> 30-40 tok/s, same greedy tokens): per-layer
+``mx.compile`` of the parts before and after the KV update (fuses the
+RMSNorm/RoPE/SwiGLU fallbacks into a few JIT kernels), fused QKV and gate/up
+projections (one BLAS call instead of 3 and 2, no extra memory: the module
+weights become views of the fused ones), and attention with the GQA repeats
+folded into the matrix rows (48 small sgemms per layer at batch 16 instead of
+the 144 that ``mx.fast.scaled_dot_product_attention``'s CPU fallback issues).
+Outputs match the plain model to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+log = logging.getLogger("markbase.cpu_tuning")
+
+WEIGHT_FORMATS = ("native", "q4", "q8", "float32", "bfloat16", "float16")
+
+
+def best_cpu_weight_format(batch_hint: int = 1, *, fast_blas: bool | None = None) -> str:
+    """Weight format to load for MLX's CPU backend (one of ``WEIGHT_FORMATS``).
+
+    ``batch_hint``: the decode batch the server expects (its max concurrency).
+    ``fast_blas``: whether MLX's sgemm is a fast BLAS; None asks ``engine.cpu_blas``
+    (no measurement; imports nothing from MLX).
+
+    With a fast BLAS: "float32" at every batch size (module docstring: 4-bit, 8-bit,
+    bfloat16 and float16 all run through MLX's scalar single-threaded kernels, 3-20x
+    slower than float32 through OpenBLAS). Without one: "native" (on par with
+    reference-BLAS float32 at batch 1, faster from batch 4, 4x less memory).
+    ``batch_hint`` does not change the answer today; it is kept because a fast
+    quantized kernel would make it matter (quantized wins at batch 1, float32 GEMM
+    at large batches).
+    """
+    if fast_blas is None:
+        fast_blas = _fast_blas_active()
+    return "float32" if fast_blas else "native"
+
+
+def _fast_blas_active() -> bool:
+    if not sys.platform.startswith("linux"):
+        return True  # macOS: Accelerate; this policy is for the Linux CPU backend
+    try:
+        from engine import cpu_blas
+    except ImportError:
+        return False
+    setup = cpu_blas.ensure_fast_blas(allow_reexec=False)
+    return setup.method != "none" or cpu_blas.vendored_reference_blas() is None
+
+
+# ------------------------------------------------------------ the decode step
+
+
+def _grouped_attention(q, k, v, scale: float, mask):
+    """softmax(q k^T * scale + mask) v with the GQA repeats folded into rows.
+
+    q [B, H, L, D]; k, v [B, Hkv, T, D]; mask None, bool or additive,
+    broadcastable to [B, 1, L, T] (the mlx-lm/markbase cache masks).
+    """
+    import mlx.core as mx
+
+    b, h, length, d = q.shape
+    hkv = k.shape[1]
+    rep = h // hkv
+    qg = (q * scale).reshape(b, hkv, rep * length, d)
+    s = qg @ k.swapaxes(-1, -2)  # [B, Hkv, rep*L, T]
+    if mask is not None:
+        if isinstance(mask, str):  # "causal" only occurs for L > 1; L == 1 needs none
+            mask = None if length == 1 else _causal(length, k.shape[2])
+        if mask is not None:
+            s = s.reshape(b, hkv, rep, length, -1)
+            m = mask if mask.ndim < 4 else mask[:, :, None]  # [B,1,L,T] -> [B,1,1,L,T]
+            if m.dtype == mx.bool_:
+                s = mx.where(m, s, mx.array(-mx.inf, s.dtype))
+            else:
+                s = s + m
+            s = s.reshape(b, hkv, rep * length, -1)
+    p = mx.softmax(s, axis=-1, precise=True)
+    return (p @ v).reshape(b, h, length, d)
+
+
+def _causal(n: int, t: int):
+    import mlx.core as mx
+
+    q = mx.arange(t - n, t)[:, None]
+    return q >= mx.arange(t)[None]
+
+
+def _supported(model) -> str | None:
+    """None when ``CpuDecodeStep`` can run ``model``, else why not."""
+    try:
+        from mlx_lm.models import llama
+    except ImportError:
+        return "mlx-lm is not installed"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not layers:
+        return "no model.model.layers"
+    for layer in layers:
+        if type(layer) is not llama.TransformerBlock:
+            return f"layer type {type(layer).__name__} is not llama's TransformerBlock"
+        if getattr(layer, "use_sliding", False):
+            return "sliding-window layers"
+    return None
+
+
+class CpuDecodeStep:
+    """``step(tokens [B, 1] int32, cache) -> logits [B, V]`` (lazy), for decode.
+
+    Drop-in for ``model(tokens, cache=cache)[:, -1, :]`` on a llama-family mlx-lm
+    model, with any cache that follows the mlx-lm protocol (``update_and_fetch``,
+    ``offset`` int or per-row array, ``make_mask``), e.g. markbase's ``BatchKV``.
+    Only for L == 1 decode steps; prefill keeps using the model.
+
+    The compiled pieces retrace once per batch size (a few ms each in Python; the
+    JIT kernels they need are compiled by g++ once per machine and cached by
+    MLX), so keep batch sizes to a few buckets (1, 2, 4, 8, 16) if batches
+    change size often.
+    """
+
+    def __init__(self, model, *, fuse: bool = True, compile: bool = True) -> None:
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        why = _supported(model)
+        if why:
+            raise ValueError(f"CpuDecodeStep does not support this model: {why}")
+        self.model = model
+        self.inner = model.model
+        wrap = mx.compile if compile else (lambda f: f)
+        self._pre, self._post = [], []
+        for layer in self.inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            wqkv = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]) if fuse else None
+            wgu = _fuse_linears([mlp.gate_proj, mlp.up_proj]) if fuse else None
+            nq = attn.n_heads * attn.head_dim
+            nk = attn.n_kv_heads * attn.head_dim
+
+            def pre(x, offset, layer=layer, attn=attn, wqkv=wqkv, nq=nq, nk=nk):
+                b, length, _ = x.shape
+                h = layer.input_layernorm(x)
+                if wqkv is not None:
+                    q, k, v = mx.split(h @ wqkv.T, [nq, nq + nk], axis=-1)
+                else:
+                    q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+                q = q.reshape(b, length, attn.n_heads, -1).transpose(0, 2, 1, 3)
+                k = k.reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+                v = v.reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+                return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
+
+            def post(x, o, layer=layer, attn=attn, mlp=mlp, wgu=wgu):
+                b, _, length, _ = o.shape
+                h = x + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(b, length, -1))
+                z = layer.post_attention_layernorm(h)
+                if wgu is not None:
+                    g, u = mx.split(z @ wgu.T, 2, axis=-1)
+                else:
+                    g, u = mlp.gate_proj(z), mlp.up_proj(z)
+                return h + mlp.down_proj(nn.silu(g) * u)
+
+            self._pre.append(wrap(pre))
+            self._post.append(wrap(post))
+
+        tied = getattr(getattr(model, "args", None), "tie_word_embeddings", True)
+
+        def head(x):
+            x = self.inner.norm(x[:, -1, :])
+            if tied or not hasattr(model, "lm_head"):
+                return self.inner.embed_tokens.as_linear(x)
+            return model.lm_head(x)
+
+        self._head = wrap(head)
+
+    def __call__(self, tokens, cache):
+        import mlx.core as mx
+        from mlx_lm.models.base import create_attention_mask
+
+        x = self.inner.embed_tokens(tokens)
+        off = cache[0].offset
+        offset = off if isinstance(off, mx.array) else mx.array(off, dtype=mx.int32)
+        mask = create_attention_mask(x, cache[0])
+        for layer, pre, post, c in zip(self.inner.layers, self._pre, self._post, cache):
+            q, k, v = pre(x, offset)
+            keys, values = c.update_and_fetch(k, v)
+            o = _grouped_attention(q, keys, values, layer.self_attn.scale, mask)
+            x = post(x, o)
+        return self._head(x)
+
+
+def _fuse_linears(linears):
+    """Concatenate float ``nn.Linear`` weights along the output dim; the modules'
+    weights become views into the fused array (no extra memory). None if any is
+    quantized or has a bias."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    if not all(type(lin) is nn.Linear and "bias" not in lin for lin in linears):
+        return None
+    fused = mx.concatenate([lin.weight for lin in linears], axis=0)
+    mx.eval(fused)
+    start = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = fused[start : start + n]
+        start += n
+    mx.eval([lin.weight for lin in linears])
+    return fused
+
+
+def make_cpu_decode_step(model, **kw) -> CpuDecodeStep | None:
+    """``CpuDecodeStep(model)`` when the model is supported and MLX runs on the CPU, else None."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return None
+    why = _supported(model)
+    if why:
+        log.info("CpuDecodeStep not used: %s", why)
+        return None
+    return CpuDecodeStep(model, **kw)
