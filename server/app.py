@@ -7,11 +7,17 @@ buffered. The engine is started and shut down by the caller (server.cli).
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
 from starlette.middleware.cors import CORSMiddleware
 
 from server.auth import AuthMiddleware
 from server.config import Settings
+from server.deps import DOCUMENTED_BODIES
 from server.errors import install_handlers
 from server.generation import Engine
 from server.middleware import RequestContextMiddleware
@@ -26,8 +32,9 @@ def create_app(engine_client: Engine, settings: Settings | None = None) -> FastA
         version="0.1.0",
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
+        openapi_url="/openapi.json",
     )
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.state.engine = engine_client
     app.state.settings = settings
     for module in (models, completions, chat, health):
@@ -47,3 +54,21 @@ def create_app(engine_client: Engine, settings: Settings | None = None) -> FastA
         )
     app.add_middleware(RequestContextMiddleware, log_requests=s.log_requests)
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the request bodies the routes read themselves
+    (server.deps.json_body), as components."""
+    if app.openapi_schema is None:
+        with warnings.catch_warnings():  # /health is GET and HEAD: one id, two operations
+            warnings.filterwarnings("ignore", "Duplicate Operation ID", UserWarning)
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+        _, defs = models_json_schema(
+            [(m, "validation") for m in DOCUMENTED_BODIES],
+            ref_template="#/components/schemas/{model}",
+        )
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -36,6 +36,9 @@ class ServerSettings:
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
     max_n: int = 8  # most choices one request may ask for
     max_prompts: int = 32  # most prompts in one /v1/completions request
+    max_tokens_limit: int = 0  # largest max_tokens a request may ask for, 0 = the context window
+    max_messages: int = 2048  # most messages in one /v1/chat/completions request
+    max_prompt_chars: int = 1_000_000  # characters of prompt text (all messages or prompts)
     request_timeout_s: float = 600.0  # wall clock per request, 0 = none
     stream_keepalive_s: float = 15.0  # SSE comment after this long without a token
     shutdown_grace_s: float = 5.0  # on SIGINT/SIGTERM, in-flight requests get this long
@@ -234,8 +237,11 @@ def validate(settings: Settings) -> None:
         raise ConfigError(f"port must be 1..65535, got {s.port}")
     if s.max_body_bytes < 1024:
         raise ConfigError(f"max_body_bytes must be at least 1024, got {s.max_body_bytes}")
-    if s.max_n < 1:
-        raise ConfigError(f"max_n must be at least 1, got {s.max_n}")
+    for name in ("max_n", "max_prompts", "max_messages", "max_prompt_chars"):
+        if getattr(s, name) < 1:
+            raise ConfigError(f"{name} must be at least 1, got {getattr(s, name)}")
+    if s.max_tokens_limit < 0:
+        raise ConfigError(f"max_tokens_limit must be 0 (none) or more, got {s.max_tokens_limit}")
     if any(not k for k in s.api_keys):
         raise ConfigError("api_keys must not contain empty keys")
     if not settings.engine.models:

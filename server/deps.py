@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from server.config import Settings
 from server.errors import APIError, validation_error
 from server.generation import Engine
+from server.schemas import ErrorResponse
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -43,12 +44,48 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise APIError(400, "Invalid Content-Length header.") from None
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-upload: nobody to answer, and not a server error
+        raise APIError(
+            499,
+            "The client closed the connection before sending the whole body.",
+            code="client_disconnected",
+        ) from None
     return b"".join(chunks)
+
+
+DOCUMENTED_BODIES: list[type[BaseModel]] = []  # added to /openapi.json by server.app
+
+
+def json_body(model: type[BaseModel]) -> dict:
+    """``openapi_extra`` for a route that reads its body with ``parse_body``: FastAPI
+    cannot see such a body, so this describes it in /openapi.json without changing
+    how it is read (size limit first, strict validation, OpenAI error bodies)."""
+    DOCUMENTED_BODIES.append(model)
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def responses(model: type[BaseModel], stream: bool = False) -> dict:
+    """``responses`` for /openapi.json: the 200 body (or SSE stream) and the error body."""
+    ok: dict = {"model": model}
+    if stream:
+        # Before OpenAPI 3.2 (itemSchema), an event stream's schema is that of one event.
+        event = {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "data": {"type": "string", "description": "a JSON chunk, an error body, or [DONE]"}
+            },
+        }
+        ok["content"] = {"text/event-stream": {"schema": event}}
+        ok["description"] = "The answer, or with stream=true its chunks as server-sent events"
+    return {200: ok, "default": {"model": ErrorResponse, "description": "An OpenAI error body"}}
 
 
 async def parse_body(request: Request, model: type[M]) -> M:

@@ -131,12 +131,22 @@ def sampling_params(
     """The engine's params for choice ``choice_index``: with a seed, seed + index,
     so choices differ but each is reproducible. ``extra_stops`` are the server's
     own (not counted against the client's limit of 4)."""
-    seed = None if body.seed is None else body.seed + choice_index
+    # The engine's random keys take an unsigned 64-bit seed; clients send int64
+    # (OpenAI's range), so wrap: seeds 0..2**63-1 are used as they are.
+    seed = None if body.seed is None else (body.seed + choice_index) % 2**64
+    # top_k past the vocabulary keeps every token: the same as off for the engine,
+    # whose arrays are int32.
+    top_k = 0 if body.top_k is None or body.top_k < 0 or body.top_k >= 2**31 else body.top_k
+    # A temperature this small is greedy in effect; far smaller ones (5e-324) are 0 in
+    # float32, where logits / temperature turns into inf and NaN (vLLM does the same).
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if temperature < 1e-5:
+        temperature = 0.0
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k is None or body.top_k < 0 else body.top_k,
+        top_k=top_k,
         seed=seed,
         stop=tuple(dict.fromkeys(body.stop_list() + extra_stops)),
         stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -153,6 +163,31 @@ def check_n(body: SamplingFields, max_n: int) -> int:
             code="invalid_value",
         )
     return n
+
+
+def check_max_tokens(requested: int | None, limit: int, param: str) -> None:
+    """``limit`` (settings.server.max_tokens_limit, 0 = none) bounds what a client may ask."""
+    if limit and requested is not None and requested > limit:
+        raise bad_request(
+            f"Invalid '{param}': at most {limit} tokens per completion on this server "
+            f"(got {requested}).",
+            param=param,
+            code="invalid_value",
+        )
+
+
+def check_prompt_chars(chars: int, limit: int, param: str) -> None:
+    if chars > limit:
+        raise bad_request(
+            f"Invalid '{param}': at most {limit} characters of prompt text per request on this "
+            f"server (got {chars}).",
+            param=param,
+            code="invalid_value",
+        )
+
+
+def default_max_tokens(default: int, limit: int) -> int:
+    return min(default, limit) if limit else default
 
 
 def check_supported(problem: tuple[str, str] | None) -> None:

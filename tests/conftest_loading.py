@@ -33,7 +33,7 @@ def builtin_path(alias: str) -> Path:
 
 
 @functools.cache
-def real_model(alias: str, weight_format: str = "auto") -> LoadedModel:
+def real_model(alias: str, weight_format: str = "native") -> LoadedModel:
     return load_model(alias, weight_format=weight_format)
 
 

@@ -133,7 +133,10 @@ def test_smollm2_weight_formats(fmt):
 
 
 def test_resolve_weight_format():
-    assert resolve_weight_format("auto") == "native"
+    # "auto" is decided by backend; on a Linux CPU with OpenBLAS bound it is float32
+    from engine.cpu_tuning import best_cpu_weight_format
+
+    assert resolve_weight_format("auto") == best_cpu_weight_format()
     for f in ("native", "q4", "float32", "bfloat16", "float16"):
         assert resolve_weight_format(f) == f
     with pytest.raises(ModelLoadError, match="weight_format"):
@@ -200,7 +203,7 @@ def test_tiny_quantized_gguf_matches_dequantized(tmp_path, qtype):
         for k, v in tensors.items()
     }
     fpath = write_gguf(tmp_path / "f.gguf", ref, deq)
-    q = load_model(str(qpath), cache_dir=tmp_path / "c")
+    q = load_model(str(qpath), cache_dir=tmp_path / "c", weight_format="native")
     f = load_model(str(fpath), cache_dir=tmp_path / "c")
     assert q.weight_format == qtype.name.lower() and q.quantization is not None
     np.testing.assert_allclose(sequence_logits(q, IDS), sequence_logits(f, IDS), atol=1e-4)
@@ -333,7 +336,7 @@ def test_export_and_reload_folder_same_greedy(smollm2_folder):
         cfg["quantization"]["bits"] == 4 and cfg["quantization"]["model.embed_tokens"]["bits"] == 8
     )
     assert cfg["eos_token_id"] == [0, 2]
-    again = load_model(str(out))
+    again = load_model(str(out), weight_format="native")
     assert again.architecture == "llama" and again.name == "smollm2-mlx"
     assert again.quantization == lm.quantization
     assert again.weight_format == "mlx-q4" and again.context_length == 8192
@@ -379,7 +382,7 @@ def test_random_folder_round_trip_quantized(tmp_path, model_type):
     cfg = _QWEN3 if model_type == "qwen3" else RANDOM_CONFIGS[model_type]
     lm = build_random_model(model_type, cfg, quantize_bits=4)
     out = export_mlx_folder(lm, tmp_path / "q")
-    again = load_model(str(out))
+    again = load_model(str(out), weight_format="native")
     assert again.quantization["bits"] == 4
     np.testing.assert_allclose(sequence_logits(again, IDS), sequence_logits(lm, IDS), atol=1e-5)
     f32 = load_model(str(out), weight_format="float32")

@@ -9,12 +9,15 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.deps import engine_of, parse_body, settings_of
+from server.deps import engine_of, json_body, parse_body, responses, settings_of
 from server.errors import APIError, bad_request
 from server.generation import (
     ChoiceResult,
+    check_max_tokens,
     check_n,
+    check_prompt_chars,
     check_supported,
+    default_max_tokens,
     make_choices,
     request_info,
     resolve_max_tokens,
@@ -116,7 +119,11 @@ class ChatFormat:
         return {**self.base, "choices": [], "usage": usage.model_dump()}
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    openapi_extra=json_body(ChatCompletionRequest),
+    responses=responses(ChatCompletion, stream=True),
+)
 async def chat_completions(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     settings = settings_of(request)
@@ -124,8 +131,24 @@ async def chat_completions(request: Request) -> Response:
     info = request_info(request)
     info.stream = bool(body.stream)
     check_supported(body.unsupported())
-    n = info.n = check_n(body, settings.server.max_n)
+    limits = settings.server
+    n = info.n = check_n(body, limits.max_n)
+    check_max_tokens(
+        body.effective_max_tokens(),
+        limits.max_tokens_limit,
+        "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+    )
+    if len(body.messages) > limits.max_messages:
+        raise bad_request(
+            f"Invalid 'messages': at most {limits.max_messages} messages per request on this "
+            f"server (got {len(body.messages)}).",
+            param="messages",
+            code="invalid_value",
+        )
     messages = template_messages(body.messages)
+    check_prompt_chars(
+        sum(len(m["content"]) for m in messages), limits.max_prompt_chars, "messages"
+    )
 
     model = lookup(request, body.model)
     info.model = model.name
@@ -141,7 +164,7 @@ async def chat_completions(request: Request) -> Response:
     info.prompt_tokens = len(prompt)
     max_tokens = resolve_max_tokens(
         body.effective_max_tokens(),
-        settings.engine.default_max_tokens,
+        default_max_tokens(settings.engine.default_max_tokens, limits.max_tokens_limit),
         model,
         len(prompt),
         chat=True,

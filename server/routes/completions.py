@@ -9,12 +9,15 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.deps import engine_of, parse_body, settings_of
+from server.deps import engine_of, json_body, parse_body, responses, settings_of
 from server.errors import bad_request
 from server.generation import (
     ChoiceResult,
+    check_max_tokens,
     check_n,
+    check_prompt_chars,
     check_supported,
+    default_max_tokens,
     make_choices,
     request_info,
     resolve_max_tokens,
@@ -74,7 +77,11 @@ def _check_ids(ids: list[int], vocab_size: int | None, where: str) -> list[int]:
     return ids
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    openapi_extra=json_body(CompletionRequest),
+    responses=responses(Completion, stream=True),
+)
 async def completions(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     settings = settings_of(request)
@@ -82,16 +89,20 @@ async def completions(request: Request) -> Response:
     info = request_info(request)
     info.stream = bool(body.stream)
     check_supported(body.unsupported())
-    n = info.n = check_n(body, settings.server.max_n)
+    limits = settings.server
+    n = info.n = check_n(body, limits.max_n)
+    check_max_tokens(body.max_tokens, limits.max_tokens_limit, "max_tokens")
     raw_prompts = body.prompts()
     if not raw_prompts:
         raise bad_request("Invalid 'prompt': empty array.", param="prompt", code="empty_array")
-    if len(raw_prompts) > settings.server.max_prompts:
+    if len(raw_prompts) > limits.max_prompts:
         raise bad_request(
-            f"Invalid 'prompt': at most {settings.server.max_prompts} prompts per request on this "
+            f"Invalid 'prompt': at most {limits.max_prompts} prompts per request on this "
             f"server (got {len(raw_prompts)}).",
             param="prompt",
         )
+    chars = sum(len(p) for p in raw_prompts if isinstance(p, str))
+    check_prompt_chars(chars, limits.max_prompt_chars, "prompt")
 
     model = lookup(request, body.model)
     info.model = model.name
@@ -110,7 +121,11 @@ async def completions(request: Request) -> Response:
     info.prompt_tokens = sum(len(p) for p in prompts)
     budgets = [
         resolve_max_tokens(
-            body.max_tokens, settings.engine.default_max_tokens, model, len(p), chat=False
+            body.max_tokens,
+            default_max_tokens(settings.engine.default_max_tokens, limits.max_tokens_limit),
+            model,
+            len(p),
+            chat=False,
         )
         for p in prompts
     ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from server.deps import engine_of
@@ -11,7 +11,11 @@ from server.deps import engine_of
 router = APIRouter()
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])
+@router.api_route(
+    "/health",
+    methods=["GET", "HEAD"],
+    responses={503: {"description": "The engine is not running"}},
+)
 async def health(request: Request) -> JSONResponse:
     try:
         state = engine_of(request).health()
@@ -20,6 +24,6 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(state, status_code=200 if state.get("status") == "ok" else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics() -> Response:
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)

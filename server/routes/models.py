@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from engine.types import ModelInfo, UnknownModelError
-from server.deps import engine_of
+from server.deps import engine_of, responses
 from server.errors import APIError
 from server.schemas import ModelCard, ModelList
 
@@ -34,11 +34,11 @@ def lookup(request: Request, name: str) -> ModelInfo:
         raise unknown_model(name) from None
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=None, responses=responses(ModelList))
 async def list_models(request: Request) -> dict:
     return ModelList(data=[card(m) for m in engine_of(request).models()]).model_dump()
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}", response_model=None, responses=responses(ModelCard))
 async def get_model(request: Request, model_id: str) -> dict:
     return card(lookup(request, model_id)).model_dump()
