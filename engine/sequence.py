@@ -67,7 +67,7 @@ class StopMatcher:
 @dataclass
 class Sequence:
     request: GenerationRequest
-    sampler: RowSampler
+    sampler: RowSampler | None  # set at admission, on the worker thread
     detokenizer: object  # engine.tokenizer.StreamingDetokenizer
     stop: StopMatcher
     eos_ids: frozenset[int]

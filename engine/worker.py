@@ -68,6 +68,7 @@ class ModelWorker:
         self.steps = 0
         self.fatal: BaseException | None = None
         self._stopping = False
+        self._closed = False  # set under _lock once the worker stops taking requests
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}", daemon=True)
 
     # -- called from other threads ------------------------------------------------------
@@ -91,23 +92,25 @@ class ModelWorker:
                 f"This model's maximum context length is {self.context_length} tokens. "
                 f"However, your prompt has {n_prompt} tokens, which leaves no room for a completion."
             )
-        with self._lock:
-            if self._waiting_count >= self.config.max_queued_requests:
-                raise OverloadedError(
-                    f"Server overloaded: {self._waiting_count} requests are already waiting "
-                    f"(max_queued_requests={self.config.max_queued_requests}). Retry later."
-                )
-            self._waiting_count += 1
         seq = Sequence(
             request=request,
-            sampler=RowSampler.from_params(request.params),
+            sampler=None,  # made on the worker thread at admission: no MLX call here
             detokenizer=StreamingDetokenizer(self.tokenizer, context=request.prompt_tokens[-4:]),
             stop=StopMatcher(request.params.stop),
             eos_ids=frozenset() if request.params.ignore_eos else self.tokenizer.eos_token_ids,
             max_len=self.context_length,
             emit=emit,
         )
-        self._inbox.put(("submit", seq))
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError(f"The engine for model '{self.name}' is not running.")
+            if self._waiting_count >= self.config.max_queued_requests:
+                raise OverloadedError(
+                    f"Server overloaded: {self._waiting_count} requests are already waiting "
+                    f"(max_queued_requests={self.config.max_queued_requests}). Retry later."
+                )
+            self._waiting_count += 1
+            self._inbox.put(("submit", seq))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -209,6 +212,16 @@ class ModelWorker:
             seq.reserved_tokens = kv_need(seq)
             self.kv_reserved += seq.reserved_tokens
             seq.state = SeqState.PREFILLING
+            try:
+                seq.sampler = RowSampler.from_params(seq.params)
+            except Exception as exc:  # e.g. a seed MLX cannot take: only this request fails
+                self._finish(
+                    seq,
+                    FinishReason.ERROR,
+                    error=f"Bad sampling parameters: {exc}",
+                    error_kind="internal",
+                )
+                continue
             self.metrics.prompt_tokens.inc(len(seq.prompt))
             self.prefilling.append(seq)
 
@@ -423,6 +436,8 @@ class ModelWorker:
         self.running = [self.running[i] for i in keep]
 
     def _finish_all(self, reason: FinishReason, message: str, kind: str) -> None:
+        with self._lock:  # from here on submit() refuses, so the inbox drain below is final
+            self._closed = True
         for seq in [*self.waiting, *self.prefilling, *self.running]:
             if seq.state is not SeqState.FINISHED:
                 seq.state = SeqState.FINISHED
