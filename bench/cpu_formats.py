@@ -182,7 +182,7 @@ def profile_ops(model, batch: int, kv: int, reps: int = 5) -> list[tuple[str, fl
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts[1:])
 
-    from engine.cpu_tuning import _grouped_attention
+    from engine.attention import grouped_decode_attention
 
     logits = inner.embed_tokens.as_linear(x)
     mx.eval(logits)
@@ -211,7 +211,7 @@ def profile_ops(model, batch: int, kv: int, reps: int = 5) -> list[tuple[str, fl
         ),
         (
             f"attention grouped (T={kv})",
-            per_layer(lambda i, ly: _grouped_attention(q, ks[i], vs[i], 0.125, None)),
+            per_layer(lambda i, ly: grouped_decode_attention(q, ks[i], vs[i], 0.125, None)),
         ),
         ("o_proj", per_layer(lambda i, ly: ly.self_attn.o_proj(x))),
         ("gate_proj + up_proj", per_layer(lambda i, ly: [ly.mlp.gate_proj(x), ly.mlp.up_proj(x)])),

@@ -38,7 +38,7 @@ def grouped_decode_attention(q: mx.array, k: mx.array, v: mx.array, scale: float
     return (probs @ v).reshape(b, hq, n, d)
 
 
-def _use_grouped(queries: mx.array, keys: mx.array, mask) -> bool:
+def _use_grouped(queries: mx.array, mask) -> bool:
     if queries.shape[2] != 1 or isinstance(mask, str):
         return False
     if mx.default_device().type == mx.DeviceType.gpu:
@@ -48,7 +48,7 @@ def _use_grouped(queries: mx.array, keys: mx.array, mask) -> bool:
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    if sinks is None and not hasattr(cache, "bits") and _use_grouped(queries, keys, mask):
+    if sinks is None and not hasattr(cache, "bits") and _use_grouped(queries, mask):
         return grouped_decode_attention(queries, keys, values, scale, mask)
     return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 

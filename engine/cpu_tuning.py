@@ -102,41 +102,6 @@ def _fast_blas_active() -> bool:
 # ------------------------------------------------------------ the decode step
 
 
-def _grouped_attention(q, k, v, scale: float, mask):
-    """softmax(q k^T * scale + mask) v with the GQA repeats folded into rows.
-
-    q [B, H, L, D]; k, v [B, Hkv, T, D]; mask None, bool or additive,
-    broadcastable to [B, 1, L, T] (the mlx-lm/markbase cache masks).
-    """
-    import mlx.core as mx
-
-    b, h, length, d = q.shape
-    hkv = k.shape[1]
-    rep = h // hkv
-    qg = (q * scale).reshape(b, hkv, rep * length, d)
-    s = qg @ k.swapaxes(-1, -2)  # [B, Hkv, rep*L, T]
-    if mask is not None:
-        if isinstance(mask, str):  # "causal" only occurs for L > 1; L == 1 needs none
-            mask = None if length == 1 else _causal(length, k.shape[2])
-        if mask is not None:
-            s = s.reshape(b, hkv, rep, length, -1)
-            m = mask if mask.ndim < 4 else mask[:, :, None]  # [B,1,L,T] -> [B,1,1,L,T]
-            if m.dtype == mx.bool_:
-                s = mx.where(m, s, mx.array(-mx.inf, s.dtype))
-            else:
-                s = s + m
-            s = s.reshape(b, hkv, rep * length, -1)
-    p = mx.softmax(s, axis=-1, precise=True)
-    return (p @ v).reshape(b, h, length, d)
-
-
-def _causal(n: int, t: int):
-    import mlx.core as mx
-
-    q = mx.arange(t - n, t)[:, None]
-    return q >= mx.arange(t)[None]
-
-
 def _supported(model) -> str | None:
     """None when ``CpuDecodeStep`` can run ``model``, else why not."""
     try:
@@ -226,6 +191,8 @@ class CpuDecodeStep:
         import mlx.core as mx
         from mlx_lm.models.base import create_attention_mask
 
+        from engine.attention import grouped_decode_attention
+
         x = self.inner.embed_tokens(tokens)
         off = cache[0].offset
         offset = off if isinstance(off, mx.array) else mx.array(off, dtype=mx.int32)
@@ -233,7 +200,7 @@ class CpuDecodeStep:
         for layer, pre, post, c in zip(self.inner.layers, self._pre, self._post, cache):
             q, k, v = pre(x, offset)
             keys, values = c.update_and_fetch(k, v)
-            o = _grouped_attention(q, keys, values, layer.self_attn.scale, mask)
+            o = grouped_decode_attention(q, keys, values, layer.self_attn.scale, mask)
             x = post(x, o)
         return self._head(x)
 
