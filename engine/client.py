@@ -24,7 +24,7 @@ from engine.types import (
     TokenEvent,
     UnknownModelError,
 )
-from engine.worker import ModelWorker
+from engine.worker import ModelWorker, release_mlx_thread_state
 
 log = logging.getLogger("markbase.engine")
 
@@ -137,6 +137,13 @@ class EngineClient:
             return {"status": "error", "detail": f"engine worker down: {dead}"}
         return {"status": "ok", "models": {n: w.stats() for n, w in self._workers.items()}}
 
-    def shutdown(self) -> None:
+    def stop_workers(self) -> None:
+        """Ends every sequence and stops the workers; safe from any thread."""
         for w in self._workers.values():
             w.stop()
+
+    def shutdown(self) -> None:
+        """Stops the workers, then releases the calling thread's MLX streams:
+        call it from the thread that loaded the models, last thing before exit."""
+        self.stop_workers()
+        release_mlx_thread_state()

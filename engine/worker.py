@@ -117,11 +117,15 @@ class ModelWorker:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """Waits for the loop to leave MLX: a thread still inside MLX when the
+        interpreter exits aborts the process (``terminate called ...``)."""
         self._stopping = True
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("engine worker for %s did not stop within %.0f s", self.name, timeout)
 
     # -- the loop (worker thread only) ------------------------------------------------
     def _loop(self) -> None:
@@ -140,6 +144,8 @@ class ModelWorker:
             log.exception("engine worker for %s died", self.name)
             self.fatal = exc
             self._finish_all(FinishReason.ERROR, f"The engine failed: {exc!r}", "engine_dead")
+        finally:
+            release_mlx_thread_state()
 
     def _drain_inbox(self) -> None:
         aborted = set()
@@ -469,3 +475,20 @@ class ModelWorker:
             "prefix_cache_tokens": self.prefix_cache.tokens_held,
             "steps": self.steps,
         }
+
+
+def release_mlx_thread_state() -> None:
+    """Finishes pending work and destroys the calling thread's MLX streams.
+
+    MLX 0.32 asks every thread that used it (the main thread too) to call
+    ``mx.clear_streams()`` before it ends; otherwise the streams are torn down
+    by C++ thread-local/static destructors after Python has started to
+    finalize, and the process dies with SIGABRT at exit about one time in ten.
+    """
+    try:
+        mx.synchronize()
+    except Exception:  # a dead device must not hide the real error being unwound
+        log.debug("mx.synchronize failed at thread exit", exc_info=True)
+    clear = getattr(mx, "clear_streams", None)
+    if clear is not None:
+        clear()

@@ -211,7 +211,7 @@ class DrainingServer(uvicorn.Server):
 
 def _stop_engine_after(engine, grace: float) -> None:
     time.sleep(grace)
-    engine.shutdown()
+    engine.stop_workers()  # not shutdown(): this thread never used MLX
 
 
 def main(argv: list[str] | None = None) -> int:
