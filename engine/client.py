@@ -24,7 +24,7 @@ from engine.types import (
     TokenEvent,
     UnknownModelError,
 )
-from engine.worker import ModelWorker, release_mlx_thread_state
+from engine.worker import ModelWorker
 
 log = logging.getLogger("markbase.engine")
 
@@ -70,7 +70,7 @@ class EngineClient:
             if lm.name in workers:
                 raise ValueError(f"Two models are named '{lm.name}': give one a distinct name.")
             worker = ModelWorker(lm, config, max_context)
-            worker.start()
+            worker.start()  # warms up first (EngineConfig.warmup), then serves
             workers[lm.name] = worker
             infos[lm.name] = ModelInfo(
                 name=lm.name,
@@ -80,6 +80,8 @@ class EngineClient:
                 created=now,
                 has_chat_template=bool(getattr(lm.tokenizer, "has_chat_template", False)),
             )
+        for worker in workers.values():  # the first requests find the kernels compiled
+            worker.wait_ready()
         return cls(workers, infos)
 
     # -- what is served ------------------------------------------------------------
@@ -143,7 +145,7 @@ class EngineClient:
             w.stop()
 
     def shutdown(self) -> None:
-        """Stops the workers, then releases the calling thread's MLX streams:
-        call it from the thread that loaded the models, last thing before exit."""
+        """Stops the workers. The process's last act (``markbase serve``) should then
+        be ``engine.worker.release_mlx_thread_state()`` on the main thread; not done
+        here, since it destroys that thread's MLX streams for any later use."""
         self.stop_workers()
-        release_mlx_thread_state()

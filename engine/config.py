@@ -28,6 +28,10 @@ class EngineConfig:
     prefix_cache_tokens: int = 32768  # KV tokens kept for prefix reuse (LRU), 0 = off
     queue_timeout_s: float = 30.0  # a request waiting longer for a slot gets 429
     default_max_tokens: int = 512
+    # Before serving, run one prefill chunk and decode steps at batch sizes 1, 2, 4,
+    # ... max_num_seqs on throwaway KV, so the first requests find MLX's JIT kernels
+    # and mx.compile traces ready. None: by backend (see warmup_enabled).
+    warmup: bool | None = None
     models: list[ModelConfig] = field(default_factory=lambda: [ModelConfig()])
 
 
@@ -35,3 +39,26 @@ def default_prefill_chunk_tokens() -> int:
     import mlx.core as mx
 
     return 2048 if mx.default_device().type == mx.DeviceType.gpu else 128
+
+
+def warmup_enabled(config: EngineConfig) -> bool:
+    """``config.warmup``, or by backend when it is None: on for a GPU, where a cold
+    start compiles kernels for 10-47 s (bench/gpu/NOTES.md); off for the CPU, where
+    it cost SmolLM2-135M 1.7-3.1 s with MLX's kernel cache already filled and saved
+    the first request nothing then (0.38 s either way; 2-core dev box). With an
+    empty kernel cache (a machine's first run) it took 13 s and the first request
+    without it 7.2 s: ``--warmup`` is worth it there."""
+    if config.warmup is not None:
+        return config.warmup
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+def warmup_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes the warm-up runs: powers of two below ``max_num_seqs``, and it."""
+    sizes, b = [], 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, max(1, max_num_seqs)]

@@ -101,94 +101,16 @@ _SYSTEM_CANDIDATES = (
     "/usr/local/lib/libopenblas.so.0",
 )
 
-# The shim: exports cblas_sgemm only. Loaded (RTLD_GLOBAL) before the real BLAS, so
-# MLX binds to it; every other BLAS/LAPACK symbol comes from the real library.
-_SHIM_SOURCE = r"""
-#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <stdlib.h>
-#include <string.h>
-enum { RowMajor = 101 };
-enum { NoTrans = 111, Trans = 112 };
-typedef void (*sgemm_t)(int, int, int, int, int, int, float, const float *, int,
-                        const float *, int, float, float *, int);
-typedef void (*sgemv_t)(int, int, int, int, float, const float *, int,
-                        const float *, int, float, float *, int);
-typedef void (*setthr_t)(int);
-typedef int (*getthr_t)(void);
-static sgemm_t real_sgemm;
-static sgemv_t real_sgemv;
-static setthr_t set_threads; /* openblas_set_num_threads, when the library has it */
-/* Threads per kind of call (0: the library's default): M == 1 gemv, sgemm with
-   M < small_m (decode batches: OpenBLAS's threads stall there when other processes
-   share the cores), and the rest (prefill). */
-static int default_threads, cur_threads;
-static int gemv_threads, small_gemm_threads = 1, gemm_threads;
-static int small_m = 16;
-static int use_gemv = 1;
-/* Below this many matrix elements a gemv is too small to pay OpenBLAS's thread
-   hand-off (its sgemv goes 2-threaded from 9216 elements; sgemm stays 1-threaded
-   below M*N*K = 262144): attention's 64 x T products stay on sgemm. */
-static long gemv_min_elems = 65536;
-static long n_gemv, n_gemm;
-
-int markbase_blas_init(const char *path) {
-  /* RTLD_LOCAL: never promote a library into the global scope from here (Python
-     loads the fast BLAS with RTLD_GLOBAL itself, after this shim). */
-  void *h = path && *path ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : RTLD_NEXT;
-  if (!h) return -1;
-  real_sgemm = (sgemm_t)dlsym(h, "cblas_sgemm");
-  real_sgemv = (sgemv_t)dlsym(h, "cblas_sgemv");
-  set_threads = (setthr_t)dlsym(h, "openblas_set_num_threads");
-  getthr_t get_threads = (getthr_t)dlsym(h, "openblas_get_num_threads");
-  default_threads = get_threads ? get_threads() : 0;
-  cur_threads = default_threads;
-  return (real_sgemm && real_sgemv) ? 0 : -2;
-}
-void markbase_blas_set_gemv(int on) { use_gemv = on; }
-void markbase_blas_set_gemv_min(long elems) { gemv_min_elems = elems; }
-int markbase_blas_set_threads(int gemv, int small_gemm, int gemm, int small_m_rows) {
-  gemv_threads = gemv;
-  small_gemm_threads = small_gemm;
-  gemm_threads = gemm;
-  if (small_m_rows >= 0) small_m = small_m_rows;
-  return set_threads != 0;
-}
-static inline void use_threads(int n) {
-  if (n <= 0) n = default_threads;
-  if (n > 0 && n != cur_threads && set_threads) {
-    set_threads(n);
-    cur_threads = n;
-  }
-}
-long markbase_blas_calls(int gemv) { return gemv ? n_gemv : n_gemm; }
-__attribute__((constructor)) static void markbase_blas_ctor(void) {
-  const char *p = getenv("MARKBASE_BLAS_REAL");
-  if (p && *p) markbase_blas_init(p);
-}
-
-void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha,
-                 const float *A, int lda, const float *B, int ldb, float beta,
-                 float *C, int ldc) {
-  if (!real_sgemm && markbase_blas_init(NULL) != 0) abort();
-  if (use_gemv && order == RowMajor && M == 1 && N > 1 && K > 0 &&
-      (long)N * (long)K >= gemv_min_elems) {
-    /* C[1 x N] = alpha * op(A)[1 x K] * op(B)[K x N] + beta * C */
-    int incx = (ta == NoTrans) ? 1 : lda;
-    if (beta == 0.0f) memset(C, 0, sizeof(float) * (size_t)N);
-    n_gemv++;
-    use_threads(gemv_threads);
-    if (tb == Trans) /* B is N x K */
-      real_sgemv(RowMajor, NoTrans, N, K, alpha, B, ldb, A, incx, beta, C, 1);
-    else /* B is K x N */
-      real_sgemv(RowMajor, Trans, K, N, alpha, B, ldb, A, incx, beta, C, 1);
-    return;
-  }
-  n_gemm++;
-  use_threads(M < small_m ? small_gemm_threads : gemm_threads);
-  real_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-}
-"""
+# The shim (engine/native/blas_shim.c): exports cblas_sgemm only. Loaded (RTLD_GLOBAL)
+# before the real BLAS, so MLX binds to it; every other BLAS/LAPACK symbol comes from the
+# real library. It also holds the quantized-weight products of engine/cpu_qgemm.py.
+_SHIM_PATH = Path(__file__).parent / "native" / "blas_shim.c"
+# Tried in order: native code (the quantized products use AVX-512 when the
+# CPU has it), then plain -O2 (the shim still routes M == 1 to sgemv).
+_SHIM_FLAGS = (
+    ["-O3", "-march=native", "-pthread"],
+    ["-O2", "-pthread"],
+)
 
 
 @dataclass
@@ -285,37 +207,57 @@ def _cache_dir() -> Path:
     return Path(xdg) / "markbase" / "cpu_blas"
 
 
-def build_gemv_shim(cache_dir: str | os.PathLike | None = None) -> str | None:
-    """Compile the M == 1 -> sgemv shim once (cached by source hash); None without a compiler."""
-    digest = hashlib.sha256(_SHIM_SOURCE.encode()).hexdigest()[:12]
-    out_dir = Path(cache_dir) if cache_dir else _cache_dir()
-    target = out_dir / f"libmarkbase_sgemm-{digest}.so"
-    if target.exists():
-        return str(target)
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        log.info("no C compiler: the sgemm->sgemv shim is not built (plain BLAS is used)")
-        return None
+def _cpu_signature() -> str:
+    """What ``-march=native`` compiled for: a cache key, so a home directory shared by
+    machines of different CPUs never loads code built for another one."""
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-            src = Path(tmp) / "shim.c"
-            src.write_text(_SHIM_SOURCE)
-            tmp_so = Path(tmp) / "shim.so"
-            proc = subprocess.run(
-                [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp_so), str(src), "-ldl"],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            if proc.returncode != 0:
-                log.warning("building the sgemv shim failed: %s", proc.stderr.strip()[-500:])
-                return None
-            os.replace(tmp_so, target)  # atomic: concurrent builders are fine
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("building the sgemv shim failed: %s", exc)
-        return None
-    return str(target)
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return "unknown"
+    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep)
+
+
+def build_gemv_shim(cache_dir: str | os.PathLike | None = None) -> str | None:
+    """Compile the shim once (cached by source, flags and CPU); None without a compiler."""
+    source = _SHIM_PATH.read_text()
+    out_dir = Path(cache_dir) if cache_dir else _cache_dir()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    for flags in _SHIM_FLAGS:
+        key = "\0".join([source, " ".join(flags), _cpu_signature()])
+        digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+        target = out_dir / f"libmarkbase_sgemm-{digest}.so"
+        if target.exists():
+            return str(target)
+        if not cc:
+            log.info("no C compiler: the sgemm shim is not built (plain BLAS is used)")
+            return None
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+                src = Path(tmp) / "shim.c"
+                src.write_text(source)
+                tmp_so = Path(tmp) / "shim.so"
+                cmd = [cc, *flags, "-shared", "-fPIC", "-o", str(tmp_so), str(src), "-ldl"]
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+                if proc.returncode != 0:
+                    log.info(
+                        "building the sgemm shim with %s failed: %s", flags, proc.stderr[-300:]
+                    )
+                    continue
+                os.replace(tmp_so, target)  # atomic: concurrent builders are fine
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("building the sgemm shim failed: %s", exc)
+            return None
+        return str(target)
+    log.warning("the sgemm shim did not build with any flags: plain BLAS is used")
+    return None
+
+
+def shim_library() -> ctypes.CDLL | None:
+    """The loaded shim (None when ``ensure_fast_blas`` did not load one)."""
+    return _shim_handle
 
 
 # ---------------------------------------------------------------- setup

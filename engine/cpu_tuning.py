@@ -46,7 +46,8 @@ llama.cpp's speed needs 8- or 4-bit weights with a multi-threaded SIMD kernel,
 i.e. a custom MLX CPU primitive (C++ extension); MLX's own quantized kernel is
 ~10x too slow for that.
 
-``CpuDecodeStep`` (see ``make_cpu_decode_step``) speeds up one decode step of a
+``CpuDecodeStep`` (``engine.decode_step.FusedDecodeStep`` with its defaults, chosen
+by ``engine.decode_step.make_decode_step`` on the CPU) speeds up one decode step of a
 llama-family mlx-lm model by 1.1-1.3x over ``model(x, cache)`` (real SmolLM2
 float32 at batch 1: 21-30 -> 30-40 tok/s, same greedy tokens): per-layer
 ``mx.compile`` of the parts before and after the KV update (fuses the
@@ -100,139 +101,9 @@ def _fast_blas_active() -> bool:
 
 
 # ------------------------------------------------------------ the decode step
+# The fused decode step now lives in engine/decode_step.py (it runs on the GPU too);
+# the CPU configuration is ``FusedDecodeStep(model)``'s defaults, unchanged. The old
+# name stays for bench/cpu_formats.py and tests.
+from engine.decode_step import FusedDecodeStep as CpuDecodeStep  # noqa: E402
 
-
-def _supported(model) -> str | None:
-    """None when ``CpuDecodeStep`` can run ``model``, else why not."""
-    try:
-        from mlx_lm.models import llama
-    except ImportError:
-        return "mlx-lm is not installed"
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not layers:
-        return "no model.model.layers"
-    for layer in layers:
-        if type(layer) is not llama.TransformerBlock:
-            return f"layer type {type(layer).__name__} is not llama's TransformerBlock"
-        if getattr(layer, "use_sliding", False):
-            return "sliding-window layers"
-    return None
-
-
-class CpuDecodeStep:
-    """``step(tokens [B, 1] int32, cache) -> logits [B, V]`` (lazy), for decode.
-
-    Drop-in for ``model(tokens, cache=cache)[:, -1, :]`` on a llama-family mlx-lm
-    model, with any cache that follows the mlx-lm protocol (``update_and_fetch``,
-    ``offset`` int or per-row array, ``make_mask``), e.g. markbase's ``BatchKV``.
-    Only for L == 1 decode steps; prefill keeps using the model.
-
-    The compiled pieces retrace once per batch size (a few ms each in Python; the
-    JIT kernels they need are compiled by g++ once per machine and cached by
-    MLX), so keep batch sizes to a few buckets (1, 2, 4, 8, 16) if batches
-    change size often.
-    """
-
-    def __init__(self, model, *, fuse: bool = True, compile: bool = True) -> None:
-        import mlx.core as mx
-        import mlx.nn as nn
-
-        why = _supported(model)
-        if why:
-            raise ValueError(f"CpuDecodeStep does not support this model: {why}")
-        self.model = model
-        self.inner = model.model
-        wrap = mx.compile if compile else (lambda f: f)
-        self._pre, self._post = [], []
-        for layer in self.inner.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            wqkv = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]) if fuse else None
-            wgu = _fuse_linears([mlp.gate_proj, mlp.up_proj]) if fuse else None
-            nq = attn.n_heads * attn.head_dim
-            nk = attn.n_kv_heads * attn.head_dim
-
-            def pre(x, offset, layer=layer, attn=attn, wqkv=wqkv, nq=nq, nk=nk):
-                b, length, _ = x.shape
-                h = layer.input_layernorm(x)
-                if wqkv is not None:
-                    q, k, v = mx.split(h @ wqkv.T, [nq, nq + nk], axis=-1)
-                else:
-                    q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-                q = q.reshape(b, length, attn.n_heads, -1).transpose(0, 2, 1, 3)
-                k = k.reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-                v = v.reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-                return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
-
-            def post(x, o, layer=layer, attn=attn, mlp=mlp, wgu=wgu):
-                b, _, length, _ = o.shape
-                h = x + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(b, length, -1))
-                z = layer.post_attention_layernorm(h)
-                if wgu is not None:
-                    g, u = mx.split(z @ wgu.T, 2, axis=-1)
-                else:
-                    g, u = mlp.gate_proj(z), mlp.up_proj(z)
-                return h + mlp.down_proj(nn.silu(g) * u)
-
-            self._pre.append(wrap(pre))
-            self._post.append(wrap(post))
-
-        tied = getattr(getattr(model, "args", None), "tie_word_embeddings", True)
-
-        def head(x):
-            x = self.inner.norm(x[:, -1, :])
-            if tied or not hasattr(model, "lm_head"):
-                return self.inner.embed_tokens.as_linear(x)
-            return model.lm_head(x)
-
-        self._head = wrap(head)
-
-    def __call__(self, tokens, cache):
-        import mlx.core as mx
-        from mlx_lm.models.base import create_attention_mask
-
-        from engine.attention import grouped_decode_attention
-
-        x = self.inner.embed_tokens(tokens)
-        off = cache[0].offset
-        offset = off if isinstance(off, mx.array) else mx.array(off, dtype=mx.int32)
-        mask = create_attention_mask(x, cache[0])
-        for layer, pre, post, c in zip(self.inner.layers, self._pre, self._post, cache):
-            q, k, v = pre(x, offset)
-            keys, values = c.update_and_fetch(k, v)
-            o = grouped_decode_attention(q, keys, values, layer.self_attn.scale, mask)
-            x = post(x, o)
-        return self._head(x)
-
-
-def _fuse_linears(linears):
-    """Concatenate float ``nn.Linear`` weights along the output dim; the modules'
-    weights become views into the fused array (no extra memory). None if any is
-    quantized or has a bias."""
-    import mlx.core as mx
-    import mlx.nn as nn
-
-    if not all(type(lin) is nn.Linear and "bias" not in lin for lin in linears):
-        return None
-    fused = mx.concatenate([lin.weight for lin in linears], axis=0)
-    mx.eval(fused)
-    start = 0
-    for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight = fused[start : start + n]
-        start += n
-    mx.eval([lin.weight for lin in linears])
-    return fused
-
-
-def make_cpu_decode_step(model, **kw) -> CpuDecodeStep | None:
-    """``CpuDecodeStep(model)`` when the model is supported and MLX runs on the CPU, else None."""
-    import mlx.core as mx
-
-    if mx.default_device() != mx.cpu:
-        return None
-    why = _supported(model)
-    if why:
-        log.info("CpuDecodeStep not used: %s", why)
-        return None
-    return CpuDecodeStep(model, **kw)
+__all__ = ["WEIGHT_FORMATS", "CpuDecodeStep", "best_cpu_weight_format"]

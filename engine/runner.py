@@ -9,22 +9,28 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine import attention
-from engine.cpu_tuning import make_cpu_decode_step
+from engine import attention, cpu_qgemm
+from engine.decode_step import make_decode_step
 from engine.kv import BatchKV, SequenceKV
 
 
 class ModelRunner:
-    def __init__(self, model) -> None:
+    def __init__(
+        self, model, cpu_shadows: dict | None = None, *, fused_decode: bool = True
+    ) -> None:
         self.model = model
         attention.install(model)
         self.num_layers = len(model.layers)
         # The inner transformer (no lm_head): prompt positions whose logits nobody
         # needs skip the vocabulary projection, the largest matmul for small models.
         self.body = getattr(model, "model", None)
-        # On the CPU backend a compiled, fused decode step (llama family) beats the
-        # plain module call; elsewhere (GPU, other families) the model is called as is.
-        self.cpu_step = make_cpu_decode_step(model)
+        # Llama-family models decode through a step with fused QKV and gate/up
+        # projections (engine/decode_step.py: compiled on the CPU, plain on a GPU);
+        # other families, or fused_decode=False, call the model as is.
+        self.decode_step = make_decode_step(model) if fused_decode else None
+        # After the step fused its weights: on the CPU, decode products read the
+        # quantized copies of the float32 weights (engine/cpu_qgemm.py).
+        self.qgemm = cpu_qgemm.register_model(model, cpu_shadows) if cpu_shadows else None
 
     def new_sequence_kv(self) -> list[SequenceKV]:
         return [SequenceKV() for _ in range(self.num_layers)]
@@ -55,6 +61,6 @@ class ModelRunner:
     def decode(self, batch: list[BatchKV], tokens: list[int]) -> mx.array:
         """One token per row; returns logits [B, V]."""
         x = mx.array(tokens, dtype=mx.int32)[:, None]
-        if self.cpu_step is not None:
-            return self.cpu_step(x, batch)
+        if self.decode_step is not None:
+            return self.decode_step(x, batch)
         return self.model(x, cache=batch)[:, -1, :]

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from engine import metrics
-from engine.config import EngineConfig
+from engine.config import EngineConfig, warmup_batch_sizes, warmup_enabled
 from engine.kv import BatchKV, SequenceKV
 from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
@@ -34,6 +34,7 @@ from engine.types import (
     FinishReason,
     GenerationRequest,
     OverloadedError,
+    SamplingParams,
     TokenEvent,
 )
 
@@ -51,7 +52,7 @@ class ModelWorker:
         self.context_length = min(
             c for c in (loaded.context_length, max_context, config.max_kv_tokens) if c
         )
-        self.runner = ModelRunner(loaded.model)
+        self.runner = ModelRunner(loaded.model, loaded.cpu_shadows)
         self.scheduler = Scheduler(config)
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens)
         self.metrics = metrics.ModelMetrics(self.name)
@@ -69,6 +70,8 @@ class ModelWorker:
         self.fatal: BaseException | None = None
         self._stopping = False
         self._closed = False  # set under _lock once the worker stops taking requests
+        self._ready = threading.Event()  # set once the warm-up is over (or skipped)
+        self.warmup_s: float | None = None  # how long the warm-up took; None: not run
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}", daemon=True)
 
     # -- called from other threads ------------------------------------------------------
@@ -77,6 +80,10 @@ class ModelWorker:
 
     def alive(self) -> bool:
         return self._thread.is_alive() and self.fatal is None
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Blocks until the warm-up is done (or was skipped, or the worker died)."""
+        return self._ready.wait(timeout)
 
     def submit(self, request: GenerationRequest, emit: Emit) -> None:
         """Queue a request; raises at once when it can never run or the queue is full."""
@@ -130,6 +137,13 @@ class ModelWorker:
     # -- the loop (worker thread only) ------------------------------------------------
     def _loop(self) -> None:
         try:
+            if warmup_enabled(self.config):
+                try:
+                    self.warmup_s = self.warm_up()
+                    log.info("warm-up of %s took %.2f s", self.name, self.warmup_s)
+                except Exception:  # only an optimisation: serve without it
+                    log.exception("warm-up of %s failed; serving without it", self.name)
+            self._ready.set()
             while not self._stopping:
                 if not (self.waiting or self.prefilling or self.running):
                     self._wake.wait(timeout=0.5)
@@ -145,7 +159,57 @@ class ModelWorker:
             self.fatal = exc
             self._finish_all(FinishReason.ERROR, f"The engine failed: {exc!r}", "engine_dead")
         finally:
+            self._ready.set()
             release_mlx_thread_state()
+
+    def warm_up(self) -> float:
+        """Run what serving runs, once, before the first request: one prefill chunk
+        (a chunk without logits and a last one with them), then two decode steps at
+        each of ``warmup_batch_sizes(max_num_seqs)`` (rows of different lengths, as
+        in the running batch; one step with equal rows too) with greedy and
+        top-p sampling. It compiles MLX's JIT kernels (CUDA: NVRTC, kept in the PTX
+        cache) and traces the compiled decode step per batch size. Throwaway KV
+        only: the batch, the prefix cache, the KV budget and the metrics are not
+        touched. Returns the seconds it took."""
+        t0 = time.monotonic()
+        runner = self.runner
+        cfg = self.loaded.config or {}
+        vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size") or 2
+        sizes = warmup_batch_sizes(self.config.max_num_seqs)
+        steps = 2
+        tail = 8  # the last chunk of a prompt: the one whose logits are sampled
+        total = max(2, min(self.scheduler.chunk_tokens + tail, self.context_length - steps - 1))
+        n = max(1, total - tail)
+        prompt = [(i * 7919 + 13) % vocab for i in range(total)]
+        greedy = RowSampler.from_params(SamplingParams(temperature=0.0))
+        kv = runner.new_sequence_kv()
+        runner.prefill(kv, prompt[:n], want_logits=False)
+        logits = runner.prefill(kv, prompt[n:], want_logits=True)
+        first = sample_batch(logits[None], [greedy])
+        layer_kv = [c.kv() for c in kv]
+        mx.eval(first, layer_kv)
+        token = int(first.item())
+        length = layer_kv[0][0].shape[2]
+        for b in sizes:
+            ragged = [length - r % min(length, 8) for r in range(b)]
+            for lengths in [ragged] + ([[length] * b] if b == 2 else []):
+                batch = runner.new_batch_kv()
+                for rows in lengths:
+                    for layer, (k, v) in zip(batch, layer_kv):
+                        layer.add(k[:, :, :rows], v[:, :, :rows])
+                # a seeded top-p row besides the greedy ones (the global RNG is not used)
+                samplers = [greedy] * (b - 1) + [
+                    RowSampler.from_params(SamplingParams(temperature=1.0, top_p=0.9, seed=0))
+                ]
+                tokens = [token] * b
+                for _ in range(steps if lengths is ragged else 1):
+                    sampled = sample_batch(runner.decode(batch, tokens), samplers)
+                    mx.eval(sampled)
+                    tokens = sampled.tolist()
+                del batch
+        del kv, layer_kv, logits
+        mx.clear_cache()  # the throwaway KV's buffers go back to the system
+        return time.monotonic() - t0
 
     def _drain_inbox(self) -> None:
         aborted = set()

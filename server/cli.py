@@ -41,7 +41,7 @@ def _add_setting_flags(parser: argparse.ArgumentParser, cls: type, title: str) -
         hint = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         help_text = f"(default: {default})"
-        if hint is bool:
+        if hint is bool or set(typing.get_args(hint)) == {bool, type(None)}:
             group.add_argument(
                 flag,
                 dest=f.name,
@@ -177,6 +177,9 @@ def serve(args: argparse.Namespace) -> int:
             DrainingServer(config, engine, grace).run()
     finally:
         engine.shutdown()
+        from engine.worker import release_mlx_thread_state
+
+        release_mlx_thread_state()  # before the interpreter finalizes: no SIGABRT at exit
     return 0
 
 
@@ -217,10 +220,13 @@ def _stop_engine_after(engine, grace: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        # Before anything imports MLX: bind its CPU matmuls to a fast BLAS (no-op on
+        # Before anything imports MLX: keep CUDA's compiled kernels in a per-user
+        # cache (no-op elsewhere), bind its CPU matmuls to a fast BLAS (no-op on
         # macOS and CUDA builds). The HTTP layer itself never imports MLX.
         from engine.cpu_blas import ensure_fast_blas
+        from engine.gpu_setup import default_ptx_cache_dir
 
+        default_ptx_cache_dir()
         ensure_fast_blas()
         return serve(args)
     return 2

@@ -160,7 +160,9 @@ def engine_tokens(model) -> list[list[int]]:
     try:
         return asyncio.run(main())
     finally:
-        client.shutdown()
+        # not shutdown(): that also destroys this thread's MLX streams, and the
+        # callers go on using MLX here (the process releases them at its end)
+        client.stop_workers()
 
 
 def reference() -> dict:
@@ -187,7 +189,8 @@ def cpu_reference() -> dict:
     )
     code = (
         "import json, mlx.core as mx; mx.set_default_device(mx.cpu); "
-        "import tests.test_gpu as t; print('REF' + json.dumps(t.reference()))"
+        "import tests.test_gpu as t; print('REF' + json.dumps(t.reference()), flush=True); "
+        "from engine.worker import release_mlx_thread_state; release_mlx_thread_state()"
     )
     res = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300

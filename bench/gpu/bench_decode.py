@@ -28,6 +28,13 @@ built batch of the same length, to find what a step costs:
 
 Flags combine with "+": ``ragged+gqa+fused+async``, ``worker+gqa+fused``.
 
+"markbase" here is ``ModelRunner(model, fused_decode=False)``: the runner's path as
+NOTES.md measured it, before the engine decoded llama models through
+``engine.decode_step.FusedDecodeStep`` on the GPU too, so that the variants above
+keep their meaning. ``worker`` is the real engine (fused step included, no
+warm-up). The engine's fused step against the unfused one, and the warm-up, are
+measured by ``bench_engine.py``.
+
 It also measures the device copy bandwidth (for the floor: weight + KV bytes per step
 over bandwidth) and prefill tokens/s, and reports first-call (JIT) times.
 On a CPU machine ``--models tiny --check`` checks that every variant yields the same
@@ -604,7 +611,7 @@ class Bench:
             f"{tag} built in {now() - t:.1f} s; {wb / 1e9:.2f} GB of weights read per step; "
             f"KV {kvb} B/token"
         )
-        runner = ModelRunner(model)
+        runner = ModelRunner(model, fused_decode=False)  # module docstring
         common = dict(model=name, quant=quant, weight_bytes=wb, kv_bytes_token=kvb, prompt=a.prompt)
 
         # prefill: the first call JIT-compiles
@@ -825,6 +832,7 @@ def run_worker(model, cfg: dict, quant: str, b: int, prompt: int, steps: int) ->
         prefix_cache_tokens=0,
         max_queued_requests=max(256, b),
         queue_timeout_s=600.0,
+        warmup=False,  # as measured before the engine had one; the steps are timed anyway
     )
     client = EngineClient.from_loaded([(loaded_model(model, cfg, quant), None)], conf)
     worker = client.worker("random")
@@ -893,7 +901,7 @@ def check(args) -> None:
     cfg = CONFIGS["tiny"]
     model = build_model(cfg, "f32")
     randomize(model)
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, fused_decode=False)
     prompt = [(i * 104729 + 7) % cfg["vocab_size"] for i in range(40)]
     layer_kv, first = prefill_row(runner, prompt)
     steps = 12

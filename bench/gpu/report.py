@@ -21,6 +21,8 @@ def load(paths):
     for p in paths:
         docs = json.load(open(p))
         for d in docs if isinstance(docs, list) else [docs]:
+            if d.get("engine") == "mlx-engine":
+                continue  # bench_engine.py: it prints its own table
             (torch if d.get("engine") == "torch" else mlx).append(d)
     return mlx, torch
 

@@ -4,6 +4,7 @@
 #   bash bench/gpu/suite.sh test 1b-bf16 env matmul 8b-bf16 1b-q4 8b-q4   (2nd call)
 #   bash bench/gpu/suite.sh test ragged-1b ragged-8b                        (3rd call)
 #   bash bench/gpu/suite.sh ab                                              (4th call)
+#   bash bench/gpu/suite.sh engine-1b save-ptx                              (README.md)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -14,6 +15,20 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 B="python3 bench/gpu/bench_decode.py --gpu-name=${GPU// /_}"
+E="python3 bench/gpu/bench_engine.py --gpu-name=${GPU// /_}"
+# engine-1b's model; a CPU dry run of the stage: ENGINE_MODEL=tiny ENGINE_QUANT=f32
+EM="--model ${ENGINE_MODEL:-1b} --quant ${ENGINE_QUANT:-bf16}"
+# copies of the PTX and CUDA driver caches as they are now, one per run of a pair,
+# so that the first run's compiles cannot help the second
+snapshot_caches() {
+    local nv=${CUDA_CACHE_PATH:-$HOME/.nv/ComputeCache}
+    for w in "$@"; do
+        rm -rf "/tmp/ptx-$w" "/tmp/nv-$w"
+        mkdir -p "/tmp/ptx-$w" "/tmp/nv-$w"
+        cp -r "$MLX_PTX_CACHE_DIR"/. "/tmp/ptx-$w/" 2>/dev/null || true
+        cp -r "$nv"/. "/tmp/nv-$w/" 2>/dev/null || true
+    done
+}
 for stage in "$@"; do
     echo "=== $stage ($(date +%T))"
     case "$stage" in
@@ -61,6 +76,27 @@ for stage in "$@"; do
         timeout 200 $B --models 1b --quants bf16 --batches 1,32,128 --variant-batches 1,32,128 --repeat 3 \
             --variants async,fused,fused+async,ragged,ragged+gqa,ragged+gqa+fused+async \
             --prefill 0 --budget-s 170 --out "$OUT/ab.json"
+        ;;
+    engine-1b)  # the engine's fused decode step vs unfused (ModelRunner), then warm-up off/on
+        timeout 70 $E ab $EM --batches 1,8,32 --repeat 3 --budget-s 40 \
+            --out "$OUT/engine-ab.json"
+        snapshot_caches off on  # both runs start from the caches the A/B run left
+        for w in off on; do
+            MLX_PTX_CACHE_DIR=/tmp/ptx-$w CUDA_CACHE_PATH=/tmp/nv-$w timeout 35 $E first-request \
+                --warmup $w $EM --out "$OUT/engine-first-$w.json"
+        done
+        cp -rn /tmp/ptx-on/. "$MLX_PTX_CACHE_DIR"/ 2>/dev/null || true
+        ;;
+    engine-1b-cold)  # the same pair from empty caches: a machine's very first start
+        for w in cold-off cold-on; do
+            rm -rf "/tmp/ptx-$w" "/tmp/nv-$w"
+            MLX_PTX_CACHE_DIR=/tmp/ptx-$w CUDA_CACHE_PATH=/tmp/nv-$w timeout 90 $E first-request \
+                --warmup "${w#cold-}" $EM --out "$OUT/engine-first-$w.json"
+        done
+        ;;
+    save-ptx)  # bring the PTX cache back: cp /work/.device/<n>/ptx.tgz .gpu-cache/ (README.md)
+        tar czf "$OUT/ptx.tgz" -C "$(dirname "$MLX_PTX_CACHE_DIR")" "$(basename "$MLX_PTX_CACHE_DIR")"
+        ls -l "$OUT/ptx.tgz"
         ;;
     *) echo "unknown stage $stage" ;;
     esac

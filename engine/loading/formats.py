@@ -133,10 +133,19 @@ def apply_format(
     weight_format: str,
     compute_dtype: mx.Dtype,
     quantizable: set[str],
+    shadows: dict | None = None,
 ) -> WeightSet:
-    """Convert ``ws`` in place to ``weight_format``; float tensors end up in ``compute_dtype``."""
+    """Convert ``ws`` in place to ``weight_format``; float tensors end up in ``compute_dtype``.
+
+    With ``shadows`` (a dict) and a float32 format, each dequantized module's quantized
+    form is kept there as an ``engine.cpu_qgemm.QuantShadow`` (CPU decode reads it)."""
     if weight_format in FLOAT_FORMATS:
+        keep = shadows is not None and compute_dtype == mx.float32
         for module in list(ws.quant):
+            if keep:
+                shadow = _shadow(ws, module)
+                if shadow is not None:
+                    shadows[module] = shadow
             ws.set_float(module, ws.dequantized(module, compute_dtype))
     elif weight_format == "q4":
         for module in list(ws.quant):
@@ -153,6 +162,21 @@ def apply_format(
         if mx.issubdtype(a.dtype, mx.floating) and a.dtype != compute_dtype:
             ws.arrays[name] = a.astype(compute_dtype)
     return ws
+
+
+def _shadow(ws: WeightSet, module: str):
+    from engine.cpu_qgemm import shadow_of
+
+    q = ws.quant[module]
+    if q.get("mode", "affine") != "affine":
+        return None
+    return shadow_of(
+        ws.arrays[f"{module}.weight"],
+        ws.arrays[f"{module}.scales"],
+        ws.arrays.get(f"{module}.biases"),
+        q["bits"],
+        q["group_size"],
+    )
 
 
 def quantize_model_like(model: nn.Module, ws: WeightSet) -> None:

@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
+from engine.cpu_qgemm import shadow_of
 from engine.loading import gguf_quants as gq
 from engine.loading.formats import WeightSet
 from engine.loading.gguf_reader import GGUFFile, GGUFTensor
@@ -292,11 +293,21 @@ def _target_bits(gtype: T, weight_format: str) -> int | None:
     return None
 
 
-def gguf_weights(gf: GGUFFile, arch: GGUFArch, config: dict, weight_format: str) -> WeightSet:
+def gguf_weights(
+    gf: GGUFFile,
+    arch: GGUFArch,
+    config: dict,
+    weight_format: str,
+    shadows: dict | None = None,
+) -> WeightSet:
     """All tensors of ``gf`` under mlx-lm names, already in ``weight_format``'s layout:
     quantized GGML matrices become MLX affine group-32 (losslessly when ``gq.EXACT_BITS``
     allows, else dequantized and requantized), or float32 for the float formats. Float
-    tensors in the file stay float32 (the caller casts to the compute dtype)."""
+    tensors in the file stay float32 (the caller casts to the compute dtype).
+
+    With ``shadows`` (a dict) and a float format, every matrix dequantized from a type
+    that transcodes losslessly also leaves its MLX-quantized form there, by module path
+    (``engine.cpu_qgemm.QuantShadow``: the CPU's decode products read it)."""
     ws = WeightSet(arrays={}, hint=_inverse_hint(arch))
     src = str(gf.path)
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -334,6 +345,17 @@ def gguf_weights(gf: GGUFFile, arch: GGUFArch, config: dict, weight_format: str)
             for n in (target, f"{module}.scales", f"{module}.biases"):
                 ws.origin[n] = origin
             continue
+        if (
+            shadows is not None
+            and bits is None
+            and not is_float
+            and len(shape) == 2
+            and gq.EXACT_BITS.get(t.ggml_type)
+        ):
+            p = gq.transcode(raw, t.ggml_type)
+            shadow = shadow_of(fix(p.weight), fix(p.scales), fix(p.biases), p.bits, p.group_size)
+            if shadow is not None:
+                shadows[module] = shadow
         a = gq.dequantize(raw, t.ggml_type, t.ne[0]).reshape(shape)
         if arch.norm_offset and leaf == "weight" and name.rsplit(".", 2)[-2].endswith("norm"):
             a = a - np.float32(arch.norm_offset)

@@ -25,3 +25,6 @@ class LoadedModel:
     compute_dtype: str = "float32"  # dtype of activations / norms / quantization scales
     quantization: dict | None = None  # mlx-lm "quantization" entry (None: unquantized)
     load_seconds: float = 0.0
+    # Quantized forms of dequantized float32 weights, by module path: CPU decode
+    # products read them (engine.cpu_qgemm). Empty when not used.
+    cpu_shadows: dict = field(default_factory=dict, repr=False)

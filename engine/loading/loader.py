@@ -110,11 +110,27 @@ def load_model(
     return loaded
 
 
-def _finish(model: nn.Module, ws: WeightSet, fmt: str, dtype: mx.Dtype, source: str) -> None:
+def _shadow_dict(fmt: str) -> dict | None:
+    """A dict to collect quantized shadows of float32 weights in, when the CPU's
+    quantized decode products can use them (engine.cpu_qgemm), else None."""
+    from engine.cpu_qgemm import available as qgemm_available
+
+    return {} if fmt == "float32" and qgemm_available() is None else None
+
+
+def _finish(
+    model: nn.Module,
+    ws: WeightSet,
+    fmt: str,
+    dtype: mx.Dtype,
+    source: str,
+    shadows: dict | None,
+) -> dict:
     """``ws`` already went through ``model.sanitize`` (which may also change the model,
-    e.g. gemma3_text drops its lm_head when the weights have none)."""
+    e.g. gemma3_text drops its lm_head when the weights have none). Returns the
+    quantized shadows of dequantized weights (see engine.cpu_qgemm), maybe empty."""
     quantizable = quantizable_modules(model, Q4_GROUP_SIZE) if fmt == "q4" else set()
-    apply_format(ws, fmt, dtype, quantizable)
+    apply_format(ws, fmt, dtype, quantizable, shadows)
     try:
         quantize_model_like(model, ws)
     except ValueError as e:
@@ -123,6 +139,7 @@ def _finish(model: nn.Module, ws: WeightSet, fmt: str, dtype: mx.Dtype, source: 
     model.load_weights(list(ws.arrays.items()), strict=True)
     model.eval()
     mx.eval(model.parameters())
+    return shadows or {}
 
 
 def _load_gguf(path: Path, fmt: str, dtype: mx.Dtype, root: Path) -> LoadedModel:
@@ -134,14 +151,15 @@ def _load_gguf(path: Path, fmt: str, dtype: mx.Dtype, root: Path) -> LoadedModel
         # both spend most of their time outside the GIL.
         tokenizer_future = pool.submit(gguf_tokenizer, gf, root)
         model = build_model(config, str(path))
-        ws = gguf_weights(gf, arch, config, fmt)
+        shadows = _shadow_dict(fmt)
+        ws = gguf_weights(gf, arch, config, fmt, shadows)
         if hasattr(model, "sanitize"):
             ws.arrays = model.sanitize(ws.arrays)
         clock("convert tensors")
         types = describe_types(gf)
         tokenizer = tokenizer_future.result()
         clock("tokenizer (rest)")
-    _finish(model, ws, fmt, dtype, str(path))
+    shadows = _finish(model, ws, fmt, dtype, str(path), shadows)
     clock("format, validate, load")
     return LoadedModel(
         name=path.stem,
@@ -155,6 +173,7 @@ def _load_gguf(path: Path, fmt: str, dtype: mx.Dtype, root: Path) -> LoadedModel
         has_chat_template=tokenizer.has_chat_template,
         compute_dtype=dtype_name(dtype),
         quantization=model_quantization(model),
+        cpu_shadows=shadows,
     )
 
 
@@ -175,7 +194,7 @@ def _load_folder(folder: Path, fmt: str, dtype: mx.Dtype) -> LoadedModel:
     config = read_config(folder)
     model = build_model(config, str(folder))
     ws = folder_weights(folder, model, config)
-    _finish(model, ws, fmt, dtype, str(folder))
+    shadows = _finish(model, ws, fmt, dtype, str(folder), _shadow_dict(fmt))
     eos = config.get("eos_token_id")
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     try:
@@ -198,6 +217,7 @@ def _load_folder(folder: Path, fmt: str, dtype: mx.Dtype) -> LoadedModel:
         has_chat_template=tokenizer.has_chat_template,
         compute_dtype=dtype_name(dtype),
         quantization=quant,
+        cpu_shadows=shadows,
     )
 
 

@@ -1,0 +1,241 @@
+"""A faster decode step for llama-family models: fused projections, on CPU and GPU.
+
+``FusedDecodeStep(model)`` is a drop-in for ``model(tokens, cache=cache)[:, -1, :]``
+in a decode step (one token per row): Q, K and V come from one matmul and gate and
+up from another (the weights concatenated once at construction; the modules'
+weights become views of the fused arrays, so no memory is added), and the
+attention is ``engine.attention``'s routing: MLX's fused SDPA kernel on a GPU when
+the batch needs no array mask, the grouped-query matmuls otherwise (always on the
+CPU). ``make_decode_step`` picks the configuration per backend:
+
+- CPU: every piece before and after the KV update under ``mx.compile`` (fuses the
+  RMSNorm/RoPE/SwiGLU fallbacks into a few JIT kernels), float ``nn.Linear``
+  weights fused, quantized ones left as they are: the step measured in
+  ``engine/cpu_tuning.py`` (1.1-1.3x over the plain module call).
+- GPU: fused projections, float and quantized (``QuantizedLinear`` parts are fused
+  when they share bits, group size and mode), without ``mx.compile``: what
+  bench/gpu/NOTES.md measured on the H200 for 1b bf16 ("fused", +11% at B=1 alone,
+  +57% together with a pipelined loop that the engine does not have yet). A
+  per-layer compiled step was not measured there; ``compile=True`` asks for it.
+
+Prefill keeps using the model's own modules (which read the same weights).
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("markbase.decode_step")
+
+
+def supported(model) -> str | None:
+    """None when ``FusedDecodeStep`` can run ``model``, else why not."""
+    try:
+        from mlx_lm.models import llama
+    except ImportError:
+        return "mlx-lm is not installed"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not layers:
+        return "no model.model.layers"
+    for layer in layers:
+        if type(layer) is not llama.TransformerBlock:
+            return f"layer type {type(layer).__name__} is not llama's TransformerBlock"
+        if getattr(layer, "use_sliding", False):
+            return "sliding-window layers"
+    return None
+
+
+class FusedDecodeStep:
+    """``step(tokens [B, 1] int32, cache) -> logits [B, V]`` (lazy), for decode.
+
+    Drop-in for ``model(tokens, cache=cache)[:, -1, :]`` on a llama-family mlx-lm
+    model, with any cache that follows the mlx-lm protocol (``update_and_fetch``,
+    ``offset`` int or per-row array, ``make_mask``), e.g. markbase's ``BatchKV``.
+    Only for L == 1 decode steps; prefill keeps using the model.
+
+    ``fuse``: concatenate Q/K/V and gate/up weights; ``fuse_quantized``: also for
+    ``QuantizedLinear`` modules; ``compile``: ``mx.compile`` the per-layer pieces
+    around the KV update and the head. Compiled pieces retrace once per batch size
+    (a few ms each in Python; the JIT kernels they need are compiled once per
+    machine and cached by MLX), so keep batch sizes to a few buckets (1, 2, 4, 8,
+    16) if batches change size often.
+    """
+
+    def __init__(
+        self, model, *, fuse: bool = True, fuse_quantized: bool = False, compile: bool = True
+    ) -> None:
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        why = supported(model)
+        if why:
+            raise ValueError(f"FusedDecodeStep does not support this model: {why}")
+        self.model = model
+        self.inner = model.model
+        self.compiled = compile
+        wrap = mx.compile if compile else (lambda f: f)
+        self._pre, self._post = [], []
+        self.fused_groups = 0  # how many of the 2 per layer got one matmul
+        for layer in self.inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            wqkv = wgu = None
+            if fuse:
+                wqkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj], fuse_quantized)
+                wgu = fuse_linears([mlp.gate_proj, mlp.up_proj], fuse_quantized)
+            self.fused_groups += (wqkv is not None) + (wgu is not None)
+            nq = attn.n_heads * attn.head_dim
+            nk = attn.n_kv_heads * attn.head_dim
+
+            def pre(x, offset, layer=layer, attn=attn, wqkv=wqkv, nq=nq, nk=nk):
+                b, length, _ = x.shape
+                h = layer.input_layernorm(x)
+                if wqkv is not None:
+                    q, k, v = mx.split(wqkv(h), [nq, nq + nk], axis=-1)
+                else:
+                    q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+                q = q.reshape(b, length, attn.n_heads, -1).transpose(0, 2, 1, 3)
+                k = k.reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+                v = v.reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+                return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
+
+            def post(x, o, layer=layer, attn=attn, mlp=mlp, wgu=wgu):
+                b, _, length, _ = o.shape
+                h = x + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(b, length, -1))
+                z = layer.post_attention_layernorm(h)
+                if wgu is not None:
+                    g, u = mx.split(wgu(z), 2, axis=-1)
+                else:
+                    g, u = mlp.gate_proj(z), mlp.up_proj(z)
+                return h + mlp.down_proj(nn.silu(g) * u)
+
+            self._pre.append(wrap(pre))
+            self._post.append(wrap(post))
+
+        tied = getattr(getattr(model, "args", None), "tie_word_embeddings", True)
+
+        def head(x):
+            x = self.inner.norm(x[:, -1, :])
+            if tied or not hasattr(model, "lm_head"):
+                return self.inner.embed_tokens.as_linear(x)
+            return model.lm_head(x)
+
+        self._head = wrap(head)
+
+    def __call__(self, tokens, cache):
+        import mlx.core as mx
+        from mlx_lm.models.base import create_attention_mask
+
+        from engine.attention import scaled_dot_product_attention
+
+        x = self.inner.embed_tokens(tokens)
+        off = cache[0].offset
+        offset = off if isinstance(off, mx.array) else mx.array(off, dtype=mx.int32)
+        mask = create_attention_mask(x, cache[0])
+        for layer, pre, post, c in zip(self.inner.layers, self._pre, self._post, cache):
+            q, k, v = pre(x, offset)
+            keys, values = c.update_and_fetch(k, v)
+            # L == 1: grouped-query matmuls on the CPU and under an array mask on a
+            # GPU, MLX's fused kernel on a GPU without one (engine/attention.py)
+            o = scaled_dot_product_attention(q, keys, values, c, layer.self_attn.scale, mask)
+            x = post(x, o)
+        return self._head(x)
+
+
+class _FusedFloat:
+    """``x @ w.T`` with the concatenated weight ``w``."""
+
+    def __init__(self, weight) -> None:
+        self.weight = weight
+
+    def __call__(self, x):
+        return x @ self.weight.T
+
+
+class _FusedQuantized:
+    """``mx.quantized_matmul`` over concatenated weight/scales/biases rows."""
+
+    def __init__(self, weight, scales, biases, group_size: int, bits: int, mode: str) -> None:
+        self.weight, self.scales, self.biases = weight, scales, biases
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+
+    def __call__(self, x):
+        import mlx.core as mx
+
+        return mx.quantized_matmul(
+            x,
+            self.weight,
+            scales=self.scales,
+            biases=self.biases,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
+
+
+def fuse_linears(linears, quantized: bool = False):
+    """One callable ``f(x)`` = the outputs of ``linears`` concatenated, or None.
+
+    Float ``nn.Linear`` weights are concatenated along the output dim. With
+    ``quantized``, ``nn.QuantizedLinear`` modules that share bits, group size and
+    mode are too (weight, scales and biases rows: quantization groups run along
+    the input dim, so output rows concatenate without requantizing). The modules'
+    arrays become views into the fused ones (no extra memory). None if the group
+    mixes kinds or settings, or any module has a bias."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    if any("bias" in lin for lin in linears):
+        return None
+    if all(type(lin) is nn.Linear for lin in linears):
+        names = ("weight",)
+    elif quantized and all(type(lin) is nn.QuantizedLinear for lin in linears):
+        first = linears[0]
+        settings = {(lin.bits, lin.group_size, getattr(lin, "mode", "affine")) for lin in linears}
+        has_biases = {lin.get("biases") is not None for lin in linears}
+        if len(settings) != 1 or len(has_biases) != 1:
+            return None
+        names = ("weight", "scales", "biases") if has_biases.pop() else ("weight", "scales")
+    else:
+        return None
+    fused = {n: mx.concatenate([lin[n] for lin in linears], axis=0) for n in names}
+    mx.eval(list(fused.values()))
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        for n in names:
+            setattr(lin, n, fused[n][start : start + rows])
+        start += rows
+    mx.eval([lin[n] for lin in linears for n in names])
+    if names == ("weight",):
+        return _FusedFloat(fused["weight"])
+    return _FusedQuantized(
+        fused["weight"],
+        fused["scales"],
+        fused.get("biases"),
+        first.group_size,
+        first.bits,
+        getattr(first, "mode", "affine"),
+    )
+
+
+def on_gpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+def make_decode_step(model, *, compile: bool | None = None) -> FusedDecodeStep | None:
+    """The decode step for ``model`` on the default device, or None (use the model).
+
+    CPU: ``FusedDecodeStep(model)`` (compiled, float weights fused). GPU: fused
+    float and quantized weights, not compiled unless ``compile=True``. None when
+    the model is not a plain llama-family model."""
+    why = supported(model)
+    if why:
+        log.info("fused decode step not used: %s", why)
+        return None
+    if on_gpu():
+        return FusedDecodeStep(model, fuse_quantized=True, compile=bool(compile))
+    return FusedDecodeStep(model, compile=True if compile is None else compile)

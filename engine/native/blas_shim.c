@@ -1,0 +1,690 @@
+/* markbase's cblas_sgemm shim for MLX's Linux CPU backend (see engine/cpu_blas.py).
+
+   Loaded with RTLD_GLOBAL before the real BLAS, so libmlx.so's cblas_sgemm binds
+   here. Three routes for C = alpha * A * op(B) + beta * C:
+
+   1. Quantized weights (engine/cpu_qgemm.py): the float32 weight matrix B has a
+      registered MLX affine-quantized copy (4 or 8 bits, groups of 32/64/128, the
+      same values the float32 matrix was dequantized from). For small M (decode
+      steps) the product reads the 4/8-bit copy instead of the float32 one: 4-8x
+      fewer bytes, and decode on a CPU is bound by the bytes read per token.
+   2. M == 1 products through cblas_sgemv (OpenBLAS 0.3.21's sgemm packs the whole
+      weight matrix on every call; sgemv reads it once).
+   3. Everything else: the real cblas_sgemm.
+*/
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define MB_AVX512 1
+#ifdef __AVX512VNNI__
+#define MB_VNNI 1
+#endif
+#endif
+
+enum { RowMajor = 101 };
+enum { NoTrans = 111, Trans = 112 };
+typedef void (*sgemm_t)(int, int, int, int, int, int, float, const float *, int,
+                        const float *, int, float, float *, int);
+typedef void (*sgemv_t)(int, int, int, int, float, const float *, int,
+                        const float *, int, float, float *, int);
+typedef void (*setthr_t)(int);
+typedef int (*getthr_t)(void);
+static sgemm_t real_sgemm;
+static sgemv_t real_sgemv;
+static setthr_t set_threads; /* openblas_set_num_threads, when the library has it */
+/* Threads per kind of call (0: the library's default): M == 1 gemv, sgemm with
+   M < small_m (decode batches: OpenBLAS's threads stall there when other processes
+   share the cores), and the rest (prefill). */
+static int default_threads, cur_threads;
+static int gemv_threads, small_gemm_threads = 1, gemm_threads;
+static int small_m = 16;
+static int use_gemv = 1;
+/* Below this many matrix elements a gemv is too small to pay OpenBLAS's thread
+   hand-off (its sgemv goes 2-threaded from 9216 elements; sgemm stays 1-threaded
+   below M*N*K = 262144): attention's 64 x T products stay on sgemm. */
+static long gemv_min_elems = 65536;
+static long n_gemv, n_gemm;
+
+int markbase_blas_init(const char *path) {
+  /* RTLD_LOCAL: never promote a library into the global scope from here (Python
+     loads the fast BLAS with RTLD_GLOBAL itself, after this shim). */
+  void *h = path && *path ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : RTLD_NEXT;
+  if (!h) return -1;
+  real_sgemm = (sgemm_t)dlsym(h, "cblas_sgemm");
+  real_sgemv = (sgemv_t)dlsym(h, "cblas_sgemv");
+  set_threads = (setthr_t)dlsym(h, "openblas_set_num_threads");
+  getthr_t get_threads = (getthr_t)dlsym(h, "openblas_get_num_threads");
+  default_threads = get_threads ? get_threads() : 0;
+  cur_threads = default_threads;
+  return (real_sgemm && real_sgemv) ? 0 : -2;
+}
+void markbase_blas_set_gemv(int on) { use_gemv = on; }
+void markbase_blas_set_gemv_min(long elems) { gemv_min_elems = elems; }
+int markbase_blas_set_threads(int gemv, int small_gemm, int gemm, int small_m_rows) {
+  gemv_threads = gemv;
+  small_gemm_threads = small_gemm;
+  gemm_threads = gemm;
+  if (small_m_rows >= 0) small_m = small_m_rows;
+  return set_threads != 0;
+}
+static inline void use_threads(int n) {
+  if (n <= 0) n = default_threads;
+  if (n > 0 && n != cur_threads && set_threads) {
+    set_threads(n);
+    cur_threads = n;
+  }
+}
+long markbase_blas_calls(int gemv) { return gemv ? n_gemv : n_gemm; }
+__attribute__((constructor)) static void markbase_blas_ctor(void) {
+  const char *p = getenv("MARKBASE_BLAS_REAL");
+  if (p && *p) markbase_blas_init(p);
+}
+
+/* ------------------------------------------------------------ quantized weights */
+
+typedef struct {
+  int n0, n;          /* rows [n0, n0 + n) of the float32 matrix */
+  int bits, gs;       /* 4 or 8; group size, a multiple of 32 */
+  const uint8_t *q;   /* n rows of K * bits / 8 bytes, MLX's packing (low bits first) */
+  const float *s, *b; /* n rows of K / gs scales and biases: w = s * q + b */
+} qseg_t;
+
+#define QSEG_MAX 4
+typedef struct {
+  const float *w; /* the float32 weight's data: the key, with N */
+  int N, K, nseg, rows, ready;
+  qseg_t seg[QSEG_MAX];
+} qw_t;
+
+#define QTAB 4096 /* entries; a power of two */
+#define QTOMB ((const float *)1)
+static qw_t qtab[QTAB];
+static int q_on = 1, q_max_m = 16, q_threads = 0;
+static int q_spin_us = 30; /* a pool helper's wait for the next job before it sleeps */
+static int q_act_i8 = 0;    /* inputs as int8 blocks (VNNI, opt-in), else exact float products */
+static long q_hits;
+
+static inline unsigned qhash(const float *w, int N) {
+  uint64_t h = (uint64_t)(uintptr_t)w * 0x9E3779B97F4A7C15ull ^ (uint64_t)N * 0xC2B2AE3D27D4EB4Full;
+  return (unsigned)(h >> 40) & (QTAB - 1);
+}
+
+static const qw_t *qfind(const float *w, int N, int K) {
+  for (unsigned i = qhash(w, N), probes = 0; probes < QTAB; i = (i + 1) & (QTAB - 1), probes++) {
+    const float *k = __atomic_load_n(&qtab[i].w, __ATOMIC_ACQUIRE);
+    if (!k) return 0;
+    if (k == w && qtab[i].N == N && qtab[i].K == K &&
+        __atomic_load_n(&qtab[i].ready, __ATOMIC_ACQUIRE))
+      return &qtab[i];
+  }
+  return 0;
+}
+
+/* Adds one segment of weight (w, N, K); the weight is used once its segments cover
+   all N rows. 0 on success, <0 on a bad argument or a full table. Called from Python
+   while the model is set up, never concurrently with itself. */
+int markbase_qw_add(const float *w, int N, int K, int n0, int n, int bits, int gs,
+                    const void *q, const float *s, const float *b) {
+  if (!w || N <= 0 || K <= 0 || n <= 0 || n0 < 0 || n0 + n > N) return -1;
+  if ((bits != 4 && bits != 8) || gs < 32 || gs % 32 || K % gs) return -2;
+  unsigned i = qhash(w, N), probes = 0, tomb = QTAB;
+  for (; probes < QTAB; i = (i + 1) & (QTAB - 1), probes++) {
+    const float *k = qtab[i].w;
+    if (k == QTOMB) {
+      if (tomb == QTAB) tomb = i;
+      continue;
+    }
+    if (!k || (k == w && qtab[i].N == N)) break;
+  }
+  if (probes == QTAB && tomb == QTAB) return -3;
+  qw_t *e;
+  if (probes < QTAB && qtab[i].w == w) {
+    e = &qtab[i];
+    if (e->K != K || e->nseg >= QSEG_MAX || e->ready) return -4;
+  } else {
+    e = &qtab[(tomb < QTAB) ? tomb : i];
+    e->ready = 0;
+    e->N = N;
+    e->K = K;
+    e->nseg = 0;
+    e->rows = 0;
+    __atomic_store_n(&e->w, w, __ATOMIC_RELEASE);
+  }
+  qseg_t *sg = &e->seg[e->nseg++];
+  sg->n0 = n0;
+  sg->n = n;
+  sg->bits = bits;
+  sg->gs = gs;
+  sg->q = (const uint8_t *)q;
+  sg->s = s;
+  sg->b = b;
+  e->rows += n;
+  if (e->rows == N) __atomic_store_n(&e->ready, 1, __ATOMIC_RELEASE);
+  return 0;
+}
+
+int markbase_qw_remove(const float *w, int N) {
+  for (unsigned i = qhash(w, N), probes = 0; probes < QTAB; i = (i + 1) & (QTAB - 1), probes++) {
+    const float *k = qtab[i].w;
+    if (!k) return -1;
+    if (k == w && qtab[i].N == N) {
+      __atomic_store_n(&qtab[i].ready, 0, __ATOMIC_RELEASE);
+      __atomic_store_n(&qtab[i].w, QTOMB, __ATOMIC_RELEASE);
+      return 0;
+    }
+  }
+  return -1;
+}
+
+/* threads: the pool's size, read when the first product runs (0: the CPUs this
+   process may use; 1: no pool, switchable at any time); spin_us: how long an idle helper waits for work before sleeping. */
+void markbase_qw_set_int8(int on) { q_act_i8 = on; }
+int markbase_qw_has_int8(void) {
+#ifdef MB_VNNI
+  return 1;
+#else
+  return 0;
+#endif
+}
+void markbase_qw_config(int on, int max_m, int threads, int spin_us) {
+  q_on = on;
+  if (max_m >= 0) q_max_m = max_m;
+  if (threads >= 0) q_threads = threads;
+  if (spin_us >= 0) q_spin_us = spin_us;
+}
+long markbase_qw_hits(void) { return __atomic_load_n(&q_hits, __ATOMIC_RELAXED); }
+int markbase_qw_simd(void) {
+#ifdef MB_AVX512
+  return 512;
+#else
+  return 0;
+#endif
+}
+
+
+/* Per-call inputs, prepared once per product: for 4-bit rows the even and odd
+   elements of each input row apart (a packed byte holds elements 2j and 2j+1). */
+typedef struct {
+  int M, K;
+  const float *A;
+  int lda;
+  float *xe, *xo; /* float mode: M x K/2 each */
+  /* int8 mode (llama.cpp-style: each 32-element block of an input row as int8 times
+     one float scale; the weight's affine bias meets the exact float block sum) */
+  int i8;
+  int nblk, c4, c8;      /* 32-blocks per row; 128- and 64-weight chunks per row */
+  int8_t *qe, *qo, *q8;  /* M rows of c4*64 (4-bit: even/odd elements) / c8*64 bytes */
+  float *d4, *d8;        /* M rows of c4*16 / c8*16 lane scales (block scale per lane) */
+  float *xs;             /* M rows of nblk16 block sums */
+  int nblk16;            /* nblk rounded up to 16 */
+} qin_t;
+
+#define MT 8 /* input rows per register tile */
+
+#ifdef MB_AVX512
+/* dot4_<T> / dot8_<T>: T input rows against one weight row; every weight block is
+   dequantized once into registers (w = s * q + b) and used for all T rows. */
+#define DEF_DOT4(T)                                                                    \
+  static void dot4_##T(const uint8_t *q, const float *s, const float *b, int K, int gs, \
+                       const float *xe, const float *xo, int xstride, float *out) {    \
+    /* separate sums for the low and high nibbles: two FMA chains per row, so one  \
+       row is not bound by the FMA latency */                                      \
+    __m512 al[T], ah[T];                                                               \
+    for (int i = 0; i < T; i++) al[i] = ah[i] = _mm512_setzero_ps();                   \
+    const int per = gs / 32;                                                           \
+    const __m512i lowmask = _mm512_set1_epi32(15);                                     \
+    for (int g = 0, blk = 0; g < K / gs; g++) {                                        \
+     __m512 sc = _mm512_set1_ps(s[g]), bi = _mm512_set1_ps(b[g]);                      \
+     for (int j = 0; j < per; j++, blk++) {                                            \
+      __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + blk * 16))); \
+      __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, lowmask)), sc, bi); \
+      __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), sc, bi); \
+      for (int i = 0; i < T; i++) {                                                    \
+        al[i] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xe + i * xstride + blk * 16), al[i]); \
+        ah[i] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xo + i * xstride + blk * 16), ah[i]); \
+      }                                                                                \
+     }                                                                                 \
+    }                                                                                  \
+    for (int i = 0; i < T; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(al[i], ah[i])); \
+  }
+#define DEF_DOT8(T)                                                                    \
+  static void dot8_##T(const uint8_t *q, const float *s, const float *b, int K, int gs, \
+                       const float *x, int xstride, float *out) {                      \
+    __m512 a0[T], a1[T];                                                               \
+    for (int i = 0; i < T; i++) a0[i] = a1[i] = _mm512_setzero_ps();                   \
+    const int per = gs / 32;                                                           \
+    for (int g = 0, blk = 0; g < K / gs; g++) {                                        \
+     __m512 sc = _mm512_set1_ps(s[g]), bi = _mm512_set1_ps(b[g]);                      \
+     for (int j = 0; j < per; j++, blk++) {                                            \
+      __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(             \
+                                      _mm_loadu_si128((const __m128i *)(q + blk * 32)))), \
+                                  sc, bi);                                             \
+      __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(             \
+                                      _mm_loadu_si128((const __m128i *)(q + blk * 32 + 16)))), \
+                                  sc, bi);                                             \
+      for (int i = 0; i < T; i++) {                                                    \
+        a0[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i * xstride + blk * 32), a0[i]); \
+        a1[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + i * xstride + blk * 32 + 16), a1[i]); \
+      }                                                                                \
+     }                                                                                 \
+    }                                                                                  \
+    for (int i = 0; i < T; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i])); \
+  }
+DEF_DOT4(1) DEF_DOT4(2) DEF_DOT4(3) DEF_DOT4(4) DEF_DOT4(5) DEF_DOT4(6) DEF_DOT4(7) DEF_DOT4(8)
+DEF_DOT8(1) DEF_DOT8(2) DEF_DOT8(3) DEF_DOT8(4) DEF_DOT8(5) DEF_DOT8(6) DEF_DOT8(7) DEF_DOT8(8)
+typedef void (*dot4_t)(const uint8_t *, const float *, const float *, int, int, const float *,
+                       const float *, int, float *);
+typedef void (*dot8_t)(const uint8_t *, const float *, const float *, int, int, const float *,
+                       int, float *);
+static const dot4_t dot4_tab[MT + 1] = {0, dot4_1, dot4_2, dot4_3, dot4_4,
+                                        dot4_5, dot4_6, dot4_7, dot4_8};
+static const dot8_t dot8_tab[MT + 1] = {0, dot8_1, dot8_2, dot8_3, dot8_4,
+                                        dot8_5, dot8_6, dot8_7, dot8_8};
+#define DOT4(T, ...) dot4_tab[T](__VA_ARGS__)
+#define DOT8(T, ...) dot8_tab[T](__VA_ARGS__)
+#else
+static void dot4_any(int T, const uint8_t *q, const float *s, const float *b, int K, int gs,
+                     const float *xe, const float *xo, int xstride, float *out) {
+  for (int i = 0; i < T; i++) {
+    float acc = 0.f;
+    for (int k = 0; k < K / 2; k++) {
+      float sc = s[(2 * k) / gs], bi = b[(2 * k) / gs];
+      acc += ((q[k] & 15) * sc + bi) * xe[i * xstride + k] + ((q[k] >> 4) * sc + bi) * xo[i * xstride + k];
+    }
+    out[i] = acc;
+  }
+}
+static void dot8_any(int T, const uint8_t *q, const float *s, const float *b, int K, int gs,
+                     const float *x, int xstride, float *out) {
+  for (int i = 0; i < T; i++) {
+    float acc = 0.f;
+    for (int k = 0; k < K; k++) acc += (q[k] * s[k / gs] + b[k / gs]) * x[i * xstride + k];
+    out[i] = acc;
+  }
+}
+#define DOT4(T, ...) dot4_any(T, __VA_ARGS__)
+#define DOT8(T, ...) dot8_any(T, __VA_ARGS__)
+#endif
+
+#ifdef MB_VNNI
+/* Lane l of a dpbusd result sums bytes 4l..4l+3: with 4-bit weights a 64-byte chunk
+   holds 4 blocks (4 lanes each), with 8-bit weights 2 blocks (8 lanes each). */
+static const int32_t lane_blk4[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+static const int32_t lane_blk8[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+
+#define DEF_IDOT(T)                                                                    \
+  static void idot_##T(int bits, const uint8_t *q, const float *s, const float *b,     \
+                       const qin_t *in, int m0, float *out) {                          \
+    __m512 acc[T];                                                                     \
+    for (int i = 0; i < T; i++) acc[i] = _mm512_setzero_ps();                          \
+    const int nblk = in->nblk;                                                         \
+    if (bits == 4) {                                                                   \
+      const __m512i idx = _mm512_loadu_si512(lane_blk4), low = _mm512_set1_epi8(15);   \
+      const int rowbytes = nblk * 16;                                                  \
+      for (int c = 0; c < in->c4; c++) {                                               \
+        int left = rowbytes - c * 64, nb = nblk - c * 4;                               \
+        __mmask64 mq = left >= 64 ? ~0ull : ((1ull << left) - 1);                      \
+        __mmask16 ms = nb >= 4 ? 0xF : (__mmask16)((1u << nb) - 1);                    \
+        __m512i v = _mm512_maskz_loadu_epi8(mq, q + c * 64);                           \
+        __m512i lo = _mm512_and_si512(v, low);                                         \
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                   \
+        __m512 sv = _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(ms, s + c * 4));  \
+        for (int i = 0; i < T; i++) {                                                  \
+          const int8_t *xe = in->qe + (size_t)(m0 + i) * in->c4 * 64 + c * 64;         \
+          const int8_t *xo = in->qo + (size_t)(m0 + i) * in->c4 * 64 + c * 64;         \
+          __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xe)); \
+          d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(xo));                      \
+          __m512 dx = _mm512_loadu_ps(in->d4 + (size_t)(m0 + i) * in->c4 * 16 + c * 16); \
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sv, dx), acc[i]); \
+        }                                                                              \
+      }                                                                                \
+    } else {                                                                           \
+      const __m512i idx = _mm512_loadu_si512(lane_blk8);                               \
+      const int rowbytes = nblk * 32;                                                  \
+      for (int c = 0; c < in->c8; c++) {                                               \
+        int left = rowbytes - c * 64, nb = nblk - c * 2;                               \
+        __mmask64 mq = left >= 64 ? ~0ull : ((1ull << left) - 1);                      \
+        __mmask16 ms = nb >= 2 ? 0x3 : 0x1;                                            \
+        __m512i v = _mm512_maskz_loadu_epi8(mq, q + c * 64);                           \
+        __m512 sv = _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(ms, s + c * 2));  \
+        for (int i = 0; i < T; i++) {                                                  \
+          const int8_t *x = in->q8 + (size_t)(m0 + i) * in->c8 * 64 + c * 64;          \
+          __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(x)); \
+          __m512 dx = _mm512_loadu_ps(in->d8 + (size_t)(m0 + i) * in->c8 * 16 + c * 16); \
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sv, dx), acc[i]); \
+        }                                                                              \
+      }                                                                                \
+    }                                                                                  \
+    /* the affine biases: sum over blocks of b * (exact float block sum of x) */       \
+    for (int c = 0; c < in->nblk16; c += 16) {                                         \
+      int nb = nblk - c;                                                               \
+      __mmask16 mb = nb >= 16 ? 0xFFFF : (__mmask16)((1u << nb) - 1);                  \
+      __m512 bv = _mm512_maskz_loadu_ps(mb, b + c);                                    \
+      for (int i = 0; i < T; i++)                                                      \
+        acc[i] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(in->xs + (size_t)(m0 + i) * in->nblk16 + c), acc[i]); \
+    }                                                                                  \
+    for (int i = 0; i < T; i++) out[i] = _mm512_reduce_add_ps(acc[i]);                 \
+  }
+DEF_IDOT(1) DEF_IDOT(2) DEF_IDOT(3) DEF_IDOT(4) DEF_IDOT(5) DEF_IDOT(6) DEF_IDOT(7) DEF_IDOT(8)
+typedef void (*idot_t)(int, const uint8_t *, const float *, const float *, const qin_t *, int,
+                       float *);
+static const idot_t idot_tab[MT + 1] = {0, idot_1, idot_2, idot_3, idot_4,
+                                        idot_5, idot_6, idot_7, idot_8};
+
+/* Quantizes every input row to int8 blocks (scale = max|x| / 127 per 32 elements). */
+static void prep_i8(qin_t *in) {
+  const int K = in->K, nblk = in->nblk;
+  for (int m = 0; m < in->M; m++) {
+    const float *x = in->A + (size_t)m * in->lda;
+    int8_t *qe = in->qe + (size_t)m * in->c4 * 64, *qo = in->qo + (size_t)m * in->c4 * 64;
+    int8_t *q8 = in->q8 + (size_t)m * in->c8 * 64;
+    float *d4 = in->d4 + (size_t)m * in->c4 * 16, *d8 = in->d8 + (size_t)m * in->c8 * 16;
+    float *xs = in->xs + (size_t)m * in->nblk16;
+    memset(qe, 0, (size_t)in->c4 * 64);
+    memset(qo, 0, (size_t)in->c4 * 64);
+    memset(q8, 0, (size_t)in->c8 * 64);
+    memset(d4, 0, (size_t)in->c4 * 16 * sizeof(float));
+    memset(d8, 0, (size_t)in->c8 * 16 * sizeof(float));
+    memset(xs, 0, (size_t)in->nblk16 * sizeof(float));
+    for (int blk = 0; blk < nblk; blk++) {
+      __m512 a = _mm512_loadu_ps(x + blk * 32), c = _mm512_loadu_ps(x + blk * 32 + 16);
+      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+      xs[blk] = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
+      float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      __m512 iv = _mm512_set1_ps(inv);
+      __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, iv)); /* round to nearest even */
+      __m512i ic = _mm512_cvtps_epi32(_mm512_mul_ps(c, iv));
+      int8_t tmp[32];
+      _mm_storeu_si128((__m128i *)tmp, _mm512_cvtsepi32_epi8(ia));
+      _mm_storeu_si128((__m128i *)(tmp + 16), _mm512_cvtsepi32_epi8(ic));
+      memcpy(q8 + blk * 32, tmp, 32);
+      for (int j = 0; j < 16; j++) {
+        qe[blk * 16 + j] = tmp[2 * j];
+        qo[blk * 16 + j] = tmp[2 * j + 1];
+      }
+      for (int l = 0; l < 4; l++) d4[(blk / 4) * 16 + (blk % 4) * 4 + l] = d;
+      for (int l = 0; l < 8; l++) d8[(blk / 2) * 16 + (blk % 2) * 8 + l] = d;
+    }
+  }
+  (void)K;
+}
+#endif
+
+/* One weight row n (of segment sg) against every input row. */
+static inline void qrow(const qseg_t *sg, int n, const qin_t *in, float alpha, float beta,
+                        float *C, int ldc) {
+  const int K = in->K, r = n - sg->n0, ng = K / sg->gs;
+  const uint8_t *q = sg->q + (size_t)r * (K * sg->bits / 8);
+  const float *s = sg->s + (size_t)r * ng, *b = sg->b + (size_t)r * ng;
+  float out[MT];
+  for (int m0 = 0; m0 < in->M; m0 += MT) {
+    int mt = in->M - m0 < MT ? in->M - m0 : MT;
+#ifdef MB_VNNI
+    if (in->i8)
+      idot_tab[mt](sg->bits, q, s, b, in, m0, out);
+    else
+#endif
+    if (sg->bits == 4)
+      DOT4(mt, q, s, b, K, sg->gs, in->xe + (size_t)m0 * (K / 2), in->xo + (size_t)m0 * (K / 2),
+           K / 2, out);
+    else
+      DOT8(mt, q, s, b, K, sg->gs, in->A + (size_t)m0 * in->lda, in->lda, out);
+    for (int i = 0; i < mt; i++) {
+      float y = alpha * out[i];
+      float *c = C + (size_t)(m0 + i) * ldc + n;
+      *c = beta == 0.f ? y : y + beta * *c;
+    }
+  }
+}
+
+/* ---- the thread pool: callers never wait on a helper that is not running ----
+
+   A product is cut into tiles of 16 weight rows. The calling thread (MLX's CPU
+   stream) publishes the job and works through the tiles itself; helpers, woken by a
+   futex, claim tiles from the same counter. The caller waits only for tiles a helper
+   has already claimed, so when the machine is busy and a helper is not scheduled,
+   the caller just does all the work (OpenMP's join would wait for that helper's
+   whole share, a scheduler time slice or more: measured 2-3x slower steps on 2
+   shared cores). The counter carries the job's generation in its high half, so a
+   late helper can never claim a tile of a newer job with an older job's fields. */
+typedef struct {
+  const qw_t *e;
+  const qin_t *in;
+  float alpha, beta;
+  float *C;
+  int ldc, tiles;
+} qjob_t;
+
+#define TILE 16
+static qjob_t pool_job;
+static uint64_t pool_claim; /* generation << 32 | next tile */
+static int pool_done;       /* tiles finished in the current job */
+static uint32_t pool_gen;   /* futex word: bumped for each job */
+static int pool_sleepers, pool_helpers, pool_started;
+static long pool_helper_tiles, pool_jobs; /* for markbase_qw_pool_stats */
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER; /* one job at a time */
+static pthread_mutex_t pool_init_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void run_tile(const qjob_t *j, int t) {
+  const qw_t *e = j->e;
+  int n = t * TILE, end = n + TILE < e->N ? n + TILE : e->N, si = 0;
+  for (; n < end; n++) {
+    while (n >= e->seg[si].n0 + e->seg[si].n) si++;
+    qrow(&e->seg[si], n, j->in, j->alpha, j->beta, j->C, j->ldc);
+  }
+}
+
+/* Claims and runs tiles of generation g until none are left. */
+static void work_on(uint32_t g) {
+  for (;;) {
+    uint64_t v = __atomic_load_n(&pool_claim, __ATOMIC_ACQUIRE);
+    if ((uint32_t)(v >> 32) != g) return;
+    int t = (int)(uint32_t)v;
+    if (t >= pool_job.tiles) return;
+    if (!__atomic_compare_exchange_n(&pool_claim, &v, v + 1, 0, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE))
+      continue;
+    run_tile(&pool_job, t);
+    __atomic_fetch_add(&pool_done, 1, __ATOMIC_RELEASE);
+  }
+}
+
+static void work_on_counted(uint32_t g) {
+  for (;;) {
+    uint64_t v = __atomic_load_n(&pool_claim, __ATOMIC_ACQUIRE);
+    if ((uint32_t)(v >> 32) != g) return;
+    int t = (int)(uint32_t)v;
+    if (t >= pool_job.tiles) return;
+    if (!__atomic_compare_exchange_n(&pool_claim, &v, v + 1, 0, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE))
+      continue;
+    run_tile(&pool_job, t);
+    __atomic_fetch_add(&pool_helper_tiles, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&pool_done, 1, __ATOMIC_RELEASE);
+  }
+}
+
+/* jobs run through the pool, tiles the helpers did, helper threads */
+void markbase_qw_pool_stats(long *out) {
+  out[0] = __atomic_load_n(&pool_jobs, __ATOMIC_RELAXED);
+  out[1] = __atomic_load_n(&pool_helper_tiles, __ATOMIC_RELAXED);
+  out[2] = pool_helpers;
+}
+
+static double now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
+static void *helper_main(void *arg) {
+  (void)arg;
+  uint32_t seen = __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE);
+  for (;;) {
+    double until = now_us() + q_spin_us;
+    uint32_t g;
+    while ((g = __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE)) == seen && now_us() < until)
+      __builtin_ia32_pause();
+    if (g == seen) {
+      __atomic_fetch_add(&pool_sleepers, 1, __ATOMIC_ACQ_REL);
+      syscall(SYS_futex, &pool_gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+      __atomic_fetch_sub(&pool_sleepers, 1, __ATOMIC_ACQ_REL);
+      continue;
+    }
+    seen = g;
+    long before = __atomic_load_n(&pool_done, __ATOMIC_RELAXED);
+    (void)before;
+    work_on_counted(g);
+  }
+  return NULL;
+}
+
+static int pool_threads(void) {
+  if (q_threads > 1) return q_threads;
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+  return 1;
+}
+
+static void pool_start(void) {
+  pthread_mutex_lock(&pool_init_lock);
+  if (!pool_started) {
+    int want = pool_threads() - 1;
+    for (int i = 0; i < want && i < 63; i++) {
+      pthread_t th;
+      pthread_attr_t at;
+      pthread_attr_init(&at);
+      pthread_attr_setstacksize(&at, 256 * 1024);
+      if (pthread_create(&th, &at, helper_main, NULL) == 0) {
+        pthread_detach(th);
+        pool_helpers++;
+      }
+      pthread_attr_destroy(&at);
+    }
+    __atomic_store_n(&pool_started, 1, __ATOMIC_RELEASE);
+  }
+  pthread_mutex_unlock(&pool_init_lock);
+}
+
+static void run_job(const qw_t *e, const qin_t *in, float alpha, float beta, float *C, int ldc) {
+  const int tiles = (e->N + TILE - 1) / TILE;
+  const long work = (long)e->N * e->K * (in->M < MT ? in->M : MT);
+  if (!__atomic_load_n(&pool_started, __ATOMIC_ACQUIRE)) pool_start();
+  if (pool_helpers == 0 || q_threads == 1 || work < 200000 || pthread_mutex_trylock(&pool_lock) != 0) {
+    qjob_t j = {e, in, alpha, beta, C, ldc, tiles};
+    for (int t = 0; t < tiles; t++) run_tile(&j, t);
+    return;
+  }
+  pool_job = (qjob_t){e, in, alpha, beta, C, ldc, tiles};
+  __atomic_store_n(&pool_done, 0, __ATOMIC_RELAXED);
+  uint32_t g = pool_gen + 1;
+  __atomic_store_n(&pool_claim, (uint64_t)g << 32, __ATOMIC_RELEASE);
+  __atomic_store_n(&pool_gen, g, __ATOMIC_RELEASE);
+  if (__atomic_load_n(&pool_sleepers, __ATOMIC_ACQUIRE))
+    syscall(SYS_futex, &pool_gen, FUTEX_WAKE_PRIVATE, pool_helpers, NULL, NULL, 0);
+  pool_jobs++;
+  work_on(g);
+  while (__atomic_load_n(&pool_done, __ATOMIC_ACQUIRE) < tiles) __builtin_ia32_pause();
+  pthread_mutex_unlock(&pool_lock);
+}
+
+static __thread float *q_buf;
+static __thread size_t q_cap;
+
+static int qgemm(const qw_t *e, int M, const float *A, int lda, float alpha, float beta, float *C,
+                 int ldc) {
+  const int K = e->K;
+  qin_t in = {M, K, A, lda};
+#ifdef MB_VNNI
+  if (q_act_i8) {
+    in.i8 = 1;
+    in.nblk = K / 32;
+    in.c4 = (in.nblk + 3) / 4;
+    in.c8 = (in.nblk + 1) / 2;
+    in.nblk16 = (in.nblk + 15) / 16 * 16;
+    size_t bytes = (size_t)M * (2 * in.c4 * 64 + in.c8 * 64);
+    size_t floats = (size_t)M * (in.c4 * 16 + in.c8 * 16 + in.nblk16);
+    size_t need = floats + (bytes + 3) / 4;
+    if (need > q_cap) {
+      float *p = (float *)realloc(q_buf, need * sizeof(float));
+      if (!p) return -1;
+      q_buf = p;
+      q_cap = need;
+    }
+    in.d4 = q_buf;
+    in.d8 = in.d4 + (size_t)M * in.c4 * 16;
+    in.xs = in.d8 + (size_t)M * in.c8 * 16;
+    in.qe = (int8_t *)(in.xs + (size_t)M * in.nblk16);
+    in.qo = in.qe + (size_t)M * in.c4 * 64;
+    in.q8 = in.qo + (size_t)M * in.c4 * 64;
+    prep_i8(&in);
+    run_job(e, &in, alpha, beta, C, ldc);
+    __atomic_fetch_add(&q_hits, 1, __ATOMIC_RELAXED);
+    return 0;
+  }
+#endif
+  size_t need = (size_t)M * K;
+  if (need > q_cap) {
+    float *p = (float *)realloc(q_buf, need * sizeof(float));
+    if (!p) return -1;
+    q_buf = p;
+    q_cap = need;
+  }
+  in.xe = q_buf;
+  in.xo = q_buf + (size_t)M * (K / 2);
+  for (int m = 0; m < M; m++) {
+    const float *x = A + (size_t)m * lda;
+    float *xe = in.xe + (size_t)m * (K / 2), *xo = in.xo + (size_t)m * (K / 2);
+    for (int j = 0; j < K / 2; j++) {
+      xe[j] = x[2 * j];
+      xo[j] = x[2 * j + 1];
+    }
+  }
+  run_job(e, &in, alpha, beta, C, ldc);
+  __atomic_fetch_add(&q_hits, 1, __ATOMIC_RELAXED);
+  return 0;
+}
+
+/* For tests: the product through the quantized route regardless of M and the switch. */
+int markbase_qw_matmul(const float *w, int N, int K, int M, const float *A, float *C) {
+  const qw_t *e = qfind(w, N, K);
+  if (!e) return -1;
+  return qgemm(e, M, A, K, 1.0f, 0.0f, C, N);
+}
+
+void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha,
+                 const float *A, int lda, const float *B, int ldb, float beta,
+                 float *C, int ldc) {
+  if (!real_sgemm && markbase_blas_init(NULL) != 0) abort();
+  if (q_on && order == RowMajor && ta == NoTrans && tb == Trans && ldb == K && M > 0 &&
+      M <= q_max_m && K % 32 == 0) {
+    const qw_t *e = qfind(B, N, K);
+    if (e && qgemm(e, M, A, lda, alpha, beta, C, ldc) == 0) return;
+  }
+  if (use_gemv && order == RowMajor && M == 1 && N > 1 && K > 0 &&
+      (long)N * (long)K >= gemv_min_elems) {
+    /* C[1 x N] = alpha * op(A)[1 x K] * op(B)[K x N] + beta * C */
+    int incx = (ta == NoTrans) ? 1 : lda;
+    if (beta == 0.0f) memset(C, 0, sizeof(float) * (size_t)N);
+    n_gemv++;
+    use_threads(gemv_threads);
+    if (tb == Trans) /* B is N x K */
+      real_sgemv(RowMajor, NoTrans, N, K, alpha, B, ldb, A, incx, beta, C, 1);
+    else /* B is K x N */
+      real_sgemv(RowMajor, Trans, K, N, alpha, B, ldb, A, incx, beta, C, 1);
+    return;
+  }
+  n_gemm++;
+  use_threads(M < small_m ? small_gemm_threads : gemm_threads);
+  real_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}

@@ -1,0 +1,122 @@
+"""engine.decode_step: the fused decode step equals the plain model call, for float
+and 4-bit weights, and make_decode_step keeps the CPU configuration as it was."""
+
+from __future__ import annotations
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+nn = pytest.importorskip("mlx.nn")
+
+from engine.decode_step import FusedDecodeStep, fuse_linears, make_decode_step  # noqa: E402
+from engine.kv import BatchKV, SequenceKV  # noqa: E402
+from engine.loading import build_random_model  # noqa: E402
+from engine.runner import ModelRunner  # noqa: E402
+
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=97,
+    tie_word_embeddings=True,
+)
+PROMPTS = ([5, 6, 7, 8, 9, 10], [11, 12, 13])  # rows of different lengths: an array mask
+
+
+def _batch(model, prompts=PROMPTS):
+    n = len(model.layers)
+    caches = [BatchKV() for _ in range(n)]
+    for prompt in prompts:
+        seq = [SequenceKV() for _ in range(n)]
+        model(mx.array([prompt]), cache=seq)
+        for layer, c in enumerate(caches):
+            c.add(*seq[layer].kv())
+    return caches
+
+
+def _check_against_model(model, step, prompts=PROMPTS, steps=3, atol=1e-4):
+    """``step`` on one batch = the model's own call on an identical batch, for a few
+    greedy steps. The model's modules read the fused arrays' views, as prefill does."""
+    mine, theirs = _batch(model, prompts), _batch(model, prompts)
+    tokens = mx.array([[1]] * len(prompts), dtype=mx.int32)
+    for _ in range(steps):
+        got = step(tokens, mine)
+        want = model(tokens, cache=theirs)[:, -1, :]
+        assert got.shape == want.shape
+        assert mx.allclose(got, want, atol=atol).item(), mx.abs(got - want).max().item()
+        tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
+
+
+@pytest.mark.parametrize("compile", [True, False])
+def test_float_fused_step_matches_model(compile):
+    model = build_random_model("llama", TINY, seed=3).model
+    step = FusedDecodeStep(model, compile=compile)
+    assert step.fused_groups == 2 * len(model.layers)
+    _check_against_model(model, step)
+    _check_against_model(model, step, prompts=(PROMPTS[0],))  # one row: no mask
+
+
+@pytest.mark.parametrize("compile", [True, False])
+def test_quantized_fused_step_matches_model(compile):
+    """Native 4-bit (QuantizedLinear, group 32): weight, scales and biases rows
+    concatenated (the GPU configuration, run here on the CPU)."""
+    loaded = build_random_model("llama", TINY, seed=4, quantize_bits=4, group_size=32)
+    model = loaded.model
+    assert type(model.layers[0].self_attn.q_proj) is nn.QuantizedLinear
+    before = model(mx.array([[3, 4, 5]]))[:, -1, :]
+    step = FusedDecodeStep(model, fuse_quantized=True, compile=compile)
+    assert step.fused_groups == 2 * len(model.layers)
+    q = model.layers[0].self_attn.q_proj
+    assert q.weight.shape[0] == TINY["hidden_size"]  # a view of its own rows
+    after = model(mx.array([[3, 4, 5]]))[:, -1, :]  # the views hold the same values
+    assert mx.array_equal(before, after).item()
+    _check_against_model(model, step)
+
+
+def test_quantized_parts_with_different_settings_are_not_fused():
+    a = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4)
+    b = nn.QuantizedLinear(64, 16, bias=False, group_size=32, bits=8)
+    c = nn.QuantizedLinear(64, 16, bias=False, group_size=64, bits=4)
+    assert fuse_linears([a, b], quantized=True) is None
+    assert fuse_linears([a, c], quantized=True) is None
+    assert fuse_linears([a, a], quantized=False) is None  # quantized only when asked
+    with_bias = nn.Linear(64, 16, bias=True)
+    assert fuse_linears([nn.Linear(64, 16, bias=False), with_bias]) is None
+    mixed = [nn.Linear(64, 16, bias=False), a]
+    assert fuse_linears(mixed, quantized=True) is None
+
+
+def test_quantized_fuse_equals_the_parts():
+    parts = [nn.QuantizedLinear(64, n, bias=False, group_size=32, bits=4) for n in (32, 16, 16)]
+    x = mx.random.normal((3, 64))
+    want = mx.concatenate([p(x) for p in parts], axis=-1)
+    fused = fuse_linears(parts, quantized=True)
+    assert fused is not None
+    assert mx.array_equal(fused(x), want).item()
+    assert mx.array_equal(mx.concatenate([p(x) for p in parts], axis=-1), want).item()
+
+
+def test_cpu_configuration_is_unchanged():
+    """On the CPU: compiled, float weights fused, quantized ones left alone (as the
+    step was before it ran on GPUs too)."""
+    if mx.default_device().type == mx.DeviceType.gpu:
+        pytest.skip("checks the CPU configuration")
+    model = build_random_model("llama", TINY, seed=5).model
+    step = make_decode_step(model)
+    assert step is not None and step.compiled and step.fused_groups == 4
+    qmodel = build_random_model("llama", TINY, seed=5, quantize_bits=4, group_size=32).model
+    qstep = make_decode_step(qmodel)
+    assert qstep is not None and qstep.compiled and qstep.fused_groups == 0
+
+
+def test_runner_fused_decode_switch():
+    loaded = build_random_model("llama", TINY, seed=6)
+    assert ModelRunner(loaded.model, fused_decode=False).decode_step is None
+    assert isinstance(ModelRunner(loaded.model).decode_step, FusedDecodeStep)
+    other = build_random_model(
+        "qwen3", {**TINY, "head_dim": 16, "max_position_embeddings": 512, "rope_theta": 1e4}, seed=6
+    )
+    assert make_decode_step(other.model) is None  # not a llama TransformerBlock
