@@ -484,8 +484,8 @@ static void run_tile(const qjob_t *j, int t) {
   }
 }
 
-/* Claims and runs tiles of generation g until none are left. */
-static void work_on(uint32_t g) {
+/* Claims and runs tiles of generation g until none are left (helper: count them). */
+static void work_on(uint32_t g, int helper) {
   for (;;) {
     uint64_t v = __atomic_load_n(&pool_claim, __ATOMIC_ACQUIRE);
     if ((uint32_t)(v >> 32) != g) return;
@@ -495,21 +495,7 @@ static void work_on(uint32_t g) {
                                      __ATOMIC_ACQUIRE))
       continue;
     run_tile(&pool_job, t);
-    __atomic_fetch_add(&pool_done, 1, __ATOMIC_RELEASE);
-  }
-}
-
-static void work_on_counted(uint32_t g) {
-  for (;;) {
-    uint64_t v = __atomic_load_n(&pool_claim, __ATOMIC_ACQUIRE);
-    if ((uint32_t)(v >> 32) != g) return;
-    int t = (int)(uint32_t)v;
-    if (t >= pool_job.tiles) return;
-    if (!__atomic_compare_exchange_n(&pool_claim, &v, v + 1, 0, __ATOMIC_ACQ_REL,
-                                     __ATOMIC_ACQUIRE))
-      continue;
-    run_tile(&pool_job, t);
-    __atomic_fetch_add(&pool_helper_tiles, 1, __ATOMIC_RELAXED);
+    if (helper) __atomic_fetch_add(&pool_helper_tiles, 1, __ATOMIC_RELAXED);
     __atomic_fetch_add(&pool_done, 1, __ATOMIC_RELEASE);
   }
 }
@@ -542,9 +528,7 @@ static void *helper_main(void *arg) {
       continue;
     }
     seen = g;
-    long before = __atomic_load_n(&pool_done, __ATOMIC_RELAXED);
-    (void)before;
-    work_on_counted(g);
+    work_on(g, 1);
   }
   return NULL;
 }
@@ -593,7 +577,7 @@ static void run_job(const qw_t *e, const qin_t *in, float alpha, float beta, flo
   if (__atomic_load_n(&pool_sleepers, __ATOMIC_ACQUIRE))
     syscall(SYS_futex, &pool_gen, FUTEX_WAKE_PRIVATE, pool_helpers, NULL, NULL, 0);
   pool_jobs++;
-  work_on(g);
+  work_on(g, 0);
   while (__atomic_load_n(&pool_done, __ATOMIC_ACQUIRE) < tiles) __builtin_ia32_pause();
   pthread_mutex_unlock(&pool_lock);
 }
