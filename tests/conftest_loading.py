@@ -59,6 +59,19 @@ def sequence_logits(loaded: LoadedModel, ids: list[int]) -> np.ndarray:
     return np.array(logits)
 
 
+# The config of the random-weight llama that engine tests build (build_random_model).
+RANDOM_LLAMA = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=256,
+    tie_word_embeddings=True,
+)
+
+
 # --- tiny GGUF files written the way llama.cpp's convert_hf_to_gguf.py writes them -------
 
 TINY_LLAMA = dict(

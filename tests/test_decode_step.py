@@ -8,21 +8,14 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 nn = pytest.importorskip("mlx.nn")
 
+from conftest_loading import RANDOM_LLAMA  # noqa: E402
+
 from engine.decode_step import FusedDecodeStep, fuse_linears, make_decode_step  # noqa: E402
 from engine.kv import BatchKV, SequenceKV  # noqa: E402
 from engine.loading import build_random_model  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    vocab_size=97,
-    tie_word_embeddings=True,
-)
+TINY = {**RANDOM_LLAMA, "vocab_size": 97}
 PROMPTS = ([5, 6, 7, 8, 9, 10], [11, 12, 13])  # rows of different lengths: an array mask
 
 

@@ -10,6 +10,7 @@ import asyncio
 import time
 
 import pytest
+from conftest_loading import RANDOM_LLAMA
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
@@ -22,16 +23,7 @@ from engine.types import (
     SamplingParams,
 )
 
-TINY_LLAMA = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    vocab_size=256,
-    tie_word_embeddings=True,
-)
+TINY_LLAMA = RANDOM_LLAMA
 
 
 def make_client(loaded, **cfg) -> EngineClient:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from conftest_loading import RANDOM_LLAMA
 from prometheus_client import REGISTRY
 
 from engine.client import EngineClient
@@ -15,16 +16,7 @@ from engine.types import GenerationRequest, SamplingParams
 from server.cli import build_parser, overrides_from_args
 from server.config import load_settings
 
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    vocab_size=256,
-    tie_word_embeddings=True,
-)
+TINY = RANDOM_LLAMA
 PROMPTS = [list(range(1, 6)), [7] * 40, list(range(30, 90))]
 COUNTERS = (
     "markbase_prompt_tokens_total",
