@@ -13,7 +13,8 @@ CPU). ``make_decode_step`` picks the configuration per backend:
   weights fused, quantized ones left as they are: the step measured in
   ``engine/cpu_tuning.py`` (1.1-1.3x over the plain module call).
 - GPU: fused projections, float and quantized (``QuantizedLinear`` parts are fused
-  when they share bits, group size and mode), without ``mx.compile``: what
+  when they share bits, group size and mode), every product written the way
+  ``engine/gpu_linear.py``'s plan says for its row count, without ``mx.compile``: what
   bench/gpu/NOTES.md measured on the H200 for 1b bf16 ("fused", +11% at B=1 alone,
   +57% together with a pipelined loop that the engine does not have yet). A
   per-layer compiled step was not measured there; ``compile=True`` asks for it.
@@ -24,6 +25,8 @@ Prefill keeps using the model's own modules (which read the same weights).
 from __future__ import annotations
 
 import logging
+
+from engine.gpu_linear import GpuLinear, GpuQuantizedLinear
 
 log = logging.getLogger("markbase.decode_step")
 
@@ -63,10 +66,18 @@ class FusedDecodeStep:
     """
 
     def __init__(
-        self, model, *, fuse: bool = True, fuse_quantized: bool = False, compile: bool = True
+        self,
+        model,
+        *,
+        fuse: bool = True,
+        fuse_quantized: bool = False,
+        compile: bool = True,
+        gpu_plans: bool = False,
     ) -> None:
         import mlx.core as mx
         import mlx.nn as nn
+
+        from engine import gpu_linear
 
         why = supported(model)
         if why:
@@ -81,9 +92,13 @@ class FusedDecodeStep:
             attn, mlp = layer.self_attn, layer.mlp
             wqkv = wgu = None
             if fuse:
-                wqkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj], fuse_quantized)
-                wgu = fuse_linears([mlp.gate_proj, mlp.up_proj], fuse_quantized)
+                qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+                wqkv = fuse_linears(qkv, fuse_quantized, gpu_plans)
+                wgu = fuse_linears([mlp.gate_proj, mlp.up_proj], fuse_quantized, gpu_plans)
             self.fused_groups += (wqkv is not None) + (wgu is not None)
+            # gpu_plans: every product follows engine/gpu_linear.py's plan by rows
+            o_proj = (gpu_plans and gpu_linear.for_module(attn.o_proj)) or attn.o_proj
+            down_proj = (gpu_plans and gpu_linear.for_module(mlp.down_proj)) or mlp.down_proj
             nq = attn.n_heads * attn.head_dim
             nk = attn.n_kv_heads * attn.head_dim
 
@@ -99,26 +114,29 @@ class FusedDecodeStep:
                 v = v.reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
                 return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
 
-            def post(x, o, layer=layer, attn=attn, mlp=mlp, wgu=wgu):
+            def post(x, o, layer=layer, mlp=mlp, wgu=wgu, o_proj=o_proj, down_proj=down_proj):
                 b, _, length, _ = o.shape
-                h = x + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(b, length, -1))
+                h = x + o_proj(o.transpose(0, 2, 1, 3).reshape(b, length, -1))
                 z = layer.post_attention_layernorm(h)
                 if wgu is not None:
                     g, u = mx.split(wgu(z), 2, axis=-1)
                 else:
                     g, u = mlp.gate_proj(z), mlp.up_proj(z)
-                return h + mlp.down_proj(nn.silu(g) * u)
+                return h + down_proj(nn.silu(g) * u)
 
             self._pre.append(wrap(pre))
             self._post.append(wrap(post))
 
         tied = getattr(getattr(model, "args", None), "tie_word_embeddings", True)
+        lm_head = None
+        if not tied and hasattr(model, "lm_head"):
+            lm_head = (gpu_plans and gpu_linear.for_module(model.lm_head)) or model.lm_head
 
         def head(x):
             x = self.inner.norm(x[:, -1, :])
-            if tied or not hasattr(model, "lm_head"):
+            if lm_head is None:
                 return self.inner.embed_tokens.as_linear(x)
-            return model.lm_head(x)
+            return lm_head(x)
 
         self._head = wrap(head)
 
@@ -174,7 +192,7 @@ class _FusedQuantized:
         )
 
 
-def fuse_linears(linears, quantized: bool = False):
+def fuse_linears(linears, quantized: bool = False, gpu_plans: bool = False):
     """One callable ``f(x)`` = the outputs of ``linears`` concatenated, or None.
 
     Float ``nn.Linear`` weights are concatenated along the output dim. With
@@ -209,8 +227,8 @@ def fuse_linears(linears, quantized: bool = False):
         start += rows
     mx.eval([lin[n] for lin in linears for n in names])
     if names == ("weight",):
-        return _FusedFloat(fused["weight"])
-    return _FusedQuantized(
+        return GpuLinear(fused["weight"]) if gpu_plans else _FusedFloat(fused["weight"])
+    return (GpuQuantizedLinear if gpu_plans else _FusedQuantized)(
         fused["weight"],
         fused["scales"],
         fused.get("biases"),
@@ -237,5 +255,5 @@ def make_decode_step(model, *, compile: bool | None = None) -> FusedDecodeStep |
         log.info("fused decode step not used: %s", why)
         return None
     if on_gpu():
-        return FusedDecodeStep(model, fuse_quantized=True, compile=bool(compile))
+        return FusedDecodeStep(model, fuse_quantized=True, compile=bool(compile), gpu_plans=True)
     return FusedDecodeStep(model, compile=True if compile is None else compile)

@@ -162,12 +162,14 @@ class BatchKV:
         self.length -= trim
         self._set_pad([p - trim for p in pad])
 
-    def row_kv(self, row: int) -> tuple[mx.array, mx.array]:
-        """One row's KV without padding: [1, H, L, D]."""
+    def row_kv(self, row: int, tokens: int | None = None) -> tuple[mx.array, mx.array]:
+        """One row's KV without padding: [1, H, L, D], only its first ``tokens`` if
+        given (a pipelined step may already have written one more)."""
         p = self.pad[row]
+        end = self.length if tokens is None else min(self.length, p + tokens)
         return (
-            self.keys[row : row + 1, :, p : self.length, :],
-            self.values[row : row + 1, :, p : self.length, :],
+            self.keys[row : row + 1, :, p:end, :],
+            self.values[row : row + 1, :, p:end, :],
         )
 
     @property

@@ -58,9 +58,13 @@ class ModelRunner:
         else:
             self.model(x, cache=kv)
 
-    def decode(self, batch: list[BatchKV], tokens: list[int]) -> mx.array:
-        """One token per row; returns logits [B, V]."""
-        x = mx.array(tokens, dtype=mx.int32)[:, None]
+    def decode(self, batch: list[BatchKV], tokens: list[int] | mx.array) -> mx.array:
+        """One token per row; returns logits [B, V]. ``tokens`` may be the previous
+        step's sampled array, still being computed: the worker's pipelined loop
+        builds step i+1 on it before step i's tokens reach the host."""
+        if not isinstance(tokens, mx.array):
+            tokens = mx.array(tokens, dtype=mx.int32)
+        x = tokens.astype(mx.int32)[:, None]
         if self.decode_step is not None:
             return self.decode_step(x, batch)
         return self.model(x, cache=batch)[:, -1, :]

@@ -20,7 +20,12 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from engine import metrics
-from engine.config import EngineConfig, warmup_batch_sizes, warmup_enabled
+from engine.config import (
+    EngineConfig,
+    pipeline_decode_enabled,
+    warmup_batch_sizes,
+    warmup_enabled,
+)
 from engine.kv import BatchKV, SequenceKV
 from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
@@ -67,6 +72,10 @@ class ModelWorker:
         self.running: list[Sequence] = []  # row i of self.batch
         self.kv_reserved = 0
         self.steps = 0
+        self.pipeline = pipeline_decode_enabled(config)
+        # The queued decode step (pipelined mode): its sampled tokens, on the
+        # device, and the rows they belong to.
+        self._inflight: tuple[mx.array, list[Sequence]] | None = None
         self.fatal: BaseException | None = None
         self._stopping = False
         self._closed = False  # set under _lock once the worker stops taking requests
@@ -340,24 +349,83 @@ class ModelWorker:
         self.running.append(seq)
 
     def _decode_step(self) -> None:
-        seqs = self.running
-        tokens = [s.next_token for s in seqs]
+        """One token for every running row. Pipelined (GPU): queue this step on the
+        device, then deliver the previous step's tokens while it runs. Otherwise:
+        compute, read back and deliver this step's tokens."""
+        seqs = list(self.running)
+        prev, self._inflight = self._inflight, None
         try:
-            logits = self.runner.decode(self.batch, tokens)
-            mx.eval(logits)
+            logits = self.runner.decode(self.batch, self._decode_inputs(seqs, prev))
         except Exception as exc:
             # The batched forward itself failed: nothing in this batch can go on.
             log.exception("decode step failed")
-            for seq in seqs:
-                self._finish(
-                    seq, FinishReason.ERROR, error=f"Decode failed: {exc!r}", error_kind="internal"
-                )
-            self._drop_finished_rows()
+            if prev is not None:
+                self._deliver(*prev)
+            self._fail_batch(f"Decode failed: {exc!r}")
             return
         self.metrics.step_batch_size.observe(len(seqs))
-        new_tokens = self._sample_rows(logits, seqs)
+        if self.pipeline:
+            try:
+                sampled = sample_batch(logits, [s.sampler for s in seqs])
+                mx.async_eval(sampled)
+            except Exception:
+                log.exception("batched sampling failed; retrying row by row")
+            else:
+                self._inflight = (sampled, seqs)
+                if prev is not None:
+                    self._deliver(sampled=prev[0], seqs=prev[1])
+                return
+        if prev is not None:
+            self._deliver(*prev)
+        try:
+            mx.eval(logits)
+        except Exception as exc:
+            log.exception("decode step failed")
+            self._fail_batch(f"Decode failed: {exc!r}")
+            return
+        self._accept_rows(seqs, self._sample_rows(logits, seqs))
+
+    def _decode_inputs(
+        self, seqs: list[Sequence], prev: tuple[mx.array, list[Sequence]] | None
+    ) -> list[int] | mx.array:
+        """This step's input token per row. Rows of the step still in flight take
+        its sampled array (never read back); rows that joined since (they follow
+        them, in order) take the token their prefill sampled."""
+        if prev is None:
+            return [s.next_token for s in seqs]
+        sampled, snap = prev
+        if len(snap) == len(seqs) and all(a is b for a, b in zip(snap, seqs)):
+            return sampled
+        pos = {id(s): j for j, s in enumerate(snap)}
+        kept = [pos[id(s)] for s in seqs if id(s) in pos]
+        joined = [s.next_token for s in seqs[len(kept) :]]
+        assert all(id(s) not in pos for s in seqs[len(kept) :]), "rows out of order"
+        parts = []
+        if kept:
+            same = kept == list(range(len(snap)))
+            parts.append(sampled if same else sampled[mx.array(kept, dtype=mx.int32)])
+        if joined:
+            parts.append(mx.array(joined, dtype=mx.int32))
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+    def _deliver(self, sampled: mx.array, seqs: list[Sequence]) -> None:
+        """Read back a queued step's tokens and hand them to their rows. A failure
+        here is the device's: the rows' KV depends on it, so the batch ends."""
+        try:
+            tokens = sampled.tolist()
+        except Exception as exc:
+            log.exception("decode step failed")
+            self._inflight = None
+            self._fail_batch(f"Decode failed: {exc!r}")
+            return
+        self._accept_rows(seqs, tokens)
+
+    def _accept_rows(self, seqs: list[Sequence], tokens: list[int | None]) -> None:
         any_done = False
-        for seq, tok in zip(seqs, new_tokens):
+        for seq, tok in zip(seqs, tokens):
+            if seq.state is not SeqState.RUNNING:  # ended since the step was queued
+                any_done = True
+                continue
             if tok is None:
                 any_done = True
                 continue
@@ -374,6 +442,11 @@ class ModelWorker:
                 any_done = True
         if any_done:
             self._drop_finished_rows()
+
+    def _fail_batch(self, message: str) -> None:
+        for seq in self.running:
+            self._finish(seq, FinishReason.ERROR, error=message, error_kind="internal")
+        self._drop_finished_rows()
 
     def _sample_rows(self, logits: mx.array, seqs: list[Sequence]) -> list[int | None]:
         """Sample the whole batch at once; if that fails, row by row, so only the
@@ -491,7 +564,7 @@ class ModelWorker:
             return
         row = self.running.index(seq)
         fed = seq.prompt + seq.output_ids[:-1]  # the last token was never fed
-        self.prefix_cache.insert(fed, [layer.row_kv(row) for layer in self.batch])
+        self.prefix_cache.insert(fed, [layer.row_kv(row, len(fed)) for layer in self.batch])
 
     def _record_finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.metrics.finished(reason.value)
@@ -504,6 +577,8 @@ class ModelWorker:
         for layer in self.batch:
             layer.keep(keep)
         self.running = [self.running[i] for i in keep]
+        if not self.running:
+            self._inflight = None  # only ended rows were in it
 
     def _finish_all(self, reason: FinishReason, message: str, kind: str) -> None:
         with self._lock:  # from here on submit() refuses, so the inbox drain below is final

@@ -113,3 +113,31 @@ def test_runner_fused_decode_switch():
         "qwen3", {**TINY, "head_dim": 16, "max_position_embeddings": 512, "rope_theta": 1e4}, seed=6
     )
     assert make_decode_step(other.model) is None  # not a llama TransformerBlock
+
+
+@pytest.mark.parametrize(
+    "float_plan,quant_plan",
+    [("1:xwt", "1:qmm"), ("1:wxt", "1:deq"), ("1:xwt,2:wxt", "1:qmm,2:deqwxt")],
+)
+def test_gpu_matmul_plans_give_the_same_step(monkeypatch, float_plan, quant_plan):
+    """Every formulation engine/gpu_linear.py can pick (run here on the CPU) computes
+    the same products: the step still equals the model's own call, float and 4-bit,
+    one row and two (the plans above switch form at 2 rows)."""
+    monkeypatch.setenv("MARKBASE_GPU_FLOAT_PLAN", float_plan)
+    monkeypatch.setenv("MARKBASE_GPU_QUANT_PLAN", quant_plan)
+    untied = {**TINY, "tie_word_embeddings": False}
+    for kw in ({}, {"quantize_bits": 4, "group_size": 32}):
+        model = build_random_model("llama", untied, seed=5, **kw).model
+        step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
+        _check_against_model(model, step, atol=2e-4)
+        _check_against_model(model, step, prompts=(PROMPTS[0],), atol=2e-4)
+
+
+def test_gpu_matmul_plan_parsing():
+    from engine.gpu_linear import FLOAT_FORMS, parse_plan
+
+    plan = parse_plan("8:wxt, 1:xwt", FLOAT_FORMS)
+    assert [plan.form(n) for n in (1, 7, 8, 128)] == ["xwt", "xwt", "wxt", "wxt"]
+    for bad in ("", "8wxt", "x:wxt", "1:fast"):
+        with pytest.raises(ValueError, match="GPU matmul plan"):
+            parse_plan(bad, FLOAT_FORMS)

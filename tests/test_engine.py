@@ -48,10 +48,14 @@ async def generate(client, model, prompt_tokens, **params):
     return tokens, text, last
 
 
-@pytest.fixture(scope="module")
-def tiny():
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "pipelined"])
+def tiny(request):
+    """Every test on it runs twice: decode steps read back one by one (the CPU's
+    default) and pipelined (the GPU's: step i+1 queued before step i is read)."""
     loaded = build_random_model("llama", TINY_LLAMA, seed=1)
-    client = make_client(loaded, max_num_seqs=8, prefill_chunk_tokens=8)
+    client = make_client(
+        loaded, max_num_seqs=8, prefill_chunk_tokens=8, pipeline_decode=request.param
+    )
     yield loaded.name, client
     client.shutdown()
 
@@ -63,24 +67,26 @@ def test_batched_greedy_equals_alone(tiny):
     """Greedy tokens must not depend on what else shares the batch."""
     model, client = tiny
 
+    lengths = [24, 5, 13, 24]  # rows leave the batch at different steps
+
     async def main():
         alone = [
-            (await generate(client, model, p, max_tokens=24, temperature=0, ignore_eos=True))[0]
-            for p in PROMPTS
+            (await generate(client, model, p, max_tokens=n, temperature=0, ignore_eos=True))[0]
+            for p, n in zip(PROMPTS, lengths)
         ]
         together = await asyncio.gather(
             *[
-                generate(client, model, p, max_tokens=24, temperature=0, ignore_eos=True)
-                for p in PROMPTS
+                generate(client, model, p, max_tokens=n, temperature=0, ignore_eos=True)
+                for p, n in zip(PROMPTS, lengths)
             ]
         )
         return alone, [t[0] for t in together], [t[2] for t in together]
 
     alone, together, lasts = asyncio.run(main())
     assert together == alone
-    for last in lasts:
+    for last, n in zip(lasts, lengths):
         assert last.finish_reason is FinishReason.LENGTH
-        assert last.completion_tokens == 24
+        assert last.completion_tokens == n
 
 
 def test_staggered_arrivals_join_running_batch(tiny):
@@ -150,6 +156,34 @@ def test_prefix_cache_hit_gives_identical_output(tiny):
     assert warm[0] == cold[0]
     assert warm[2].cached_tokens >= 48
     assert warm[2].prompt_tokens == len(prompt)
+
+
+def test_next_turn_reuses_the_reply_kv(tiny):
+    """A finished reply's KV is kept (prompt + reply, the last token never fed), so
+    the next turn of the chat prefills only its new tokens, and its output equals a
+    run with the prefix cache off (in both decode modes: a pipelined step has
+    already written one more token when the reply ends)."""
+    model, client = tiny
+    loaded = build_random_model("llama", TINY_LLAMA, seed=1)
+    cold_client = make_client(loaded, max_num_seqs=8, prefill_chunk_tokens=8, prefix_cache_tokens=0)
+    first = [11, 12, 13] * 11  # 33 tokens
+
+    async def turns(c, name):
+        reply, _, _ = await generate(c, name, first, max_tokens=20, temperature=0, ignore_eos=True)
+        second = first + reply + [4, 5, 6]
+        tokens, _, last = await generate(
+            c, name, second, max_tokens=12, temperature=0, ignore_eos=True
+        )
+        return reply, tokens, last
+
+    try:
+        reply, warm, last = asyncio.run(turns(client, model))
+        cold_reply, cold, _ = asyncio.run(turns(cold_client, loaded.name))
+    finally:
+        cold_client.shutdown()
+    assert reply == cold_reply and warm == cold
+    fed = len(first) + len(reply) - 1
+    assert last.cached_tokens == fed - fed % 16  # whole 16-token blocks of what was fed
 
 
 def test_cancel_frees_the_slot(tiny):

@@ -5,6 +5,7 @@
 #   bash bench/gpu/suite.sh test ragged-1b ragged-8b                        (3rd call)
 #   bash bench/gpu/suite.sh ab                                              (4th call)
 #   bash bench/gpu/suite.sh engine-1b save-ptx                              (README.md)
+#   bash bench/gpu/suite.sh test engine-table                                 (the table)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -76,6 +77,22 @@ for stage in "$@"; do
         timeout 200 $B --models 1b --quants bf16 --batches 1,32,128 --variant-batches 1,32,128 --repeat 3 \
             --variants async,fused,fused+async,ragged,ragged+gqa,ragged+gqa+fused+async \
             --prefill 0 --budget-s 170 --out "$OUT/ab.json"
+        ;;
+    plans)  # which formulation of the decode products wins per row count (engine/gpu_linear.py);
+        # later stages of this call run with the winners (exported)
+        timeout ${PLANS_TIMEOUT:-200} python3 bench/gpu/matmul_rows.py --rows ${PLAN_ROWS:-1,8,32,128} \
+            --out "$OUT/matmul_rows.json" --plans "$OUT/plans.env"
+        [ -f "$OUT/plans.env" ] && source "$OUT/plans.env" && cat "$OUT/plans.env"
+        ;;
+    engine-table)  # the engine as served (ModelWorker: fused step, GQA under masks, pipelined
+        # loop, ragged rows), 1b/8b x bf16/q4 at B=1,8,32,128, plus a 2k-token prefill
+        for mq in ${TABLE_CONFIGS:-1b:bf16 1b:q4 8b:bf16 8b:q4}; do
+            m=${mq%%:*} q=${mq##*:} steps=128
+            [ "$q" = q4 ] && [ "$m" = 8b ] && steps=48  # ~100+ ms steps
+            timeout ${TABLE_TIMEOUT:-150} $B --models "$m" --quants "$q" --batches 1 --variants worker \
+                --variant-batches "${TABLE_BATCHES:-1,8,32,128}" --steps $steps --chunk 0 \
+                --budget-s $(( ${TABLE_TIMEOUT:-150} - 20 )) --out "$OUT/table-$m-$q.json"
+        done
         ;;
     engine-1b)  # the engine's fused decode step vs unfused (ModelRunner), then warm-up off/on
         timeout 70 $E ab $EM --batches 1,8,32 --repeat 3 --budget-s 40 \

@@ -1,0 +1,152 @@
+"""How the decode step's linear layers multiply on a GPU, by the number of rows.
+
+MLX 0.32.4's CUDA matmuls are fast for one row but slow for the skinny products of
+a batched decode step: bench/gpu/NOTES.md measured its bf16 products moving the
+weights at 1.47 TB/s for 1 row and 0.8 TB/s for 8-128 rows, and its 4-bit
+``quantized_matmul`` at 0.09-0.15 TB/s from 8 rows on (8b 4-bit at 32 rows: 104 ms
+a step). The same product can be written in ways that reach other kernels:
+
+- float: ``xwt`` = ``x @ w.T`` (what ``nn.Linear`` does), ``wxt`` = ``(w @ x.T).T``
+  (the weight as the left operand: cuBLAS sees an N x K by K x B product);
+- quantized: ``qmm`` = ``mx.quantized_matmul``; ``deq`` = dequantize the weight to
+  the activations' dtype, then ``xwt`` (reads the 4-bit weight, writes and reads a
+  bf16 copy: about 3x the bytes of a bf16 product, but at bf16 speed); ``deqwxt``.
+
+A plan maps row counts to a formulation: ``"1:xwt,8:wxt"`` = ``xwt`` below 8 rows,
+``wxt`` from 8 on. ``bench/gpu/matmul_rows.py`` measures every formulation per row
+count on the machine and prints the winning plans; the defaults below are its
+result on the H200 (see NOTES.md). Environment: ``MARKBASE_GPU_FLOAT_PLAN``,
+``MARKBASE_GPU_QUANT_PLAN``. Only the GPU decode step uses this; the CPU's products
+go through BLAS and engine/cpu_qgemm.py, which need ``x @ w.T`` as it is.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+FLOAT_FORMS = ("xwt", "wxt")
+QUANT_FORMS = ("qmm", "deq", "deqwxt")
+DEFAULT_FLOAT_PLAN = "1:xwt"
+DEFAULT_QUANT_PLAN = "1:qmm"
+
+
+@dataclass(frozen=True)
+class Plan:
+    steps: tuple[tuple[int, str], ...]  # (from this many rows, formulation), ascending
+
+    def form(self, rows: int) -> str:
+        chosen = self.steps[0][1]
+        for start, form in self.steps:
+            if rows >= start:
+                chosen = form
+        return chosen
+
+
+def parse_plan(text: str, forms: tuple[str, ...]) -> Plan:
+    """``"1:xwt,8:wxt"`` -> Plan; a clear error for anything else."""
+    steps = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        start, sep, form = part.partition(":")
+        if not sep or not start.isdigit() or form not in forms:
+            raise ValueError(
+                f"bad GPU matmul plan {text!r}: want 'ROWS:FORM,...' with FORM in {forms}"
+            )
+        steps.append((int(start), form))
+    if not steps:
+        raise ValueError(f"empty GPU matmul plan {text!r}")
+    steps.sort()
+    return Plan(tuple(steps))
+
+
+def float_plan() -> Plan:
+    return parse_plan(os.environ.get("MARKBASE_GPU_FLOAT_PLAN", DEFAULT_FLOAT_PLAN), FLOAT_FORMS)
+
+
+def quant_plan() -> Plan:
+    return parse_plan(os.environ.get("MARKBASE_GPU_QUANT_PLAN", DEFAULT_QUANT_PLAN), QUANT_FORMS)
+
+
+def _rows(x) -> int:
+    n = 1
+    for d in x.shape[:-1]:
+        n *= d
+    return n
+
+
+def float_matmul(x, w, form: str):
+    """``x @ w.T`` for x [..., K], w [N, K], written as ``form``."""
+    if form == "xwt":
+        return x @ w.T
+    lead = x.shape[:-1]
+    y = (w @ x.reshape(-1, x.shape[-1]).T).T
+    return y.reshape(*lead, w.shape[0])
+
+
+class GpuLinear:
+    """A float linear layer (no bias) that follows the float plan per call."""
+
+    def __init__(self, weight, plan: Plan | None = None) -> None:
+        self.weight = weight
+        self.plan = plan or float_plan()
+
+    def __call__(self, x):
+        return float_matmul(x, self.weight, self.plan.form(_rows(x)))
+
+
+class GpuQuantizedLinear:
+    """A quantized linear layer (no bias) that follows the quantized plan per call."""
+
+    def __init__(self, weight, scales, biases, group_size, bits, mode, plan=None) -> None:
+        self.weight, self.scales, self.biases = weight, scales, biases
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.plan = plan or quant_plan()
+
+    def __call__(self, x):
+        import mlx.core as mx
+
+        form = self.plan.form(_rows(x))
+        if form == "qmm":
+            return mx.quantized_matmul(
+                x,
+                self.weight,
+                scales=self.scales,
+                biases=self.biases,
+                transpose=True,
+                group_size=self.group_size,
+                bits=self.bits,
+                mode=self.mode,
+            )
+        w = mx.dequantize(
+            self.weight,
+            self.scales,
+            self.biases,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            dtype=x.dtype,
+        )
+        return float_matmul(x, w, "xwt" if form == "deq" else "wxt")
+
+
+def for_module(linear):
+    """The plan-following callable for an ``nn.Linear``/``nn.QuantizedLinear``
+    without bias, or None (then the module is called as it is)."""
+    import mlx.nn as nn
+
+    if "bias" in linear:
+        return None
+    if type(linear) is nn.Linear:
+        return GpuLinear(linear.weight)
+    if type(linear) is nn.QuantizedLinear:
+        return GpuQuantizedLinear(
+            linear.weight,
+            linear.scales,
+            linear.get("biases"),
+            linear.group_size,
+            linear.bits,
+            getattr(linear, "mode", "affine"),
+        )
+    return None
