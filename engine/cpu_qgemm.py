@@ -140,8 +140,8 @@ def available() -> str | None:
     lib = _lib()
     if lib is None:
         return "the sgemm shim is not loaded (no fast BLAS or no C compiler)"
-    if lib.markbase_qw_simd() != 512 and os.environ.get(ENV_ON) != "force":
-        return "the CPU has no AVX-512 (the portable kernel is slower than float32 BLAS)"
+    if lib.markbase_qw_simd() not in (256, 512) and os.environ.get(ENV_ON) != "force":
+        return "the CPU has neither AVX2+FMA nor AVX-512 (the portable kernel is slower than float32 BLAS)"
     lib.markbase_qw_set_int8(1 if os.environ.get(ENV_INT8, "0") == "1" else 0)
     lib.markbase_qw_config(
         1, _env_int(ENV_MAX_M, 16), _env_int(ENV_THREADS, 0), _env_int(ENV_SPIN, 30)

@@ -7,10 +7,13 @@ except what must be), so the worker decides when to synchronise.
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
 from engine import attention, cpu_qgemm
-from engine.decode_step import make_decode_step
+from engine.cpu_step import CpuDecodeStep
+from engine.decode_step import make_decode_step, on_gpu
 from engine.kv import BatchKV, SequenceKV
 
 
@@ -27,7 +30,7 @@ class ModelRunner:
         # Llama-family models decode through a step with fused QKV and gate/up
         # projections (engine/decode_step.py: compiled on the CPU, plain on a GPU);
         # other families, or fused_decode=False, call the model as is.
-        self.decode_step = make_decode_step(model) if fused_decode else None
+        self.decode_step = _make_decode_step(model) if fused_decode else None
         # After the step fused its weights: on the CPU, decode products read the
         # quantized copies of the float32 weights (engine/cpu_qgemm.py).
         self.qgemm = cpu_qgemm.register_model(model, cpu_shadows) if cpu_shadows else None
@@ -68,3 +71,14 @@ class ModelRunner:
         if self.decode_step is not None:
             return self.decode_step(x, batch)
         return self.model(x, cache=batch)[:, -1, :]
+
+
+def _make_decode_step(model):
+    """The lean step on the CPU (engine/cpu_step.py), the fused one elsewhere or when
+    the lean one does not fit the model; ``MARKBASE_CPU_STEP=fused`` picks the fused
+    one on the CPU too (for A/B measurements)."""
+    if not on_gpu() and os.environ.get("MARKBASE_CPU_STEP", "lean") != "fused":
+        step = CpuDecodeStep.build(model)
+        if step is not None:
+            return step
+    return make_decode_step(model)
