@@ -94,6 +94,10 @@ def markbase_setup(weight_format: str) -> dict[str, Any]:
     code = (
         "import json\n"
         "out = {}\n"
+        # as `markbase serve` does: bind the fast BLAS before MLX loads, or "auto"
+        # resolves as if there were none (and mlx_lm got the slow 4-bit export)
+        "from engine.cpu_blas import ensure_fast_blas\n"
+        "ensure_fast_blas()\n"
         "try:\n"
         "    from engine.loading import resolve_weight_format\n"
         "    out['weight_format'] = resolve_weight_format(__import__('sys').argv[1])\n"

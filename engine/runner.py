@@ -11,7 +11,7 @@ import os
 
 import mlx.core as mx
 
-from engine import attention, cpu_qgemm
+from engine import attention, cpu_qgemm, fast_math
 from engine.cpu_step import CpuDecodeStep
 from engine.decode_step import make_decode_step, on_gpu
 from engine.kv import BatchKV, SequenceKV
@@ -23,6 +23,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         attention.install(model)
+        fast_math.install(model)  # CPU: prefill's SwiGLU without MLX's slow exp
         self.num_layers = len(model.layers)
         # The inner transformer (no lm_head): prompt positions whose logits nobody
         # needs skip the vocabulary projection, the largest matmul for small models.
