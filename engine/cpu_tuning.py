@@ -101,9 +101,10 @@ def _fast_blas_active() -> bool:
 
 
 # ------------------------------------------------------------ the decode step
-# The fused decode step now lives in engine/decode_step.py (it runs on the GPU too);
-# the CPU configuration is ``FusedDecodeStep(model)``'s defaults, unchanged. The old
-# name stays for bench/cpu_formats.py and tests.
+# The fused decode step (engine/decode_step.py, which runs on the GPU too) under its
+# old CPU name, for bench/cpu_formats.py and tests/test_cpu_blas.py. Since 2026-12-03
+# the CPU's default is engine/cpu_step.py's lean step (engine.runner picks it), which
+# also has a class named CpuDecodeStep: ~1,000 graph nodes a step instead of ~2,170.
 from engine.decode_step import FusedDecodeStep as CpuDecodeStep  # noqa: E402
 
 __all__ = ["WEIGHT_FORMATS", "CpuDecodeStep", "best_cpu_weight_format"]
