@@ -14,7 +14,9 @@ CPU). ``make_decode_step`` picks the configuration per backend:
   ``engine/cpu_tuning.py`` (1.1-1.3x over the plain module call).
 - GPU: fused projections, float and quantized (``QuantizedLinear`` parts are fused
   when they share bits, group size and mode), every product written the way
-  ``engine/gpu_linear.py``'s plan says for its row count, without ``mx.compile``: what
+  ``engine/gpu_linear.py``'s plan says for its row count, the hidden state carried as
+  [B, D] (so that every product is one [B, K] x [K, N] product; with [B, 1, D] MLX's
+  CUDA quantized matmul runs B one-row products), without ``mx.compile``: what
   bench/gpu/NOTES.md measured on the H200 for 1b bf16 ("fused", +11% at B=1 alone,
   +57% together with a pipelined loop that the engine does not have yet). A
   per-layer compiled step was not measured there; ``compile=True`` asks for it.
@@ -25,6 +27,7 @@ Prefill keeps using the model's own modules (which read the same weights).
 from __future__ import annotations
 
 import logging
+import os
 
 from engine.gpu_linear import GpuLinear, GpuQuantizedLinear
 
@@ -59,7 +62,11 @@ class FusedDecodeStep:
 
     ``fuse``: concatenate Q/K/V and gate/up weights; ``fuse_quantized``: also for
     ``QuantizedLinear`` modules; ``compile``: ``mx.compile`` the per-layer pieces
-    around the KV update and the head. Compiled pieces retrace once per batch size
+    around the KV update and the head; ``flat``: carry the hidden state as [B, D]
+    through norms, projections and MLP (reshaped to [B, H, 1, hd] only for RoPE,
+    the KV update and attention), default on with ``gpu_plans``: with [B, 1, D]
+    MLX's CUDA ``quantized_matmul`` runs B one-row products that each read the
+    whole weight (8b 4-bit, B=32: 104 ms a step, bench/gpu/NOTES.md). Compiled pieces retrace once per batch size
     (a few ms each in Python; the JIT kernels they need are compiled once per
     machine and cached by MLX), so keep batch sizes to a few buckets (1, 2, 4, 8,
     16) if batches change size often.
@@ -73,6 +80,7 @@ class FusedDecodeStep:
         fuse_quantized: bool = False,
         compile: bool = True,
         gpu_plans: bool = False,
+        flat: bool | None = None,
     ) -> None:
         import mlx.core as mx
         import mlx.nn as nn
@@ -85,6 +93,9 @@ class FusedDecodeStep:
         self.model = model
         self.inner = model.model
         self.compiled = compile
+        # the hidden state as [B, D] between attentions (default: with gpu_plans,
+        # i.e. on a GPU; the CPU's compiled step keeps [B, 1, D] as it was measured)
+        self.flat = gpu_plans if flat is None else flat
         wrap = mx.compile if compile else (lambda f: f)
         self._pre, self._post = [], []
         self.fused_groups = 0  # how many of the 2 per layer got one matmul
@@ -103,20 +114,30 @@ class FusedDecodeStep:
             nk = attn.n_kv_heads * attn.head_dim
 
             def pre(x, offset, layer=layer, attn=attn, wqkv=wqkv, nq=nq, nk=nk):
-                b, length, _ = x.shape
+                # x: [B, L, D], or [B, D] for the 2-D step (one position per row)
+                b = x.shape[0]
+                length = x.shape[1] if x.ndim == 3 else 1
                 h = layer.input_layernorm(x)
                 if wqkv is not None:
                     q, k, v = mx.split(wqkv(h), [nq, nq + nk], axis=-1)
                 else:
                     q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-                q = q.reshape(b, length, attn.n_heads, -1).transpose(0, 2, 1, 3)
-                k = k.reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-                v = v.reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+                if x.ndim == 2:  # [B, H*hd] -> [B, H, 1, hd]: the same order, no transpose
+                    q = q.reshape(b, attn.n_heads, 1, -1)
+                    k = k.reshape(b, attn.n_kv_heads, 1, -1)
+                    v = v.reshape(b, attn.n_kv_heads, 1, -1)
+                else:
+                    q = q.reshape(b, length, attn.n_heads, -1).transpose(0, 2, 1, 3)
+                    k = k.reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+                    v = v.reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
                 return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
 
             def post(x, o, layer=layer, mlp=mlp, wgu=wgu, o_proj=o_proj, down_proj=down_proj):
                 b, _, length, _ = o.shape
-                h = x + o_proj(o.transpose(0, 2, 1, 3).reshape(b, length, -1))
+                if x.ndim == 2:  # o [B, H, 1, hd] -> [B, H*hd]
+                    h = x + o_proj(o.reshape(b, -1))
+                else:
+                    h = x + o_proj(o.transpose(0, 2, 1, 3).reshape(b, length, -1))
                 z = layer.post_attention_layernorm(h)
                 if wgu is not None:
                     g, u = mx.split(wgu(z), 2, axis=-1)
@@ -133,7 +154,7 @@ class FusedDecodeStep:
             lm_head = (gpu_plans and gpu_linear.for_module(model.lm_head)) or model.lm_head
 
         def head(x):
-            x = self.inner.norm(x[:, -1, :])
+            x = self.inner.norm(x[:, -1, :] if x.ndim == 3 else x)
             if lm_head is None:
                 return self.inner.embed_tokens.as_linear(x)
             return lm_head(x)
@@ -150,6 +171,11 @@ class FusedDecodeStep:
         off = cache[0].offset
         offset = off if isinstance(off, mx.array) else mx.array(off, dtype=mx.int32)
         mask = create_attention_mask(x, cache[0])
+        if self.flat and x.shape[1] == 1:
+            # [B, 1, D] -> [B, D]: every product sees B rows of one matrix (a 3-D input
+            # makes MLX's CUDA quantized matmul run B one-row products, each reading
+            # the whole weight: bench/gpu/NOTES.md, session 3)
+            x = x.reshape(x.shape[0], -1)
         for layer, pre, post, c in zip(self.inner.layers, self._pre, self._post, cache):
             q, k, v = pre(x, offset)
             keys, values = c.update_and_fetch(k, v)
@@ -255,5 +281,9 @@ def make_decode_step(model, *, compile: bool | None = None) -> FusedDecodeStep |
         log.info("fused decode step not used: %s", why)
         return None
     if on_gpu():
-        return FusedDecodeStep(model, fuse_quantized=True, compile=bool(compile), gpu_plans=True)
+        # MARKBASE_GPU_DECODE_2D=0: the [B, 1, D] step as it was (for A/B runs)
+        flat = os.environ.get("MARKBASE_GPU_DECODE_2D", "1") != "0"
+        return FusedDecodeStep(
+            model, fuse_quantized=True, compile=bool(compile), gpu_plans=True, flat=flat
+        )
     return FusedDecodeStep(model, compile=True if compile is None else compile)

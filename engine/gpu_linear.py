@@ -10,7 +10,12 @@ a step). The same product can be written in ways that reach other kernels:
   (the weight as the left operand: cuBLAS sees an N x K by K x B product);
 - quantized: ``qmm`` = ``mx.quantized_matmul``; ``deq`` = dequantize the weight to
   the activations' dtype, then ``xwt`` (reads the 4-bit weight, writes and reads a
-  bf16 copy: about 3x the bytes of a bf16 product, but at bf16 speed); ``deqwxt``.
+  bf16 copy: about 3x the bytes of a bf16 product, but at bf16 speed); ``deqwxt``;
+  ``qmmk2``/``qmmk4`` = split-K: the input dim cut into 2/4 parts (kept as contiguous
+  copies of the weight's column blocks, made when the plan names the form: extra
+  memory), one ``qmm`` per part, summed. The parts are independent products, so
+  MLX's CUDA graph may run them side by side: more thread blocks in flight for the
+  skinny decode products (session 4 of NOTES.md; experimental).
 
 A plan maps row counts to a formulation: ``"1:xwt,8:wxt"`` = ``xwt`` below 8 rows,
 ``wxt`` from 8 on. ``bench/gpu/matmul_rows.py`` measures every formulation per row
@@ -26,7 +31,7 @@ import os
 from dataclasses import dataclass
 
 FLOAT_FORMS = ("xwt", "wxt")
-QUANT_FORMS = ("qmm", "deq", "deqwxt")
+QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4")
 DEFAULT_FLOAT_PLAN = "1:xwt"
 DEFAULT_QUANT_PLAN = "1:qmm"
 
@@ -103,11 +108,60 @@ class GpuQuantizedLinear:
         self.weight, self.scales, self.biases = weight, scales, biases
         self.group_size, self.bits, self.mode = group_size, bits, mode
         self.plan = plan or quant_plan()
+        self._parts: dict[int, list] = {}
+        for _, form in self.plan.steps:
+            if form.startswith("qmmk"):
+                self._split(int(form[4:]))
+
+    def _split(self, n: int) -> list | None:
+        """The weight's n column blocks (whole quantization groups), as contiguous
+        copies: [(k0, k1, weight, scales, biases)], or None if K does not split."""
+        if n in self._parts:
+            return self._parts[n]
+        import mlx.core as mx
+
+        k = self.scales.shape[-1] * self.group_size
+        groups = self.scales.shape[-1]
+        if groups % n or self.bits not in (2, 4, 8) or self.mode != "affine":
+            self._parts[n] = None
+            return None
+        per_word = 32 // self.bits
+        parts = []
+        for i in range(n):
+            g0, g1 = i * groups // n, (i + 1) * groups // n
+            k0, k1 = g0 * self.group_size, g1 * self.group_size
+            w = mx.contiguous(self.weight[:, k0 // per_word : k1 // per_word])
+            sc = mx.contiguous(self.scales[:, g0:g1])
+            bi = None if self.biases is None else mx.contiguous(self.biases[:, g0:g1])
+            parts.append((k0, k1, w, sc, bi))
+        mx.eval([p[2:] for p in parts])
+        self._parts[n] = parts
+        assert k == parts[-1][1]
+        return parts
 
     def __call__(self, x):
         import mlx.core as mx
 
         form = self.plan.form(_rows(x))
+        if form.startswith("qmmk"):
+            parts = self._split(int(form[4:]))
+            if parts is None:
+                form = "qmm"
+            else:
+                out = None
+                for k0, k1, w, sc, bi in parts:
+                    y = mx.quantized_matmul(
+                        x[..., k0:k1],
+                        w,
+                        scales=sc,
+                        biases=bi,
+                        transpose=True,
+                        group_size=self.group_size,
+                        bits=self.bits,
+                        mode=self.mode,
+                    )
+                    out = y if out is None else out + y
+                return out
         if form == "qmm":
             return mx.quantized_matmul(
                 x,

@@ -10,6 +10,7 @@ nn = pytest.importorskip("mlx.nn")
 
 from conftest_loading import RANDOM_LLAMA  # noqa: E402
 
+from engine.cpu_step import CpuDecodeStep  # noqa: E402
 from engine.decode_step import FusedDecodeStep, fuse_linears, make_decode_step  # noqa: E402
 from engine.kv import BatchKV, SequenceKV  # noqa: E402
 from engine.loading import build_random_model  # noqa: E402
@@ -69,6 +70,26 @@ def test_quantized_fused_step_matches_model(compile):
     _check_against_model(model, step)
 
 
+@pytest.mark.parametrize("compile", [True, False])
+@pytest.mark.parametrize("quant", [False, True])
+def test_flat_step_matches_model(compile, quant):
+    """The hidden state as [B, D] between attentions (the GPU's default) gives the
+    model's own logits, float and 4-bit, ragged rows and one row."""
+    kw = {"quantize_bits": 4, "group_size": 32} if quant else {}
+    model = build_random_model("llama", {**TINY, "tie_word_embeddings": False}, seed=7, **kw).model
+    step = FusedDecodeStep(model, fuse_quantized=True, compile=compile, flat=True)
+    assert step.flat
+    _check_against_model(model, step)
+    _check_against_model(model, step, prompts=(PROMPTS[0],))
+
+
+def test_flat_is_the_gpu_default_only(monkeypatch):
+    model = build_random_model("llama", TINY, seed=8).model
+    assert not FusedDecodeStep(model, compile=False).flat  # the CPU's configuration
+    assert FusedDecodeStep(model, compile=False, gpu_plans=True).flat
+    assert not FusedDecodeStep(model, compile=False, gpu_plans=True, flat=False).flat
+
+
 def test_quantized_parts_with_different_settings_are_not_fused():
     a = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4)
     b = nn.QuantizedLinear(64, 16, bias=False, group_size=32, bits=8)
@@ -108,7 +129,10 @@ def test_cpu_configuration_is_unchanged():
 def test_runner_fused_decode_switch():
     loaded = build_random_model("llama", TINY, seed=6)
     assert ModelRunner(loaded.model, fused_decode=False).decode_step is None
-    assert isinstance(ModelRunner(loaded.model).decode_step, FusedDecodeStep)
+    # the CPU runs the lean step (engine/cpu_step.py, tests/test_cpu_step.py)
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    assert isinstance(ModelRunner(loaded.model).decode_step, (FusedDecodeStep, CpuDecodeStep))
+    assert on_cpu == isinstance(ModelRunner(loaded.model).decode_step, CpuDecodeStep)
     other = build_random_model(
         "qwen3", {**TINY, "head_dim": 16, "max_position_embeddings": 512, "rope_theta": 1e4}, seed=6
     )
@@ -117,7 +141,12 @@ def test_runner_fused_decode_switch():
 
 @pytest.mark.parametrize(
     "float_plan,quant_plan",
-    [("1:xwt", "1:qmm"), ("1:wxt", "1:deq"), ("1:xwt,2:wxt", "1:qmm,2:deqwxt")],
+    [
+        ("1:xwt", "1:qmm"),
+        ("1:wxt", "1:deq"),
+        ("1:xwt,2:wxt", "1:qmm,2:deqwxt"),
+        ("1:xwt", "1:qmmk2,2:qmmk4"),
+    ],
 )
 def test_gpu_matmul_plans_give_the_same_step(monkeypatch, float_plan, quant_plan):
     """Every formulation engine/gpu_linear.py can pick (run here on the CPU) computes

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import logging
 import statistics
@@ -58,6 +59,7 @@ from bench_decode import (  # noqa: E402  (puts the repo root on sys.path)
 )
 from shapes import CONFIGS  # noqa: E402
 
+from engine.decode_step import FusedDecodeStep, make_decode_step, on_gpu  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 
 now = time.perf_counter
@@ -102,11 +104,67 @@ def run_ab(args) -> None:
     step = fused.decode_step
     if step is None:
         raise SystemExit("ModelRunner(model) has no fused decode step for this model")
+    if not isinstance(step, FusedDecodeStep):  # the CPU's lean step (engine/cpu_step.py)
+        step = make_decode_step(model)  # the fused step, for the copies below
     log(
-        f"fused step: {step.fused_groups} of {2 * len(model.layers)} projection groups fused, "
-        f"compiled={step.compiled}"
+        f"engine step: {type(fused.decode_step).__name__}; fused step: {step.fused_groups} of "
+        f"{2 * len(model.layers)} projection groups fused, compiled={step.compiled}, "
+        f"flat={step.flat}"
     )
-    runners = {"unfused": plain, "fused": fused}
+    # fused3d: the same fused step with the hidden state as [B, 1, D] (as before
+    # session 4); fused2d: as [B, D]. "fused" is whatever the engine does by default.
+    flat3d = ModelRunner(model, fused_decode=False)
+    flat3d.decode_step = copy.copy(step)
+    flat3d.decode_step.flat = False
+    flat2d = ModelRunner(model, fused_decode=False)
+    flat2d.decode_step = copy.copy(step)
+    flat2d.decode_step.flat = True
+    known = {"unfused": plain, "fused": fused, "fused3d": flat3d, "fused2d": flat2d}
+    names = [v for v in args.variants.split(",") if v]
+    if "lean" in names:  # engine/cpu_step.py's step (written for few graph nodes), here
+        try:
+            from engine.cpu_step import CpuDecodeStep
+
+            known["lean"] = ModelRunner(model, fused_decode=False)
+            known["lean"].decode_step = CpuDecodeStep.build(model)
+            if known["lean"].decode_step is None:
+                raise ValueError("CpuDecodeStep.build gave None")
+        except Exception:
+            log(f"lean step not available:\n{traceback.format_exc()}")
+            names.remove("lean")
+            known.pop("lean", None)
+    if "compiled2d" in names:  # fused2d with the per-layer pieces under mx.compile
+        # (a second fused step: its own concatenated QKV and gate/up arrays)
+        known["compiled2d"] = ModelRunner(model, fused_decode=False)
+        known["compiled2d"].decode_step = FusedDecodeStep(
+            model, fuse_quantized=True, compile=True, gpu_plans=on_gpu(), flat=True
+        )
+    for name, splits in (("qk2", 2), ("qk4", 4)):
+        if name in names:  # fused2d with split-K quantized products from 8 rows on
+            import os
+
+            os.environ["MARKBASE_GPU_QUANT_PLAN"] = f"1:qmm,8:qmmk{splits}"
+            try:
+                known[name] = ModelRunner(model)
+            finally:
+                del os.environ["MARKBASE_GPU_QUANT_PLAN"]
+    if "wxt8" in names:  # fused2d with the float plan "wxt from 8 rows, xwt from 32"
+        # (a second fused step: its own concatenated QKV and gate/up arrays)
+        import os
+
+        old = os.environ.get("MARKBASE_GPU_FLOAT_PLAN")
+        os.environ["MARKBASE_GPU_FLOAT_PLAN"] = "1:xwt,8:wxt,32:xwt"
+        try:
+            known["wxt8"] = ModelRunner(model)
+        finally:
+            if old is None:
+                del os.environ["MARKBASE_GPU_FLOAT_PLAN"]
+            else:
+                os.environ["MARKBASE_GPU_FLOAT_PLAN"] = old
+    if len(names) < 2 or any(v not in known for v in names):
+        raise SystemExit(f"--variants: two or more of {list(known)}")
+    runners = {v: known[v] for v in names}
+    base = names[0]
     prompt = [(i * 104729 + 7) % cfg["vocab_size"] for i in range(args.prompt)]
     t = now()
     layer_kv, first = prefill_row(plain, prompt)
@@ -114,11 +172,15 @@ def run_ab(args) -> None:
     rows: list[dict] = []
     tokens: dict = {}
     batches = [int(b) for b in args.batches.split(",") if b]
+    seen: set = set()
     for rep in range(args.repeat):
         for b in batches:
-            for shape in ("equal", "ragged"):
+            for shape in args.shapes.split(","):
                 if shape == "ragged" and b == 1:
+                    shape = "equal"  # one row has no padding
+                if (rep, b, shape) in seen:
                     continue
+                seen.add((rep, b, shape))
                 lengths = ragged_lengths(args.prompt, b) if shape == "ragged" else [args.prompt] * b
                 order = list(runners) if rep % 2 == 0 else list(reversed(runners))
                 for variant in order:
@@ -157,13 +219,15 @@ def run_ab(args) -> None:
                     )
                     save(args, rows)
                     mx.clear_cache()
-    # tokens: fused against unfused from the same start (bf16 rounding may flip near ties)
+    # tokens: each variant against the first from the same start (bf16 rounding may
+    # flip near ties)
     agree = {}
     for (b, shape, rep), by in tokens.items():
-        if len(by) == 2:
-            a, u = by["fused"], by["unfused"]
-            same = sum(x == y for ra, ru in zip(a, u) for x, y in zip(ra, ru))
-            agree[f"B={b} {shape} rep {rep}"] = same / max(1, sum(len(r) for r in a))
+        for v in names[1:]:
+            if base in by and v in by:
+                a, u = by[v], by[base]
+                same = sum(x == y for ra, ru in zip(a, u) for x, y in zip(ra, ru))
+                agree[f"{v} B={b} {shape} rep {rep}"] = same / max(1, sum(len(r) for r in a))
     summary = []
     for b in batches:
         for shape in ("equal", "ragged"):
@@ -179,26 +243,33 @@ def run_ab(args) -> None:
                 ]
                 if vals:
                     med[variant] = (statistics.median(vals), min(vals), max(vals), len(vals))
-            if len(med) == 2:
-                f, u = med["fused"], med["unfused"]
-                summary.append(
-                    dict(batch=b, shape=shape, fused_tok_s=f[0], unfused_tok_s=u[0],
-                         ratio=f[0] / u[0], fused_range=f[1:3], unfused_range=u[1:3], n=f[3])
-                )  # fmt: skip
-    log("\n| B | rows | unfused tok/s [min-max] | fused tok/s [min-max] | fused/unfused |")
-    log("|---|---|---|---|---|")
+            if base not in med:
+                continue
+            u = med[base]
+            for v in names[1:]:
+                if v in med:
+                    f = med[v]
+                    summary.append(
+                        dict(batch=b, shape=shape, variant=v, base=base, tok_s=f[0],
+                             base_tok_s=u[0], ratio=f[0] / u[0], range=f[1:3],
+                             base_range=u[1:3], n=f[3])
+                    )  # fmt: skip
+    log(
+        f"\n[{args.model} {args.quant}] | B | rows | {base} tok/s [min-max] | variant | tok/s [min-max] | ratio |"
+    )
+    log("|---|---|---|---|---|---|")
     for s in summary:
         log(
-            f"| {s['batch']} | {s['shape']} | {s['unfused_tok_s']:,.0f} "
-            f"[{s['unfused_range'][0]:,.0f}-{s['unfused_range'][1]:,.0f}] | "
-            f"{s['fused_tok_s']:,.0f} [{s['fused_range'][0]:,.0f}-{s['fused_range'][1]:,.0f}] | "
+            f"| {s['batch']} | {s['shape']} | {s['base_tok_s']:,.0f} "
+            f"[{s['base_range'][0]:,.0f}-{s['base_range'][1]:,.0f}] | {s['variant']} | "
+            f"{s['tok_s']:,.0f} [{s['range'][0]:,.0f}-{s['range'][1]:,.0f}] | "
             f"{s['ratio']:.2f}x (n={s['n']}) |"
         )
-    log(f"token agreement fused vs unfused: {agree}")
+    log(f"token agreement with {base}: {agree}")
     save(args, rows, summary=summary, token_agreement=agree, wall_s=now() - t_start)
     if args.check:
         assert agree and all(v == 1.0 for v in agree.values()), agree
-        log("check ok: the fused step gives the unfused runner's tokens")
+        log(f"check ok: every variant gives the tokens of {base}")
 
 
 # -- the first request, with and without the warm-up ----------------------------------------
@@ -291,13 +362,22 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=4, help="ab: untimed steps first")
     ap.add_argument("--warmup", choices=["on", "off"], help="first-request: EngineConfig.warmup")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument(
+        "--variants",
+        default="unfused,fused",
+        help="ab: runners, the first is the base: unfused, fused (engine default), "
+        "fused3d (hidden state [B, 1, D]), fused2d ([B, D]), wxt8 (the engine's step with "
+        "MARKBASE_GPU_FLOAT_PLAN=1:xwt,8:wxt,32:xwt), compiled2d (fused2d, per-layer "
+        "pieces under mx.compile), qk2/qk4 (MARKBASE_GPU_QUANT_PLAN=1:qmm,8:qmmk2/4)",
+    )
+    ap.add_argument("--shapes", default="equal,ragged", help="ab: equal and/or ragged rows")
     ap.add_argument("--budget-s", type=float, default=45)
     ap.add_argument("--gen", type=int, default=32, help="first-request: tokens per request")
     ap.add_argument("--burst", type=int, default=8)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--gpu-name", default="")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--check", action="store_true", help="ab: fused tokens must equal unfused")
+    ap.add_argument("--check", action="store_true", help="ab: every variant's tokens = the first's")
     args = ap.parse_args()
     if args.mode == "ab":
         args.prompt = args.prompt or 512

@@ -6,6 +6,7 @@
 #   bash bench/gpu/suite.sh ab                                              (4th call)
 #   bash bench/gpu/suite.sh engine-1b save-ptx                              (README.md)
 #   bash bench/gpu/suite.sh test engine-table                                 (the table)
+#   bash bench/gpu/suite.sh test engine-ab save-ptx                           (session 4: [B, D] step)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -92,6 +93,19 @@ for stage in "$@"; do
             timeout ${TABLE_TIMEOUT:-150} $B --models "$m" --quants "$q" --batches 1 --variants worker \
                 --variant-batches "${TABLE_BATCHES:-1,8,32,128}" --steps $steps --chunk 0 \
                 --budget-s $(( ${TABLE_TIMEOUT:-150} - 20 )) --out "$OUT/table-$m-$q.json"
+        done
+        ;;
+    engine-ab)  # session 4: the fused step with the hidden state [B, 1, D] (before) vs [B, D]
+        # (now the GPU default), ragged rows, interleaved in one process per model; the
+        # per-layer pieces under mx.compile ("compiled2d"); bf16 also with the float plan
+        # wxt at 8-31 rows ("wxt8")
+        for mq in ${AB_CONFIGS:-1b:q4 8b:q4 1b:bf16 8b:bf16}; do
+            m=${mq%%:*} q=${mq##*:} v=${AB_VARIANTS:-fused3d,fused2d,compiled2d} to=${AB_TIMEOUT:-110}
+            [ "$q" = bf16 ] && v=$v,wxt8
+            [ "$mq" = 1b:q4 ] && to=$(( to + 60 ))  # first 4-bit kernels JIT-compile here
+            timeout $to $E ab --model "$m" --quant "$q" --batches "${AB_BATCHES:-1,8,32,128}" \
+                --variants $v --shapes ragged --repeat "${AB_REPEAT:-2}" --steps "${AB_STEPS:-32}" \
+                --budget-s $(( to - 25 )) --out "$OUT/ab-$m-$q.json"
         done
         ;;
     engine-1b)  # the engine's fused decode step vs unfused (ModelRunner), then warm-up off/on
