@@ -60,6 +60,21 @@ def sequence_logits(loaded: LoadedModel, ids: list[int]) -> np.ndarray:
 
 
 # The config of the random-weight llama that engine tests build (build_random_model).
+def prefilled_batch(model, prompts) -> list:
+    """A ``BatchKV`` per layer holding ``prompts`` prefilled by the model itself, one
+    row each (left-padded: rows of different lengths need an array mask)."""
+    from engine.kv import BatchKV, SequenceKV
+
+    n = len(model.layers)
+    caches = [BatchKV() for _ in range(n)]
+    for prompt in prompts:
+        seq = [SequenceKV() for _ in range(n)]
+        model(mx.array([prompt]), cache=seq)
+        for layer, c in enumerate(caches):
+            c.add(*seq[layer].kv())
+    return caches
+
+
 RANDOM_LLAMA = dict(
     hidden_size=64,
     num_hidden_layers=2,

@@ -8,10 +8,9 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from conftest_loading import RANDOM_LLAMA  # noqa: E402
+from conftest_loading import RANDOM_LLAMA, prefilled_batch  # noqa: E402
 
 from engine.cpu_step import CpuDecodeStep  # noqa: E402
-from engine.kv import BatchKV, SequenceKV  # noqa: E402
 from engine.loading import build_random_model  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 
@@ -19,19 +18,8 @@ TINY = {**RANDOM_LLAMA, "vocab_size": 97}
 PROMPTS = ([5, 6, 7, 8, 9, 10], [11, 12, 13], [14])  # ragged: an array mask
 
 
-def _batch(model, prompts):
-    n = len(model.layers)
-    caches = [BatchKV() for _ in range(n)]
-    for prompt in prompts:
-        seq = [SequenceKV() for _ in range(n)]
-        model(mx.array([prompt]), cache=seq)
-        for layer, c in enumerate(caches):
-            c.add(*seq[layer].kv())
-    return caches
-
-
 def _check(model, step, prompts, steps=4):
-    mine, theirs = _batch(model, prompts), _batch(model, prompts)
+    mine, theirs = prefilled_batch(model, prompts), prefilled_batch(model, prompts)
     tokens = mx.array([[1]] * len(prompts), dtype=mx.int32)
     for _ in range(steps):
         got = step(tokens, mine)

@@ -8,11 +8,10 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 nn = pytest.importorskip("mlx.nn")
 
-from conftest_loading import RANDOM_LLAMA  # noqa: E402
+from conftest_loading import RANDOM_LLAMA, prefilled_batch  # noqa: E402
 
 from engine.cpu_step import CpuDecodeStep  # noqa: E402
 from engine.decode_step import FusedDecodeStep, fuse_linears, make_decode_step  # noqa: E402
-from engine.kv import BatchKV, SequenceKV  # noqa: E402
 from engine.loading import build_random_model  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 
@@ -21,14 +20,7 @@ PROMPTS = ([5, 6, 7, 8, 9, 10], [11, 12, 13])  # rows of different lengths: an a
 
 
 def _batch(model, prompts=PROMPTS):
-    n = len(model.layers)
-    caches = [BatchKV() for _ in range(n)]
-    for prompt in prompts:
-        seq = [SequenceKV() for _ in range(n)]
-        model(mx.array([prompt]), cache=seq)
-        for layer, c in enumerate(caches):
-            c.add(*seq[layer].kv())
-    return caches
+    return prefilled_batch(model, prompts)
 
 
 def _check_against_model(model, step, prompts=PROMPTS, steps=3, atol=1e-4):
