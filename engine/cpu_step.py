@@ -122,6 +122,13 @@ class CpuDecodeStep:
             raise _Unsupported("the output layer's dtype differs from the layers'")
         self._head_wt = head_w.T
         mx.eval(self._head_wt, [list(w.values()) for w in self._wt])
+        # which element of a rotated pair each dim is, and the two probe vectors
+        # (constants: made once, not in every step's graph)
+        idx = mx.arange(self.head_dim)
+        self._first_member = (idx % 2 == 0) if self.traditional else (idx < self.head_dim // 2)
+        first = self._first_member.astype(mx.float32)
+        self._probe = mx.stack([first, 1 - first])[:, None, :]  # [2, 1, D]
+        mx.eval(self._first_member, self._probe)
         self._check_rope(layers)
 
         n = len(layers)
@@ -169,16 +176,16 @@ class CpuDecodeStep:
         return v[..., ::-1] if self.traditional else v[..., ::-1, :]
 
     # ---------------------------------------------------------------- RoPE tables
-    def _tables(self, offset, b: int, rope=None):
-        """C and S over Q|K|V for rows at positions ``offset`` [B], in ``_pairs`` shape."""
-        rope = rope or self.rope
+    def _tables(self, offset, b: int):
+        """C and S over Q|K|V for rows at positions ``offset`` [B], in ``_pairs`` shape:
+        the rope module applied to a unit pattern on the first member of every pair,
+        then on the second, gives each element's C and S."""
         d = self.head_dim
-        probe = mx.broadcast_to(self._probe(), (b, 2, 1, d))
-        r = rope(probe, offset=offset)  # [B, 2, 1, D]: the probes rotated
+        probe = mx.broadcast_to(self._probe, (b, 2, 1, d))
+        r = self.rope(probe, offset=offset)  # [B, 2, 1, D]: the probes rotated
         first, second = r[:, 0, 0, :], r[:, 1, 0, :]
-        sel = self._first_member()
-        cos = mx.where(sel, first, second)  # [B, D]
-        sin = mx.where(sel, second, first)
+        cos = mx.where(self._first_member, first, second)  # [B, D]
+        sin = mx.where(self._first_member, second, first)
         heads = self.n_heads + 2 * self.n_kv
         c = mx.concatenate(
             [
@@ -198,16 +205,6 @@ class CpuDecodeStep:
         )
         assert c.shape[-1] == heads * d
         return self._pairs(c), self._pairs(s)
-
-    def _probe(self):
-        """Two unit patterns: the first member of every pair set, then the second."""
-        first = self._first_member().astype(mx.float32)
-        return mx.stack([first, 1 - first])[:, None, :]  # [2, 1, D]
-
-    def _first_member(self):
-        d = self.head_dim
-        idx = mx.arange(d)
-        return (idx % 2 == 0) if self.traditional else (idx < d // 2)
 
     def _check_rope(self, layers) -> None:
         """The tables must reproduce every layer's rope module exactly."""

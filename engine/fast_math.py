@@ -4,8 +4,9 @@ Why: MLX 0.32's CPU ``exp`` (and ``sigmoid``, ``tanh``, the ``silu`` and softmax
 built on them) costs ~14-19 ns per element on the dev box's Zen 3, where its
 compiled multiply/add kernels cost under 1 ns: ``silu(g) * u`` over one layer's
 62-token MLP took 1.9 ms, 30 layers of it 55 of a 240 ms prefill, and at a decode
-batch of 16 the MLP's SiLU took ~14 ms of a ~130 ms step. Here ``exp`` is Cephes' single-precision scheme (range reduction by ln 2, a
-degree-6 polynomial, the power of two put in the exponent bits), written with
+batch of 16 the MLP's SiLU took ~14 ms of a ~130 ms step. Here ``exp`` is Cephes'
+single-precision scheme (range reduction by ln 2, a degree-6 polynomial, the power
+of two put in the exponent bits), written with
 multiplies and adds that ``mx.compile`` fuses into one kernel: 5x faster
 silu-times-up, relative error below 4e-6 over [-87, 88] (tests/test_fast_math.py).
 Used on the CPU only; a GPU's own kernels are fast.

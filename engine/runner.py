@@ -28,9 +28,9 @@ class ModelRunner:
         # The inner transformer (no lm_head): prompt positions whose logits nobody
         # needs skip the vocabulary projection, the largest matmul for small models.
         self.body = getattr(model, "model", None)
-        # Llama-family models decode through a step with fused QKV and gate/up
-        # projections (engine/decode_step.py: compiled on the CPU, plain on a GPU);
-        # other families, or fused_decode=False, call the model as is.
+        # Llama-family models decode through a step of their own (CPU: the lean step,
+        # engine/cpu_step.py; GPU: the fused one, engine/decode_step.py); other
+        # families, or fused_decode=False, call the model as is.
         self.decode_step = _make_decode_step(model) if fused_decode else None
         # After the step fused its weights: on the CPU, decode products read the
         # quantized copies of the float32 weights (engine/cpu_qgemm.py).
