@@ -160,17 +160,25 @@ class FusedDecodeStep:
             return lm_head(x)
 
         self._head = wrap(head)
+        # GPU: decode attention as engine/gpu_attention.py's kernel (no mask, one or
+        # two kernels a layer instead of MLX's masked fallback's seven)
+        self.attention_kernel = bool(gpu_plans) and attention_kernel_wanted(model)
 
     def __call__(self, tokens, cache):
         import mlx.core as mx
         from mlx_lm.models.base import create_attention_mask
 
+        from engine import gpu_attention
         from engine.attention import scaled_dot_product_attention
 
         x = self.inner.embed_tokens(tokens)
         off = cache[0].offset
         offset = off if isinstance(off, mx.array) else mx.array(off, dtype=mx.int32)
-        mask = create_attention_mask(x, cache[0])
+        start = getattr(cache[0], "start", None) if self.attention_kernel else None
+        if start is not None and x.shape[1] == 1:
+            mask = None  # the kernel reads each row's valid range [start, T) itself
+        else:
+            start, mask = None, create_attention_mask(x, cache[0])
         if self.flat and x.shape[1] == 1:
             # [B, 1, D] -> [B, D]: every product sees B rows of one matrix (a 3-D input
             # makes MLX's CUDA quantized matmul run B one-row products, each reading
@@ -181,7 +189,10 @@ class FusedDecodeStep:
             keys, values = c.update_and_fetch(k, v)
             # L == 1: grouped-query matmuls on the CPU and under an array mask on a
             # GPU, MLX's fused kernel on a GPU without one (engine/attention.py)
-            o = scaled_dot_product_attention(q, keys, values, c, layer.self_attn.scale, mask)
+            if start is not None:
+                o = gpu_attention.decode_attention(q, keys, values, start, layer.self_attn.scale)
+            else:
+                o = scaled_dot_product_attention(q, keys, values, c, layer.self_attn.scale, mask)
             x = post(x, o)
         return self._head(x)
 
@@ -262,6 +273,26 @@ def fuse_linears(linears, quantized: bool = False, gpu_plans: bool = False):
         first.bits,
         getattr(first, "mode", "affine"),
     )
+
+
+def attention_kernel_wanted(model) -> bool:
+    """Whether the GPU decode step runs engine/gpu_attention.py's kernel: on CUDA, for
+    shapes it handles, unless ``MARKBASE_GPU_ATTENTION=mlx`` (MLX's own attention,
+    for A/B runs)."""
+    import mlx.core as mx
+
+    from engine import gpu_attention
+
+    if os.environ.get("MARKBASE_GPU_ATTENTION", "kernel") == "mlx":
+        return False
+    if not (on_gpu() and mx.cuda.is_available()):
+        return False
+    attn = model.model.layers[0].self_attn
+    dtype = model.model.norm.weight.dtype
+    why = gpu_attention.supported(attn.n_heads, attn.n_kv_heads, attn.head_dim, dtype)
+    if why:
+        log.info("decode attention kernel not used: %s", why)
+    return why is None
 
 
 def on_gpu() -> bool:

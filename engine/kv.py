@@ -88,7 +88,7 @@ class BatchKV:
         self.length = 0
         self.pad: list[int] = []
         self._pad_arr = mx.array([], dtype=mx.int32)
-        self.offset = mx.array([], dtype=mx.int32)
+        self._offset: mx.array | None = None
 
     # -- the mlx-lm cache protocol -------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -98,8 +98,23 @@ class BatchKV:
         self.keys[:, :, start : start + n, :] = keys
         self.values[:, :, start : start + n, :] = values
         self.length = start + n
-        self.offset = self.offset + n
+        self._offset = None
         return self.keys[:, :, : self.length, :], self.values[:, :, : self.length, :]
+
+    @property
+    def offset(self) -> mx.array:
+        """Per-row RoPE position of the next token ([B] int32). Made from host
+        integers when read, not carried as ``offset + 1`` per layer and step: only
+        the first layer's is read by the decode steps, and each add was a graph node
+        (one per layer per step, ~5 us each on MLX's CPU backend)."""
+        if self._offset is None:
+            self._offset = mx.array([self.length - p for p in self.pad], dtype=mx.int32)
+        return self._offset
+
+    @property
+    def start(self) -> mx.array:
+        """Per-row first valid time index ([B] int32): the row's left padding."""
+        return self._pad_arr
 
     def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False):
         if n == 1 and window_size is None and not any(self.pad):
@@ -119,7 +134,7 @@ class BatchKV:
     def _set_pad(self, pad: list[int]) -> None:
         self.pad = pad
         self._pad_arr = mx.array(pad, dtype=mx.int32)
-        self.offset = mx.array([self.length - p for p in pad], dtype=mx.int32)
+        self._offset = None
 
     def add(self, keys: mx.array, values: mx.array) -> None:
         """Append one sequence's KV ([1, H, L, D]) as a new last row."""

@@ -1,0 +1,108 @@
+"""Compile markbase's custom CUDA kernels with NVRTC on a machine without a GPU.
+
+Device time is scarce (bench/gpu/README.md), so a kernel that does not compile should
+fail here, not there. This rebuilds the source ``mx.fast.cuda_kernel`` would hand to
+NVRTC (signature from the input/output names, template constants, the body; the
+same default header) and compiles it for sm_90a as MLX's JIT does.
+
+Needs, once (about 70 MB, not part of the project's install):
+
+    pip download --no-deps --only-binary=:all: -d /tmp/nvrtc \\
+        "nvidia-cuda-nvrtc>=13,<14" "nvidia-cuda-runtime>=13,<14" "nvidia-cuda-cccl>=13,<14"
+    (unzip each into /tmp/nvrtc/site; MLX's device headers, mlx/backend/cuda/device/*.cuh
+     from the MLX source at the installed version, into /tmp/nvrtc/mlxdev)
+
+    .venv/bin/python bench/gpu/nvrtc_check.py [--root /tmp/nvrtc]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_HEADER = (
+    '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+)
+CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t"}
+
+
+def build_source(spec) -> str:
+    """The kernel source as MLX's ``build_kernel`` (mlx/backend/cuda/custom_kernel.cpp) writes it."""
+    out = DEFAULT_HEADER + spec.header
+    out += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    out += f"__global__ void custom_kernel_{spec.name}(\n"
+    for name, dtype, ndim in spec.inputs:
+        out += f"    const {CTYPES[dtype]}* {name},\n"
+        if ndim > 0:
+            if f"{name}_shape" in spec.source:
+                out += f"    const __grid_constant__ Shape {name}_shape,\n"
+            if f"{name}_strides" in spec.source:
+                out += f"    const __grid_constant__ Strides {name}_strides,\n"
+            if f"{name}_ndim" in spec.source:
+                out += f"    const __grid_constant__ int {name}_ndim,\n"
+    outs = [f"    {CTYPES[dtype]}* {name}" for name, dtype in spec.outputs]
+    out += ",\n".join(outs) + ") {\n"
+    for name, value in spec.template:
+        if isinstance(value, bool):
+            out += f"  constexpr bool {name} = {'true' if value else 'false'};\n"
+        elif isinstance(value, int):
+            out += f"  constexpr int {name} = {value};\n"
+        else:
+            out += f"  using {name} = {CTYPES[value]};\n"
+    out += "\n" + spec.source + "\n}\n\n} // namespace mlx::core::cu\n"
+    return out
+
+
+def compile_source(root: Path, source: str, name: str) -> tuple[bool, str]:
+    site = root / "site"
+    lib = ctypes.CDLL(str(site / "nvidia/cu13/lib/libnvrtc.so.13"))
+    prog = ctypes.c_void_p()
+    rc = lib.nvrtcCreateProgram(
+        ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None
+    )
+    assert rc == 0, rc
+    opts = [
+        b"--device-as-default-execution-space",
+        b"--gpu-architecture=compute_90a",
+        f"--include-path={root / 'mlxdev'}".encode(),
+        f"--include-path={site / 'mlx/include'}".encode(),
+        f"--include-path={site / 'mlx/include/cccl'}".encode(),
+        f"--include-path={site / 'nvidia/cu13/include'}".encode(),
+        b"-std=c++17",
+    ]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    buf = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, buf)
+    return rc == 0, buf.value.decode(errors="replace")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", default="/tmp/nvrtc")
+    ap.add_argument("--show", action="store_true", help="print the generated sources")
+    args = ap.parse_args()
+    from engine import gpu_attention
+
+    failed = 0
+    for spec in gpu_attention.kernel_specs_for_check():
+        src = build_source(spec)
+        if args.show:
+            print(src)
+        ok, log = compile_source(Path(args.root), src, spec.name)
+        print(f"{spec.name}: {'ok' if ok else 'FAILED'}")
+        if log.strip():
+            print(log)
+        failed += not ok
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Where a decode step's time goes on the GPU: kernels a step and GPU busy time, from
+CUPTI (through torch.profiler, in the same process as MLX), against the step's wall
+time in a pipelined loop like the worker's.
+
+Runs ON the GPU machine (after bench/gpu/remote_setup.sh b and bench/gpu/env.sh):
+
+    python3 bench/gpu/profile_step.py --model 8b --quant q4 --batches 1,8,32 \\
+        --variants kernel,mlx --out $OUT/profile-8b-q4.json
+
+Variants switch the decode attention of the engine's GPU step
+(``FusedDecodeStep.attention_kernel``): ``kernel`` = engine/gpu_attention.py,
+``mlx`` = MLX's SDPA without a mask, grouped matmuls under one (engine/attention.py).
+Rows are ragged (different lengths, as the server's batch has) except at B=1.
+
+For each (variant, B): ``wall`` = median step of the pipelined loop (build step i+1,
+``mx.async_eval``, read step i's tokens); ``build`` = Python building the graph;
+``enqueue`` = the ``mx.async_eval`` call (MLX encoding the graph into CUDA graphs and
+launching them, on this thread); then a profiled run of the same loop: kernels per
+step, summed kernel time per step, GPU busy time (the union of kernel intervals) per
+step, and the top kernels. busy/wall near 1: the GPU is the limit; well below 1:
+the host is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx.core as mx  # noqa: E402
+from bench_decode import build_batch, build_model, prefill_row, ragged_lengths  # noqa: E402
+from shapes import CONFIGS  # noqa: E402
+
+from engine.runner import ModelRunner  # noqa: E402
+from engine.sampler import sample_batch  # noqa: E402
+
+now = time.perf_counter
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def pipelined(runner, batch, samplers, first, steps: int):
+    y = mx.array(first, dtype=mx.int32)
+    nxt = sample_batch(runner.decode(batch, y), samplers)
+    mx.async_eval(nxt)
+    wall, build, enq = [], [], []
+    t = now()
+    for _ in range(steps):
+        y = nxt
+        t0 = now()
+        nxt = sample_batch(runner.decode(batch, y), samplers)
+        t1 = now()
+        mx.async_eval(nxt)
+        t2 = now()
+        y.tolist()
+        t3 = now()
+        build.append(t1 - t0)
+        enq.append(t2 - t1)
+        wall.append(t3 - t)
+        t = t3
+    nxt.tolist()
+    med = statistics.median
+    return dict(wall_ms=med(wall) * 1e3, build_ms=med(build) * 1e3, enqueue_ms=med(enq) * 1e3)
+
+
+def kernel_stats(trace_path: Path, steps: int) -> dict:
+    events = json.loads(trace_path.read_text()).get("traceEvents", [])
+    ks = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    if not ks:
+        return dict(kernels_per_step=0)
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in ks)
+    busy, cur_s, cur_e = 0.0, spans[0][0], spans[0][1]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    by = defaultdict(lambda: [0, 0.0])
+    for e in ks:
+        name = e["name"][:90]
+        by[name][0] += 1
+        by[name][1] += e["dur"]
+    top = sorted(by.items(), key=lambda kv: -kv[1][1])[:14]
+    return dict(
+        kernels_per_step=len(ks) / steps,
+        kernel_us_per_step=sum(e["dur"] for e in ks) / steps,
+        busy_us_per_step=busy / steps,
+        span_us_per_step=(spans[-1][1] - spans[0][0]) / steps,
+        top=[dict(name=n, per_step=c / steps, us_per_step=d / steps) for n, (c, d) in top],
+    )
+
+
+def profiled(runner, batch, samplers, first, steps: int, trace_path: Path) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.init()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        pipelined(runner, batch, samplers, first, steps)
+        mx.synchronize()
+    prof.export_chrome_trace(str(trace_path))
+    return kernel_stats(trace_path, steps + 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="1b")
+    ap.add_argument("--quant", default="bf16")
+    ap.add_argument("--batches", default="1,8,128")
+    ap.add_argument("--variants", default="kernel,mlx")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--budget-s", type=float, default=100)
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    t_start = now()
+    cfg = CONFIGS[args.model]
+    model = build_model(cfg, args.quant)
+    runner = ModelRunner(model)
+    step = runner.decode_step
+    log(
+        f"[{args.model} {args.quant}] built in {now() - t_start:.1f} s; step "
+        f"{type(step).__name__}, attention kernel {getattr(step, 'attention_kernel', None)}"
+    )
+    prompt = [(i * 104729 + 7) % cfg["vocab_size"] for i in range(args.prompt)]
+    layer_kv, first = prefill_row(runner, prompt)
+    from bench_decode import greedy_samplers
+
+    rows = []
+    kernel_ok = bool(getattr(step, "attention_kernel", False))
+    variants = [v for v in args.variants.split(",") if v and (v != "kernel" or kernel_ok)]
+    for rep in range(args.repeat):
+        for b in [int(x) for x in args.batches.split(",") if x]:
+            lengths = ragged_lengths(args.prompt, b) if b > 1 else [args.prompt]
+            order = variants if rep % 2 == 0 else variants[::-1]
+            for v in order:
+                if now() - t_start > args.budget_s:
+                    log(f"B={b} {v}: budget spent")
+                    continue
+                step.attention_kernel = v == "kernel"
+                try:
+                    batch, _ = build_batch(runner, layer_kv, lengths)
+                    samplers = greedy_samplers(b)
+                    t = now()
+                    pipelined(runner, batch, samplers, [first] * b, 4)
+                    warm_s = now() - t
+                    r = pipelined(runner, batch, samplers, [first] * b, args.steps)
+                    if not args.no_profile and rep == 0:
+                        path = Path(f"/tmp/trace-{args.model}-{args.quant}-{b}-{v}.json")
+                        r.update(profiled(runner, batch, samplers, [first] * b,
+                                          args.profile_steps, path))  # fmt: skip
+                    del batch
+                except Exception:
+                    log(f"B={b} {v} FAILED:\n{traceback.format_exc()}")
+                    rows.append(dict(batch=b, variant=v, error=traceback.format_exc()[-1500:]))
+                    continue
+                r.update(batch=b, variant=v, rep=rep, tok_s=b / r["wall_ms"] * 1e3, warm_s=warm_s)
+                rows.append(r)
+                line = (
+                    f"B={b:3d} {v:6s} rep {rep}: {r['tok_s']:8.0f} tok/s  wall {r['wall_ms']:.3f} ms"
+                    f"  build {r['build_ms']:.3f}  enqueue {r['enqueue_ms']:.3f}"
+                )
+                if "kernels_per_step" in r and r["kernels_per_step"]:
+                    line += (
+                        f"  | kernels/step {r['kernels_per_step']:.0f}, kernel sum "
+                        f"{r['kernel_us_per_step'] / 1e3:.3f} ms, busy "
+                        f"{r['busy_us_per_step'] / 1e3:.3f} ms"
+                    )
+                log(line)
+                for k in r.get("top", [])[:10]:
+                    log(f"      {k['us_per_step']:8.1f} us {k['per_step']:6.1f}x  {k['name']}")
+                mx.clear_cache()
+                if args.out:
+                    Path(args.out).write_text(json.dumps(dict(
+                        model=args.model, quant=args.quant, rows=rows), indent=1))  # fmt: skip
+    step.attention_kernel = kernel_ok
+
+
+if __name__ == "__main__":
+    main()
