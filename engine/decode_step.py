@@ -164,6 +164,15 @@ class FusedDecodeStep:
         # two kernels a layer instead of MLX's masked fallback's seven)
         self.attention_kernel = bool(gpu_plans) and attention_kernel_wanted(model)
 
+    def warm_up(self) -> None:
+        """Compile the attention kernel's forms now (engine/worker.py's warm-up)."""
+        if self.attention_kernel:
+            from engine import gpu_attention
+
+            attn = self.inner.layers[0].self_attn
+            dtype = self.inner.norm.weight.dtype
+            gpu_attention.warm(attn.n_heads, attn.n_kv_heads, attn.head_dim, dtype, attn.scale)
+
     def __call__(self, tokens, cache):
         import mlx.core as mx
         from mlx_lm.models.base import create_attention_mask

@@ -334,11 +334,22 @@ def decode_attention(q, keys, values, start, scale: float):
     )[0]
 
 
+def warm(n_heads: int, n_kv_heads: int, head_dim: int, dtype, scale: float) -> None:
+    """Compile both forms (unsplit; split + merge) for this shape now, so that no request
+    waits on NVRTC: which form a step takes depends on its rows and length."""
+    import mlx.core as mx
+
+    for t in (1, 4 * POSITIONS_PER_BLOCK):
+        q = mx.zeros((1, n_heads, 1, head_dim), dtype=dtype)
+        kv = mx.zeros((1, n_kv_heads, t, head_dim), dtype=dtype)
+        mx.eval(decode_attention(q, kv, kv, mx.zeros((1,), dtype=mx.int32), scale))
+
+
 def kernel_specs_for_check() -> list[KernelSpec]:
     """The sources with concrete template values (bench/gpu/nvrtc_check.py)."""
     out = []
     for dtype in ("bfloat16", "float32"):
-        for hd, g in ((64, 4), (128, 4), (128, 8), (64, 1)):
+        for hd, g in ((64, 4), (128, 4), (128, 8), (64, 1), (32, 2)):
             w = warps_for(g, hd)
             for kind, spec in _specs(0.125).items():
                 tmpl = [("T", dtype), ("HD", hd)]

@@ -182,6 +182,9 @@ class ModelWorker:
         touched. Returns the seconds it took."""
         t0 = time.monotonic()
         runner = self.runner
+        step_warm_up = getattr(runner.decode_step, "warm_up", None)
+        if step_warm_up is not None:  # kernels a step picks by length (GPU attention)
+            step_warm_up()
         cfg = self.loaded.config or {}
         vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size") or 2
         sizes = warmup_batch_sizes(self.config.max_num_seqs)

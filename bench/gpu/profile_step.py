@@ -159,15 +159,19 @@ def main() -> None:
                     pipelined(runner, batch, samplers, [first] * b, 4)
                     warm_s = now() - t
                     r = pipelined(runner, batch, samplers, [first] * b, args.steps)
-                    if not args.no_profile and rep == 0:
-                        path = Path(f"/tmp/trace-{args.model}-{args.quant}-{b}-{v}.json")
-                        r.update(profiled(runner, batch, samplers, [first] * b,
-                                          args.profile_steps, path))  # fmt: skip
-                    del batch
                 except Exception:
                     log(f"B={b} {v} FAILED:\n{traceback.format_exc()}")
                     rows.append(dict(batch=b, variant=v, error=traceback.format_exc()[-1500:]))
                     continue
+                if not args.no_profile and rep == 0:
+                    path = Path(f"/tmp/trace-{args.model}-{args.quant}-{b}-{v}.json")
+                    try:
+                        r.update(profiled(runner, batch, samplers, [first] * b,
+                                          args.profile_steps, path))  # fmt: skip
+                    except Exception:
+                        log(f"profiler failed, no more profiles:\n{traceback.format_exc()}")
+                        args.no_profile = True
+                del batch
                 r.update(batch=b, variant=v, rep=rep, tok_s=b / r["wall_ms"] * 1e3, warm_s=warm_s)
                 rows.append(r)
                 line = (

@@ -7,6 +7,8 @@
 #   bash bench/gpu/suite.sh engine-1b save-ptx                              (README.md)
 #   bash bench/gpu/suite.sh test engine-table                                 (the table)
 #   bash bench/gpu/suite.sh test engine-ab save-ptx                           (session 4: [B, D] step)
+#   bash bench/gpu/suite.sh kernel-test profile                               (session 5: attention kernel)
+#   bash bench/gpu/suite.sh engine-table first-request save-ptx               (session 5: the table)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -123,6 +125,31 @@ for stage in "$@"; do
             rm -rf "/tmp/ptx-$w" "/tmp/nv-$w"
             MLX_PTX_CACHE_DIR=/tmp/ptx-$w CUDA_CACHE_PATH=/tmp/nv-$w timeout 90 $E first-request \
                 --warmup "${w#cold-}" $EM --out "$OUT/engine-first-$w.json"
+        done
+        ;;
+    kernel-test)  # session 5: the attention kernel against grouped attention, then the
+        # end-to-end GPU test; if they fail, the later stages run MLX's attention
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py \
+            tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log"
+        if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+            echo "kernel tests FAILED: MARKBASE_GPU_ATTENTION=mlx for the later stages"
+            export MARKBASE_GPU_ATTENTION=mlx
+        fi
+        ;;
+    profile)  # session 5: kernels and GPU busy time per step (CUPTI), attention kernel vs MLX's
+        for mq in ${PROFILE_CONFIGS:-8b:q4 1b:bf16 8b:bf16 1b:q4}; do
+            m=${mq%%:*} q=${mq##*:} to=${PROFILE_TIMEOUT:-100}
+            timeout $to python3 bench/gpu/profile_step.py --model "$m" --quant "$q" \
+                --batches "${PROFILE_BATCHES:-1,8,32,128}" --variants kernel,mlx \
+                --budget-s $(( to - 20 )) --out "$OUT/profile-$m-$q.json"
+        done
+        ;;
+    first-request)  # the first request after start, warm-up off and on (fresh processes,
+        # each from a copy of the caches as they are now)
+        snapshot_caches off on
+        for w in off on; do
+            MLX_PTX_CACHE_DIR=/tmp/ptx-$w CUDA_CACHE_PATH=/tmp/nv-$w timeout 60 $E first-request \
+                --warmup $w $EM --out "$OUT/engine-first-$w.json"
         done
         ;;
     save-ptx)  # bring the PTX cache back: cp /work/.device/<n>/ptx.tgz .gpu-cache/ (README.md)
