@@ -93,6 +93,7 @@ class FusedDecodeStep:
         self.model = model
         self.inner = model.model
         self.compiled = compile
+        self.gpu_plans = gpu_plans
         # the hidden state as [B, D] between attentions (default: with gpu_plans,
         # i.e. on a GPU; the CPU's compiled step keeps [B, 1, D] as it was measured)
         self.flat = gpu_plans if flat is None else flat
@@ -165,13 +166,23 @@ class FusedDecodeStep:
         self.attention_kernel = bool(gpu_plans) and attention_kernel_wanted(model)
 
     def warm_up(self) -> None:
-        """Compile the attention kernel's forms now (engine/worker.py's warm-up)."""
-        if self.attention_kernel:
-            from engine import gpu_attention
+        """Compile the custom kernels' variants now (engine/worker.py's warm-up): which
+        one a step runs depends on its rows and length, and NVRTC takes ~1 s each."""
+        import mlx.core as mx
 
+        from engine import gpu_attention, gpu_gemv, gpu_linear
+
+        dtype = self.inner.norm.weight.dtype
+        if self.attention_kernel:
             attn = self.inner.layers[0].self_attn
-            dtype = self.inner.norm.weight.dtype
             gpu_attention.warm(attn.n_heads, attn.n_kv_heads, attn.head_dim, dtype, attn.scale)
+        if (
+            self.gpu_plans
+            and mx.cuda.is_available()
+            and dtype in (mx.bfloat16, mx.float16)
+            and (gpu_linear.uses("gemv") or gpu_linear.uses("qgemv"))
+        ):
+            gpu_gemv.warm(dtype)
 
     def __call__(self, tokens, cache):
         import mlx.core as mx

@@ -8,7 +8,10 @@ a step). The same product can be written in ways that reach other kernels:
 
 - float: ``xwt`` = ``x @ w.T`` (what ``nn.Linear`` does), ``wxt`` = ``(w @ x.T).T``
   (the weight as the left operand: cuBLAS sees an N x K by K x B product);
-- quantized: ``qmm`` = ``mx.quantized_matmul``; ``deq`` = dequantize the weight to
+- float: ``gemv`` = engine/gpu_gemv.py's kernel (up to 8 rows a call, each call
+  reading the weight once; no cuBLAS call, whose host cost dominates small batches);
+- quantized: ``qgemv`` = engine/gpu_gemv.py's 4-bit kernel (same; 4-bit affine only);
+  ``qmm`` = ``mx.quantized_matmul``; ``deq`` = dequantize the weight to
   the activations' dtype, then ``xwt`` (reads the 4-bit weight, writes and reads a
   bf16 copy: about 3x the bytes of a bf16 product, but at bf16 speed); ``deqwxt``;
   ``qmmk2``/``qmmk4`` = split-K: the input dim cut into 2/4 parts (kept as contiguous
@@ -30,10 +33,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-FLOAT_FORMS = ("xwt", "wxt")
-QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4")
-DEFAULT_FLOAT_PLAN = "1:xwt"
-DEFAULT_QUANT_PLAN = "1:qmm"
+FLOAT_FORMS = ("xwt", "wxt", "gemv")
+QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv")
+DEFAULT_FLOAT_PLAN = "1:xwt,2:gemv,9:xwt"
+DEFAULT_QUANT_PLAN = "1:qgemv,33:qmm"
 
 
 @dataclass(frozen=True)
@@ -66,12 +69,40 @@ def parse_plan(text: str, forms: tuple[str, ...]) -> Plan:
     return Plan(tuple(steps))
 
 
+_current: dict[str, Plan] = {}
+
+
 def float_plan() -> Plan:
-    return parse_plan(os.environ.get("MARKBASE_GPU_FLOAT_PLAN", DEFAULT_FLOAT_PLAN), FLOAT_FORMS)
+    if "float" not in _current:
+        text = os.environ.get("MARKBASE_GPU_FLOAT_PLAN", DEFAULT_FLOAT_PLAN)
+        _current["float"] = parse_plan(text, FLOAT_FORMS)
+    return _current["float"]
 
 
 def quant_plan() -> Plan:
-    return parse_plan(os.environ.get("MARKBASE_GPU_QUANT_PLAN", DEFAULT_QUANT_PLAN), QUANT_FORMS)
+    if "quant" not in _current:
+        text = os.environ.get("MARKBASE_GPU_QUANT_PLAN", DEFAULT_QUANT_PLAN)
+        _current["quant"] = parse_plan(text, QUANT_FORMS)
+    return _current["quant"]
+
+
+def set_plans(float_text: str | None = None, quant_text: str | None = None) -> None:
+    """Replace the plans that layers built without an explicit plan follow from their
+    next call on (benchmarks switch them between variants in one process)."""
+    if float_text is not None:
+        _current["float"] = parse_plan(float_text, FLOAT_FORMS)
+    if quant_text is not None:
+        _current["quant"] = parse_plan(quant_text, QUANT_FORMS)
+
+
+def reset_plans() -> None:
+    """Forget set_plans() and read the environment again at the next call."""
+    _current.clear()
+
+
+def uses(form: str) -> bool:
+    """Whether the current float or quantized plan names ``form``."""
+    return any(f == form for plan in (float_plan(), quant_plan()) for _, f in plan.steps)
 
 
 def _rows(x) -> int:
@@ -83,6 +114,14 @@ def _rows(x) -> int:
 
 def float_matmul(x, w, form: str):
     """``x @ w.T`` for x [..., K], w [N, K], written as ``form``."""
+    if form == "gemv":
+        from engine import gpu_gemv
+
+        if gpu_gemv.float_supported(x.dtype, w.dtype, w.shape[-1]):
+            lead = x.shape[:-1]
+            y = gpu_gemv.gemv(x.reshape(-1, x.shape[-1]), w)
+            return y.reshape(*lead, w.shape[0])
+        form = "xwt"
     if form == "xwt":
         return x @ w.T
     lead = x.shape[:-1]
@@ -95,7 +134,11 @@ class GpuLinear:
 
     def __init__(self, weight, plan: Plan | None = None) -> None:
         self.weight = weight
-        self.plan = plan or float_plan()
+        self._plan = plan
+
+    @property
+    def plan(self) -> Plan:
+        return self._plan or float_plan()
 
     def __call__(self, x):
         return float_matmul(x, self.weight, self.plan.form(_rows(x)))
@@ -107,11 +150,15 @@ class GpuQuantizedLinear:
     def __init__(self, weight, scales, biases, group_size, bits, mode, plan=None) -> None:
         self.weight, self.scales, self.biases = weight, scales, biases
         self.group_size, self.bits, self.mode = group_size, bits, mode
-        self.plan = plan or quant_plan()
+        self._plan = plan
         self._parts: dict[int, list] = {}
         for _, form in self.plan.steps:
             if form.startswith("qmmk"):
                 self._split(int(form[4:]))
+
+    @property
+    def plan(self) -> Plan:
+        return self._plan or quant_plan()
 
     def _split(self, n: int) -> list | None:
         """The weight's n column blocks (whole quantization groups), as contiguous
@@ -143,6 +190,19 @@ class GpuQuantizedLinear:
         import mlx.core as mx
 
         form = self.plan.form(_rows(x))
+        if form == "qgemv":
+            from engine import gpu_gemv
+
+            n, k = self.weight.shape[0], self.scales.shape[-1] * self.group_size
+            if gpu_gemv.quant_supported(
+                x.dtype, n, k, self.bits, self.group_size, self.mode, self.biases
+            ):
+                lead = x.shape[:-1]
+                y = gpu_gemv.quantized_gemv(
+                    x.reshape(-1, k), self.weight, self.scales, self.biases, self.group_size
+                )
+                return y.reshape(*lead, n)
+            form = "qmm"
         if form.startswith("qmmk"):
             parts = self._split(int(form[4:]))
             if parts is None:

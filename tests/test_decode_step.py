@@ -138,27 +138,45 @@ def test_runner_fused_decode_switch():
         ("1:wxt", "1:deq"),
         ("1:xwt,2:wxt", "1:qmm,2:deqwxt"),
         ("1:xwt", "1:qmmk2,2:qmmk4"),
+        # the custom CUDA kernels: on a machine without CUDA they fall back to xwt/qmm
+        ("1:gemv", "1:qgemv"),
     ],
 )
 def test_gpu_matmul_plans_give_the_same_step(monkeypatch, float_plan, quant_plan):
     """Every formulation engine/gpu_linear.py can pick (run here on the CPU) computes
     the same products: the step still equals the model's own call, float and 4-bit,
     one row and two (the plans above switch form at 2 rows)."""
+    from engine import gpu_linear
+
     monkeypatch.setenv("MARKBASE_GPU_FLOAT_PLAN", float_plan)
     monkeypatch.setenv("MARKBASE_GPU_QUANT_PLAN", quant_plan)
-    untied = {**TINY, "tie_word_embeddings": False}
-    for kw in ({}, {"quantize_bits": 4, "group_size": 32}):
-        model = build_random_model("llama", untied, seed=5, **kw).model
-        step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
-        _check_against_model(model, step, atol=2e-4)
-        _check_against_model(model, step, prompts=(PROMPTS[0],), atol=2e-4)
+    gpu_linear.reset_plans()  # plans are read from the environment once, then kept
+    try:
+        assert gpu_linear.float_plan() == gpu_linear.parse_plan(float_plan, gpu_linear.FLOAT_FORMS)
+        untied = {**TINY, "tie_word_embeddings": False}
+        for kw in ({}, {"quantize_bits": 4, "group_size": 32}):
+            model = build_random_model("llama", untied, seed=5, **kw).model
+            step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
+            _check_against_model(model, step, atol=2e-4)
+            _check_against_model(model, step, prompts=(PROMPTS[0],), atol=2e-4)
+    finally:
+        monkeypatch.undo()
+        gpu_linear.reset_plans()
 
 
 def test_gpu_matmul_plan_parsing():
+    from engine import gpu_linear
     from engine.gpu_linear import FLOAT_FORMS, parse_plan
 
     plan = parse_plan("8:wxt, 1:xwt", FLOAT_FORMS)
     assert [plan.form(n) for n in (1, 7, 8, 128)] == ["xwt", "xwt", "wxt", "wxt"]
+    plan = parse_plan(gpu_linear.DEFAULT_QUANT_PLAN, gpu_linear.QUANT_FORMS)
+    assert plan.form(1) == "qgemv" and plan.form(32) == "qgemv" and plan.form(33) == "qmm"
+    gpu_linear.set_plans(float_text="1:wxt")
+    try:
+        assert gpu_linear.float_plan().form(5) == "wxt" and gpu_linear.uses("wxt")
+    finally:
+        gpu_linear.reset_plans()
     for bad in ("", "8wxt", "x:wxt", "1:fast"):
         with pytest.raises(ValueError, match="GPU matmul plan"):
             parse_plan(bad, FLOAT_FORMS)

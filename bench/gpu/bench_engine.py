@@ -293,9 +293,10 @@ def run_first_request(args) -> None:
     after_start = worker.stats()
     ids = iter(range(10**6))
 
-    async def one(max_tokens: int) -> dict:
+    async def one(max_tokens: int, prompt_len: int | None = None) -> dict:
         i = next(ids)
-        toks = [(j * 31 + i * 7919 + 1) % vocab for j in range(args.prompt)]  # no prefix hits
+        n = prompt_len or args.prompt
+        toks = [(j * 31 + i * 7919 + 1) % vocab for j in range(n)]  # no prefix hits
         req = GenerationRequest(
             request_id=f"q{i}",
             model=lm.name,
@@ -321,6 +322,12 @@ def run_first_request(args) -> None:
             ttft_median_s=statistics.median(r["ttft_s"] for r in burst),
         )
         out["again"] = await one(args.gen)
+        # prompts of lengths not seen before: a per-shape compile (e.g. a cuDNN attention
+        # graph per prompt length) shows as a first TTFT far above the second's
+        out["lengths"] = []
+        for n in (97, 300, 701, 1500):
+            a, b = await one(4, n), await one(4, n)
+            out["lengths"].append(dict(prompt=n, first_ttft_s=a["ttft_s"], again_ttft_s=b["ttft_s"]))
         return out
 
     try:
@@ -347,6 +354,13 @@ def run_first_request(args) -> None:
         f"request TTFT {f['ttft_s']:.3f} s, {args.gen} tokens in {f['total_s']:.3f} s; burst of "
         f"{b['n']}: {b['wall_s']:.3f} s (TTFT max {b['ttft_max_s']:.3f} s); again: TTFT "
         f"{a['ttft_s']:.3f} s, total {a['total_s']:.3f} s; state after start {after_start}"
+    )
+    log(
+        "new prompt lengths, TTFT first / again: "
+        + ", ".join(
+            f"{r['prompt']}: {r['first_ttft_s']:.3f} / {r['again_ttft_s']:.3f} s"
+            for r in res["lengths"]
+        )
     )
     save(args, [row])
 

@@ -28,7 +28,13 @@ sys.path.insert(0, str(ROOT))
 DEFAULT_HEADER = (
     '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
 )
-CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t"}
+CTYPES = {
+    "float32": "float",
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+    "int32": "int32_t",
+    "uint32": "uint32_t",
+}
 
 
 def build_source(spec) -> str:
@@ -58,6 +64,10 @@ def build_source(spec) -> str:
     return out
 
 
+# sm_90a SASS (not PTX) so that ptxas runs and reports registers and spills
+ARCH = b"--gpu-architecture=sm_90a"
+
+
 def compile_source(root: Path, source: str, name: str) -> tuple[bool, str]:
     site = root / "site"
     lib = ctypes.CDLL(str(site / "nvidia/cu13/lib/libnvrtc.so.13"))
@@ -68,12 +78,13 @@ def compile_source(root: Path, source: str, name: str) -> tuple[bool, str]:
     assert rc == 0, rc
     opts = [
         b"--device-as-default-execution-space",
-        b"--gpu-architecture=compute_90a",
+        ARCH,
         f"--include-path={root / 'mlxdev'}".encode(),
         f"--include-path={site / 'mlx/include'}".encode(),
         f"--include-path={site / 'mlx/include/cccl'}".encode(),
         f"--include-path={site / 'nvidia/cu13/include'}".encode(),
         b"-std=c++17",
+        b"--ptxas-options=-v",
     ]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
@@ -89,10 +100,11 @@ def main() -> None:
     ap.add_argument("--root", default="/tmp/nvrtc")
     ap.add_argument("--show", action="store_true", help="print the generated sources")
     args = ap.parse_args()
-    from engine import gpu_attention
+    from engine import gpu_attention, gpu_gemv
 
     failed = 0
-    for spec in gpu_attention.kernel_specs_for_check():
+    specs = gpu_attention.kernel_specs_for_check() + gpu_gemv.kernel_specs_for_check()
+    for spec in specs:
         src = build_source(spec)
         if args.show:
             print(src)

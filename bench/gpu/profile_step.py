@@ -7,10 +7,12 @@ Runs ON the GPU machine (after bench/gpu/remote_setup.sh b and bench/gpu/env.sh)
     python3 bench/gpu/profile_step.py --model 8b --quant q4 --batches 1,8,32 \\
         --variants kernel,mlx --out $OUT/profile-8b-q4.json
 
-Variants switch the decode attention of the engine's GPU step
-(``FusedDecodeStep.attention_kernel``): ``kernel`` = engine/gpu_attention.py,
-``mlx`` = MLX's SDPA without a mask, grouped matmuls under one (engine/attention.py).
-Rows are ragged (different lengths, as the server's batch has) except at B=1.
+Variants (``VARIANTS``) switch the decode attention of the engine's GPU step
+(``FusedDecodeStep.attention_kernel``: engine/gpu_attention.py's kernel, or MLX's SDPA
+without a mask and grouped matmuls under one, engine/attention.py) and the plans of
+its products (engine/gpu_linear.py: MLX's matmuls, or engine/gpu_gemv.py's kernels up
+to some row count). Rows are ragged (different lengths, as the server's batch has)
+except at B=1.
 
 For each (variant, B): ``wall`` = median step of the pipelined loop (build step i+1,
 ``mx.async_eval``, read step i's tokens); ``build`` = Python building the graph;
@@ -42,6 +44,15 @@ from engine.runner import ModelRunner  # noqa: E402
 from engine.sampler import sample_batch  # noqa: E402
 
 now = time.perf_counter
+
+# name -> (attention kernel, float plan, quantized plan)
+VARIANTS = {
+    "mlx": (False, "1:xwt", "1:qmm"),
+    "kernel": (True, "1:xwt", "1:qmm"),
+    "gemv8": (True, "1:xwt,2:gemv,9:xwt", "1:qgemv,9:qmm"),
+    "gemv32": (True, "1:xwt,2:gemv,9:xwt", "1:qgemv,33:qmm"),
+    "gemvall": (True, "1:gemv,9:xwt", "1:qgemv"),
+}
 
 
 def log(msg: str) -> None:
@@ -118,7 +129,7 @@ def main() -> None:
     ap.add_argument("--model", default="1b")
     ap.add_argument("--quant", default="bf16")
     ap.add_argument("--batches", default="1,8,128")
-    ap.add_argument("--variants", default="kernel,mlx")
+    ap.add_argument("--variants", default="kernel,mlx", help=f"some of {list(VARIANTS)}")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--profile-steps", type=int, default=8)
@@ -141,8 +152,12 @@ def main() -> None:
     from bench_decode import greedy_samplers
 
     rows = []
+    from engine import gpu_linear
+
     kernel_ok = bool(getattr(step, "attention_kernel", False))
-    variants = [v for v in args.variants.split(",") if v and (v != "kernel" or kernel_ok)]
+    variants = [v for v in args.variants.split(",") if v]
+    if not kernel_ok:  # no CUDA (a CPU dry run) or a shape the kernel does not take
+        variants = [v for v in variants if not VARIANTS[v][0]] or variants[:1]
     for rep in range(args.repeat):
         for b in [int(x) for x in args.batches.split(",") if x]:
             lengths = ragged_lengths(args.prompt, b) if b > 1 else [args.prompt]
@@ -151,7 +166,9 @@ def main() -> None:
                 if now() - t_start > args.budget_s:
                     log(f"B={b} {v}: budget spent")
                     continue
-                step.attention_kernel = v == "kernel"
+                attn_kernel, float_text, quant_text = VARIANTS[v]
+                step.attention_kernel = attn_kernel and kernel_ok
+                gpu_linear.set_plans(float_text, quant_text)
                 try:
                     batch, _ = build_batch(runner, layer_kv, lengths)
                     samplers = greedy_samplers(b)
@@ -175,7 +192,7 @@ def main() -> None:
                 r.update(batch=b, variant=v, rep=rep, tok_s=b / r["wall_ms"] * 1e3, warm_s=warm_s)
                 rows.append(r)
                 line = (
-                    f"B={b:3d} {v:6s} rep {rep}: {r['tok_s']:8.0f} tok/s  wall {r['wall_ms']:.3f} ms"
+                    f"B={b:3d} {v:7s} rep {rep}: {r['tok_s']:8.0f} tok/s  wall {r['wall_ms']:.3f} ms"
                     f"  build {r['build_ms']:.3f}  enqueue {r['enqueue_ms']:.3f}"
                 )
                 if "kernels_per_step" in r and r["kernels_per_step"]:
@@ -192,6 +209,7 @@ def main() -> None:
                     Path(args.out).write_text(json.dumps(dict(
                         model=args.model, quant=args.quant, rows=rows), indent=1))  # fmt: skip
     step.attention_kernel = kernel_ok
+    gpu_linear.reset_plans()
 
 
 if __name__ == "__main__":

@@ -135,22 +135,32 @@ for stage in "$@"; do
             echo "kernel tests FAILED: MARKBASE_GPU_ATTENTION=mlx for the later stages"
             export MARKBASE_GPU_ATTENTION=mlx
         fi
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemv.py 2>&1 \
+            | tee "$OUT/test_gpu_gemv.log"
+        if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+            echo "gemv tests FAILED: MLX's products (plans 1:xwt, 1:qmm) for the later stages"
+            export MARKBASE_GPU_FLOAT_PLAN=1:xwt MARKBASE_GPU_QUANT_PLAN=1:qmm
+        fi
         ;;
     profile)  # session 5: kernels and GPU busy time per step (CUPTI), attention kernel vs MLX's
         for mq in ${PROFILE_CONFIGS:-8b:q4 1b:bf16 8b:bf16 1b:q4}; do
             m=${mq%%:*} q=${mq##*:} to=${PROFILE_TIMEOUT:-100}
             timeout $to python3 bench/gpu/profile_step.py --model "$m" --quant "$q" \
-                --batches "${PROFILE_BATCHES:-1,8,32,128}" --variants kernel,mlx \
+                --batches "${PROFILE_BATCHES:-1,8,32,128}" --variants "${PROFILE_VARIANTS:-kernel,mlx}" \
+                --steps "${PROFILE_STEPS:-48}" --repeat "${PROFILE_REPEAT:-2}" \
                 --budget-s $(( to - 20 )) --out "$OUT/profile-$m-$q.json"
         done
         ;;
     first-request)  # the first request after start, warm-up off and on (fresh processes,
         # each from a copy of the caches as they are now)
-        snapshot_caches off on
+        snapshot_caches off on cudnn0
         for w in off on; do
             MLX_PTX_CACHE_DIR=/tmp/ptx-$w CUDA_CACHE_PATH=/tmp/nv-$w timeout 60 $E first-request \
                 --warmup $w $EM --out "$OUT/engine-first-$w.json"
         done
+        # MLX's cuDNN attention off: prefill attention without a per-shape cuDNN graph
+        MLX_CUDA_USE_CUDNN_SDPA=0 MLX_PTX_CACHE_DIR=/tmp/ptx-cudnn0 CUDA_CACHE_PATH=/tmp/nv-cudnn0 \
+            timeout 60 $E first-request --warmup on $EM --out "$OUT/engine-first-on-cudnn0.json"
         ;;
     save-ptx)  # bring the PTX cache back: cp /work/.device/<n>/ptx.tgz .gpu-cache/ (README.md)
         tar czf "$OUT/ptx.tgz" -C "$(dirname "$MLX_PTX_CACHE_DIR")" "$(basename "$MLX_PTX_CACHE_DIR")"

@@ -1,0 +1,111 @@
+"""engine/gpu_gemv.py: the few-row product kernels equal float32 products of the same
+(dequantized) weights, for 1-17 rows, 4-bit group sizes 32/64/128, bf16 and fp16.
+
+Needs MLX's CUDA backend (skipped elsewhere). On the H200, after bench/gpu/env.sh:
+``python3 -m pytest -q tests/test_gpu_gemv.py``. ``bench/gpu/nvrtc_check.py``
+compiles the kernels without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from engine import gpu_gemv  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+
+SHAPES = [(1, 4096, 4096), (2, 64, 256), (3, 128, 1024), (5, 6144, 2048), (8, 4096, 14336),
+          (12, 256, 512), (17, 64, 256)]  # fmt: skip
+
+
+def _close(got, want):
+    got = np.array(got.astype(mx.float32))
+    want = np.array(want)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, atol=2e-2 * scale, rtol=2e-2)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_quantized_gemv(shape, dtype):
+    m, n, k = shape
+    rng = np.random.default_rng(m * 7 + n)
+    for gs in (64, 32, 128):
+        w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(dtype)
+        wq, s, b = mx.quantize(w, group_size=gs, bits=4)
+        x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
+        deq = mx.dequantize(wq, s, b, group_size=gs, bits=4).astype(mx.float32)
+        want = x.astype(mx.float32) @ deq.T
+        got = gpu_gemv.quantized_gemv(x, wq, s, b, gs)
+        assert got.shape == (m, n) and got.dtype == dtype
+        _close(got, want)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_float_gemv(shape, dtype):
+    m, n, k = shape
+    rng = np.random.default_rng(m * 11 + n)
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(dtype)
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
+    want = x.astype(mx.float32) @ w.astype(mx.float32).T
+    got = gpu_gemv.gemv(x, w)
+    assert got.shape == (m, n) and got.dtype == dtype
+    _close(got, want)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_decode_step_with_gemv_plans_equals_model(quantize):
+    """The GPU decode step (bf16, 4-bit or not) with the kernel plans gives the model's
+    logits within bf16 rounding, on a ragged batch of 3 rows."""
+    from mlx_lm.models import llama
+
+    from engine import gpu_linear
+    from engine.decode_step import make_decode_step
+    from engine.kv import BatchKV, SequenceKV
+
+    mx.random.seed(1)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=256,
+        num_hidden_layers=2,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=320,
+        tie_word_embeddings=False,
+    )
+    model = llama.Model(args)
+    model.set_dtype(mx.bfloat16)
+    if quantize:
+        import mlx.nn as nn
+
+        nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 40)), [7, 8]]
+
+    def batch_of(m):
+        batch = [BatchKV() for _ in m.layers]
+        for p in prompts:
+            kv = [SequenceKV() for _ in m.layers]
+            m(mx.array([p]), cache=kv)
+            for layer, c in zip(batch, kv):
+                layer.add(*c.kv())
+        return batch
+
+    tokens = mx.array([[11], [12], [13]])
+    want = model(tokens, cache=batch_of(model))[:, -1, :].astype(mx.float32)
+    gpu_linear.set_plans("1:gemv", "1:qgemv")
+    try:
+        step = make_decode_step(model)
+        got = step(tokens, batch_of(model)).astype(mx.float32)
+        _close(got, want)
+    finally:
+        gpu_linear.reset_plans()
