@@ -327,7 +327,9 @@ def run_first_request(args) -> None:
         out["lengths"] = []
         for n in (97, 300, 701, 1500):
             a, b = await one(4, n), await one(4, n)
-            out["lengths"].append(dict(prompt=n, first_ttft_s=a["ttft_s"], again_ttft_s=b["ttft_s"]))
+            out["lengths"].append(
+                dict(prompt=n, first_ttft_s=a["ttft_s"], again_ttft_s=b["ttft_s"])
+            )
         return out
 
     try:
