@@ -35,8 +35,11 @@ from dataclasses import dataclass
 
 FLOAT_FORMS = ("xwt", "wxt", "gemv")
 QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv")
-DEFAULT_FLOAT_PLAN = "1:xwt,2:gemv,9:xwt"
-DEFAULT_QUANT_PLAN = "1:qgemv,33:qmm"
+# measured on the H200 (bench/gpu/NOTES.md, session 5): the 4-bit kernel for 2-8 rows
+# (8b 4-bit B=8: 550 -> 630-690 tok/s); at 1 row MLX's qmv needs less host time per
+# step than the custom kernel's call, and the float kernel gained nothing measurable
+DEFAULT_FLOAT_PLAN = "1:xwt"
+DEFAULT_QUANT_PLAN = "1:qmm,2:qgemv,9:qmm"
 
 
 @dataclass(frozen=True)

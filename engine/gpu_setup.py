@@ -9,6 +9,11 @@ at a per-user cache folder unless the user chose one. MLX reads the variable onc
 at its first kernel compile, and creates the folder itself; CPU and Metal builds
 never read it, so setting it there is harmless (and creates nothing).
 
+``default_cuda_attention`` turns MLX's cuDNN attention off unless the user chose:
+cuDNN builds an execution graph per attention shape, so every prompt length not seen
+before cost its request 0.1-0.6 s of time to first token on the H200, warm-up or
+not (bench/gpu/NOTES.md, session 5); MLX's own attention has no per-shape build.
+
 Imports nothing from MLX.
 """
 
@@ -19,6 +24,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 PTX_ENV = "MLX_PTX_CACHE_DIR"
+CUDNN_SDPA_ENV = "MLX_CUDA_USE_CUDNN_SDPA"
 
 
 def _mlx_version() -> str:
@@ -53,3 +59,10 @@ def default_ptx_cache_dir(env: MutableMapping[str, str] | None = None) -> str | 
         return None
     env[PTX_ENV] = str(path)
     return env[PTX_ENV]
+
+
+def default_cuda_attention(env: MutableMapping[str, str] | None = None) -> str:
+    """Set ``MLX_CUDA_USE_CUDNN_SDPA=0`` if it is unset; returns the value in effect.
+    MLX reads it once, at the first attention on a CUDA device; other builds never."""
+    env = os.environ if env is None else env
+    return env.setdefault(CUDNN_SDPA_ENV, "0")

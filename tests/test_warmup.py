@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY
 
 from engine.client import EngineClient
 from engine.config import EngineConfig, warmup_batch_sizes
-from engine.gpu_setup import PTX_ENV, default_ptx_cache_dir
+from engine.gpu_setup import CUDNN_SDPA_ENV, PTX_ENV, default_cuda_attention, default_ptx_cache_dir
 from engine.loading import build_random_model
 from engine.types import GenerationRequest, SamplingParams
 from server.cli import build_parser, overrides_from_args
@@ -115,3 +115,10 @@ def test_ptx_cache_default(tmp_path, monkeypatch):
     assert default_ptx_cache_dir(env).startswith(str(tmp_path / ".cache"))
     env = {PTX_ENV: "/somewhere/else"}
     assert default_ptx_cache_dir(env) == "/somewhere/else" and env[PTX_ENV] == "/somewhere/else"
+
+
+def test_cuda_attention_default():
+    env: dict[str, str] = {}
+    assert default_cuda_attention(env) == "0" and env[CUDNN_SDPA_ENV] == "0"
+    env = {CUDNN_SDPA_ENV: "1"}  # the user's choice stays
+    assert default_cuda_attention(env) == "1"
