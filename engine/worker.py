@@ -64,6 +64,8 @@ class ModelWorker:
         self.batch: list[BatchKV] = self.runner.new_batch_kv()
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # events of this iteration, handed over together at its end (_flush_outbox)
+        self._outbox: list = []
         self._wake = threading.Event()
         self._waiting_count = 0  # read by submitters without the worker's lists
         self._lock = threading.Lock()
@@ -162,6 +164,7 @@ class ModelWorker:
                     self.step()
                 else:
                     self._update_gauges()  # an abort may have emptied the batch
+                self._flush_outbox()
             self._finish_all(FinishReason.ABORT, "The server is shutting down.", "engine_dead")
         except BaseException as exc:  # the worker is gone: fail everyone, loudly
             log.exception("engine worker for %s died", self.name)
@@ -285,6 +288,7 @@ class ModelWorker:
         for seq, n in plan.chunks:
             self._prefill_chunk(seq, n)
         self._update_gauges()
+        self._flush_outbox()
 
     def _admit(self) -> None:
         active = len(self.running) + len(self.prefilling)
@@ -533,10 +537,30 @@ class ModelWorker:
             error_kind=error_kind,
         )
         seq.sent_tokens = len(seq.output_ids)
-        try:
-            seq.emit(event)
-        except Exception:  # the receiver is gone (loop closed); nothing to tell
-            log.debug("could not deliver event for %s", seq.request_id)
+        self._outbox.append((seq.emit, event))
+
+    def _flush_outbox(self) -> None:
+        """Hand the queued events over: per event loop one call (engine/client.py's
+        ``LoopEmit``), other emit callables one by one, in the order they were sent."""
+        if not self._outbox:
+            return
+        from engine.client import LoopEmit, deliver_all
+
+        items, self._outbox = self._outbox, []
+        by_loop: dict = {}
+        for emit, event in items:
+            if type(emit) is LoopEmit:
+                by_loop.setdefault(emit.loop, []).append((emit.put, event))
+                continue
+            try:
+                emit(event)
+            except Exception:  # the receiver is gone; nothing to tell
+                log.debug("could not deliver event for %s", event.request_id)
+        for loop, batch in by_loop.items():
+            try:
+                deliver_all(loop, batch)
+            except Exception:  # the loop is closed: its requests are gone
+                log.debug("could not deliver %d events to a closed loop", len(batch))
 
     def _finish(
         self,
@@ -600,6 +624,7 @@ class ModelWorker:
                 break
             if kind_ == "submit":
                 self._send(item, "", reason, error=message, error_kind=kind)
+        self._flush_outbox()
 
     def _update_gauges(self) -> None:
         self.metrics.requests_running.set(len(self.running) + len(self.prefilling))

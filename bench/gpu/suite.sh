@@ -162,6 +162,14 @@ for stage in "$@"; do
         MLX_CUDA_USE_CUDNN_SDPA=0 MLX_PTX_CACHE_DIR=/tmp/ptx-cudnn0 CUDA_CACHE_PATH=/tmp/nv-cudnn0 \
             timeout 60 $E first-request --warmup on $EM --out "$OUT/engine-first-on-cudnn0.json"
         ;;
+    cudnn)  # session 5: prefill with MLX's cuDNN attention on (MLX's default) and off
+        # (markbase's default since session 5): what the per-shape-compile fix costs
+        for v in 1 0; do
+            MLX_CUDA_USE_CUDNN_SDPA=$v timeout 120 $B --models ${CUDNN_MODELS:-1b,8b} --quants bf16 \
+                --batches 1 --variants "" --steps 16 --prefill 2048 --chunk 512 --budget-s 100 \
+                --tag cudnn$v --out "$OUT/cudnn$v.json"
+        done
+        ;;
     save-ptx)  # bring the PTX cache back: cp /work/.device/<n>/ptx.tgz .gpu-cache/ (README.md)
         tar czf "$OUT/ptx.tgz" -C "$(dirname "$MLX_PTX_CACHE_DIR")" "$(basename "$MLX_PTX_CACHE_DIR")"
         ls -l "$OUT/ptx.tgz"
