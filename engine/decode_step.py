@@ -94,6 +94,8 @@ class FusedDecodeStep:
         self.inner = model.model
         self.compiled = compile
         self.gpu_plans = gpu_plans
+        # the 2-D step's q and k through one RoPE call (MARKBASE_GPU_JOINT_ROPE=0: two)
+        self.joint_rope = os.environ.get("MARKBASE_GPU_JOINT_ROPE", "1") != "0"
         # the hidden state as [B, D] between attentions (default: with gpu_plans,
         # i.e. on a GPU; the CPU's compiled step keeps [B, 1, D] as it was measured)
         self.flat = gpu_plans if flat is None else flat
@@ -119,6 +121,16 @@ class FusedDecodeStep:
                 b = x.shape[0]
                 length = x.shape[1] if x.ndim == 3 else 1
                 h = layer.input_layernorm(x)
+                if x.ndim == 2 and wqkv is not None and self.joint_rope:
+                    # q and k heads side by side through one RoPE call (the rotation is
+                    # per head, the offsets per row): one reshape copy and one rope
+                    # kernel a layer instead of two each; q and k come back as views
+                    qkv = wqkv(h)
+                    hq, hkv = attn.n_heads, attn.n_kv_heads
+                    qk = qkv[:, : nq + nk].reshape(b, hq + hkv, 1, -1)
+                    qk = attn.rope(qk, offset=offset)
+                    v = qkv[:, nq + nk :].reshape(b, hkv, 1, -1)
+                    return qk[:, :hq], qk[:, hq:], v
                 if wqkv is not None:
                     q, k, v = mx.split(wqkv(h), [nq, nq + nk], axis=-1)
                 else:

@@ -180,3 +180,18 @@ def test_gpu_matmul_plan_parsing():
     for bad in ("", "8wxt", "x:wxt", "1:fast"):
         with pytest.raises(ValueError, match="GPU matmul plan"):
             parse_plan(bad, FLOAT_FORMS)
+
+
+@pytest.mark.parametrize("variant", ["default", "traditional", "llama3", "linear", "mha"])
+@pytest.mark.parametrize("joint", [True, False])
+def test_gpu_step_rope_variants(variant, joint):
+    """The GPU configuration's 2-D step (q and k through one RoPE call, or two) equals
+    the model's own call for every RoPE variant mlx-lm's llama takes; run on the CPU."""
+    from test_cpu_step import ROPES
+
+    cfg = {**TINY, **ROPES[variant]}
+    model = build_random_model("llama", cfg, seed=8).model
+    step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
+    step.joint_rope = joint
+    _check_against_model(model, step, atol=2e-4)
+    _check_against_model(model, step, prompts=(PROMPTS[0],), atol=2e-4)

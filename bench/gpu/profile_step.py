@@ -46,7 +46,9 @@ from engine.sampler import sample_batch  # noqa: E402
 now = time.perf_counter
 
 # name -> (attention kernel, float plan, quantized plan)
+# (a "-nojoint" suffix: q and k through two RoPE calls, FusedDecodeStep.joint_rope off)
 VARIANTS = {
+    "default": (True, None, None),  # what the engine does (engine/gpu_linear.py defaults)
     "mlx": (False, "1:xwt", "1:qmm"),
     "kernel": (True, "1:xwt", "1:qmm"),
     "gemv8": (True, "1:xwt,2:gemv,9:xwt", "1:qgemv,9:qmm"),
@@ -157,7 +159,7 @@ def main() -> None:
     kernel_ok = bool(getattr(step, "attention_kernel", False))
     variants = [v for v in args.variants.split(",") if v]
     if not kernel_ok:  # no CUDA (a CPU dry run) or a shape the kernel does not take
-        variants = [v for v in variants if not VARIANTS[v][0]] or variants[:1]
+        variants = [v for v in variants if not VARIANTS[v.split("-")[0]][0]] or variants[:1]
     for rep in range(args.repeat):
         for b in [int(x) for x in args.batches.split(",") if x]:
             lengths = ragged_lengths(args.prompt, b) if b > 1 else [args.prompt]
@@ -166,8 +168,11 @@ def main() -> None:
                 if now() - t_start > args.budget_s:
                     log(f"B={b} {v}: budget spent")
                     continue
-                attn_kernel, float_text, quant_text = VARIANTS[v]
+                attn_kernel, float_text, quant_text = VARIANTS[v.split("-")[0]]
                 step.attention_kernel = attn_kernel and kernel_ok
+                if hasattr(step, "joint_rope"):
+                    step.joint_rope = not v.endswith("-nojoint")
+                gpu_linear.reset_plans()
                 gpu_linear.set_plans(float_text, quant_text)
                 try:
                     batch, _ = build_batch(runner, layer_kv, lengths)
