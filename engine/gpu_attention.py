@@ -24,8 +24,9 @@ one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import cache
+
+from engine.cuda_kernels import KernelSpec, build
 
 _PARTIAL_BODY = r"""
   constexpr int PER = HD / 32;
@@ -209,18 +210,6 @@ SMS = 132  # H100/H200; only sets how finely short batches split the time axis
 POSITIONS_PER_BLOCK = 128  # each of 8 warps walks ~16 positions (4 rounds of 4 loads)
 
 
-@dataclass(frozen=True)
-class KernelSpec:
-    """What ``mx.fast.cuda_kernel`` gets, kept so bench/gpu/nvrtc_check.py can compile it."""
-
-    name: str
-    inputs: list = field(default_factory=list)  # (name, dtype name, ndim)
-    outputs: list = field(default_factory=list)  # (name, dtype name)
-    source: str = ""
-    header: str = ""
-    template: list = field(default_factory=list)  # (name, int | bool | dtype name)
-
-
 def _header(scale: float) -> str:
     return f"#define MB_SCALE {float(scale)!r}f\n"
 
@@ -250,19 +239,7 @@ def _specs(scale: float) -> dict[str, KernelSpec]:
 
 @cache
 def _kernels(scale: float) -> dict:
-    import mlx.core as mx
-
-    return {
-        kind: mx.fast.cuda_kernel(
-            name=spec.name,
-            input_names=[n for n, _, _ in spec.inputs],
-            output_names=[n for n, _ in spec.outputs],
-            source=spec.source,
-            header=spec.header,
-            ensure_row_contiguous=False,
-        )
-        for kind, spec in _specs(scale).items()
-    }
+    return build(_specs(scale), ensure_row_contiguous=False)
 
 
 def warps_for(group: int, head_dim: int) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from engine.gpu_attention import KernelSpec
+from engine.cuda_kernels import KernelSpec, build
 
 WARPS = 4
 MAX_ROWS = 8
@@ -48,7 +48,9 @@ __device__ __forceinline__ void mb_to_float8(const uint4& u, float* f, __half) {
 }
 """
 
-_Q4_BODY = r"""
+# shared by both kernels: the warp's R weight rows, acc[m][r] over the rows of x, and
+# at the end a warp sum per (m, r) written by lane 0
+_HEAD = r"""
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int M = x_shape[0];
@@ -58,9 +60,6 @@ _Q4_BODY = r"""
   if (n0 >= N) {
     return;
   }
-  const int64_t words = K / 8;
-  const int64_t groups = K / GS;
-  const int chunks = K / 32;
   float acc[MMAX][R];
 #pragma unroll
   for (int m = 0; m < MMAX; ++m) {
@@ -69,6 +68,29 @@ _Q4_BODY = r"""
       acc[m][r] = 0.f;
     }
   }
+"""
+
+_TAIL = r"""
+#pragma unroll
+  for (int m = 0; m < MMAX; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float v = acc[m][r];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        v += __shfl_xor_sync(0xffffffff, v, off);
+      }
+      if (lane == 0 && m < M) {
+        y[(int64_t)m * N + n0 + r] = static_cast<T>(v);
+      }
+    }
+  }
+"""
+
+_Q4_LOOP = r"""
+  const int64_t words = K / 8;
+  const int64_t groups = K / GS;
+  const int chunks = K / 32;
   for (int c = lane; c < chunks; c += 32) {
     const int k0 = c * 32;
     const int g = k0 / GS;
@@ -128,41 +150,10 @@ _Q4_BODY = r"""
       }
     }
   }
-#pragma unroll
-  for (int m = 0; m < MMAX; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float v = acc[m][r];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        v += __shfl_xor_sync(0xffffffff, v, off);
-      }
-      if (lane == 0 && m < M) {
-        y[(int64_t)m * N + n0 + r] = static_cast<T>(v);
-      }
-    }
-  }
 """
 
-_F_BODY = r"""
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int M = x_shape[0];
-  const int K = x_shape[1];
-  const int N = w_shape[0];
-  const int n0 = (blockIdx.x * WARPS + warp) * R;
-  if (n0 >= N) {
-    return;
-  }
+_F_LOOP = r"""
   const int chunks = K / 8;
-  float acc[MMAX][R];
-#pragma unroll
-  for (int m = 0; m < MMAX; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      acc[m][r] = 0.f;
-    }
-  }
 #pragma unroll 2
   for (int c = lane; c < chunks; c += 32) {
     float wf[R][8];
@@ -187,20 +178,6 @@ _F_BODY = r"""
       }
     }
   }
-#pragma unroll
-  for (int m = 0; m < MMAX; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float v = acc[m][r];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        v += __shfl_xor_sync(0xffffffff, v, off);
-      }
-      if (lane == 0 && m < M) {
-        y[(int64_t)m * N + n0 + r] = static_cast<T>(v);
-      }
-    }
-  }
 """
 
 
@@ -210,30 +187,22 @@ def _specs() -> dict[str, KernelSpec]:
             "mb_q4_gemv",
             [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)],
             [("y", "T")],
-            _Q4_BODY,
+            _HEAD + _Q4_LOOP + _TAIL,
             _HEADER,
         ),
         "float": KernelSpec(
-            "mb_gemv", [("x", "T", 2), ("w", "T", 2)], [("y", "T")], _F_BODY, _HEADER
+            "mb_gemv",
+            [("x", "T", 2), ("w", "T", 2)],
+            [("y", "T")],
+            _HEAD + _F_LOOP + _TAIL,
+            _HEADER,
         ),
     }
 
 
 @cache
 def _kernels() -> dict:
-    import mlx.core as mx
-
-    return {
-        kind: mx.fast.cuda_kernel(
-            name=spec.name,
-            input_names=[n for n, _, _ in spec.inputs],
-            output_names=[n for n, _ in spec.outputs],
-            source=spec.source,
-            header=spec.header,
-            ensure_row_contiguous=True,
-        )
-        for kind, spec in _specs().items()
-    }
+    return build(_specs(), ensure_row_contiguous=True)
 
 
 def _mmax(m: int) -> int:

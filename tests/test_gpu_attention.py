@@ -85,10 +85,10 @@ def test_kernel_equals_grouped_attention(case, dtype):
 def test_decode_step_with_kernel_equals_model():
     """The fused GPU decode step with the kernel gives the model's own logits on a
     ragged batch (head_dim 64, so the kernel is used)."""
+    from conftest_loading import prefilled_batch
     from mlx_lm.models import llama
 
     from engine.decode_step import make_decode_step
-    from engine.kv import BatchKV, SequenceKV
 
     mx.random.seed(0)
     args = llama.ModelArgs(
@@ -105,18 +105,9 @@ def test_decode_step_with_kernel_equals_model():
     mx.eval(model.parameters())
     prompts = [[1, 2, 3, 4, 5], list(range(10, 40)), [7, 8]]
 
-    def batch_of(m):
-        batch = [BatchKV() for _ in m.layers]
-        for p in prompts:
-            kv = [SequenceKV() for _ in m.layers]
-            m(mx.array([p]), cache=kv)
-            for layer, c in zip(batch, kv):
-                layer.add(*c.kv())
-        return batch
-
     tokens = mx.array([[11], [12], [13]])
-    want = model(tokens, cache=batch_of(model))[:, -1, :]
+    want = model(tokens, cache=prefilled_batch(model, prompts))[:, -1, :]
     step = make_decode_step(model)
     assert step.attention_kernel
-    got = step(tokens, batch_of(model))
+    got = step(tokens, prefilled_batch(model, prompts))
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-3, rtol=1e-3)

@@ -64,11 +64,11 @@ def test_float_gemv(shape, dtype):
 def test_decode_step_with_gemv_plans_equals_model(quantize):
     """The GPU decode step (bf16, 4-bit or not) with the kernel plans gives the model's
     logits within bf16 rounding, on a ragged batch of 3 rows."""
+    from conftest_loading import prefilled_batch
     from mlx_lm.models import llama
 
     from engine import gpu_linear
     from engine.decode_step import make_decode_step
-    from engine.kv import BatchKV, SequenceKV
 
     mx.random.seed(1)
     args = llama.ModelArgs(
@@ -91,21 +91,12 @@ def test_decode_step_with_gemv_plans_equals_model(quantize):
     mx.eval(model.parameters())
     prompts = [[1, 2, 3, 4, 5], list(range(10, 40)), [7, 8]]
 
-    def batch_of(m):
-        batch = [BatchKV() for _ in m.layers]
-        for p in prompts:
-            kv = [SequenceKV() for _ in m.layers]
-            m(mx.array([p]), cache=kv)
-            for layer, c in zip(batch, kv):
-                layer.add(*c.kv())
-        return batch
-
     tokens = mx.array([[11], [12], [13]])
-    want = model(tokens, cache=batch_of(model))[:, -1, :].astype(mx.float32)
+    want = model(tokens, cache=prefilled_batch(model, prompts))[:, -1, :].astype(mx.float32)
     gpu_linear.set_plans("1:gemv", "1:qgemv")
     try:
         step = make_decode_step(model)
-        got = step(tokens, batch_of(model)).astype(mx.float32)
+        got = step(tokens, prefilled_batch(model, prompts)).astype(mx.float32)
         _close(got, want)
     finally:
         gpu_linear.reset_plans()
