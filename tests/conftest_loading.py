@@ -270,3 +270,19 @@ def tiny_gguf(
     if edit is not None:
         edit(tensors)
     return write_gguf(path, loaded, tensors, qtype), loaded
+
+
+# A llama with head_dim 64 (the GPU attention kernel takes multiples of 32) and three
+# ragged prompts, for the GPU decode-step tests (tests/test_gpu_attention.py,
+# tests/test_gpu_gemv.py).
+LLAMA_HD64 = dict(
+    hidden_size=256,
+    num_hidden_layers=2,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=320,
+    tie_word_embeddings=False,
+)
+RAGGED_PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7, 8]]

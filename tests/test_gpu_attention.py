@@ -85,25 +85,13 @@ def test_kernel_equals_grouped_attention(case, dtype):
 def test_decode_step_with_kernel_equals_model():
     """The fused GPU decode step with the kernel gives the model's own logits on a
     ragged batch (head_dim 64, so the kernel is used)."""
-    from conftest_loading import prefilled_batch
-    from mlx_lm.models import llama
+    from conftest_loading import LLAMA_HD64, RAGGED_PROMPTS, prefilled_batch
 
     from engine.decode_step import make_decode_step
+    from engine.loading import build_random_model
 
-    mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=256,
-        num_hidden_layers=2,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=300,
-    )
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    prompts = [[1, 2, 3, 4, 5], list(range(10, 40)), [7, 8]]
+    model = build_random_model("llama", LLAMA_HD64, seed=0).model
+    prompts = RAGGED_PROMPTS
 
     tokens = mx.array([[11], [12], [13]])
     want = model(tokens, cache=prefilled_batch(model, prompts))[:, -1, :]

@@ -64,32 +64,17 @@ def test_float_gemv(shape, dtype):
 def test_decode_step_with_gemv_plans_equals_model(quantize):
     """The GPU decode step (bf16, 4-bit or not) with the kernel plans gives the model's
     logits within bf16 rounding, on a ragged batch of 3 rows."""
-    from conftest_loading import prefilled_batch
-    from mlx_lm.models import llama
+    from conftest_loading import LLAMA_HD64, RAGGED_PROMPTS, prefilled_batch
 
     from engine import gpu_linear
     from engine.decode_step import make_decode_step
+    from engine.loading import build_random_model
 
-    mx.random.seed(1)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=256,
-        num_hidden_layers=2,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=320,
-        tie_word_embeddings=False,
-    )
-    model = llama.Model(args)
-    model.set_dtype(mx.bfloat16)
-    if quantize:
-        import mlx.nn as nn
-
-        nn.quantize(model, group_size=64, bits=4)
+    quant = dict(quantize_bits=4, group_size=64) if quantize else {}
+    model = build_random_model("llama", LLAMA_HD64, seed=1, **quant).model
+    model.set_dtype(mx.bfloat16)  # activations, norms, scales and biases; 4-bit stays
     mx.eval(model.parameters())
-    prompts = [[1, 2, 3, 4, 5], list(range(10, 40)), [7, 8]]
+    prompts = RAGGED_PROMPTS
 
     tokens = mx.array([[11], [12], [13]])
     want = model(tokens, cache=prefilled_batch(model, prompts))[:, -1, :].astype(mx.float32)
