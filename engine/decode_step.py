@@ -181,6 +181,7 @@ class FusedDecodeStep:
         """Compile the custom kernels' variants now (engine/worker.py's warm-up): which
         one a step runs depends on its rows and length, and NVRTC takes ~1 s each."""
         import mlx.core as mx
+        import mlx.nn as nn
 
         from engine import gpu_attention, gpu_gemv, gpu_linear
 
@@ -188,13 +189,19 @@ class FusedDecodeStep:
         if self.attention_kernel:
             attn = self.inner.layers[0].self_attn
             gpu_attention.warm(attn.n_heads, attn.n_kv_heads, attn.head_dim, dtype, attn.scale)
+        quantized, float_ = gpu_linear.uses("qgemv"), gpu_linear.uses("gemv")
         if (
             self.gpu_plans
             and mx.cuda.is_available()
             and dtype in (mx.bfloat16, mx.float16)
-            and (gpu_linear.uses("gemv") or gpu_linear.uses("qgemv"))
+            and (quantized or float_)
         ):
-            gpu_gemv.warm(dtype)
+            groups = {
+                m.group_size
+                for m in self.model.modules()
+                if isinstance(m, nn.QuantizedLinear) and m.bits == 4 and m.group_size % 32 == 0
+            }
+            gpu_gemv.warm(dtype, tuple(groups), quantized=quantized and bool(groups), float_=float_)
 
     def __call__(self, tokens, cache):
         import mlx.core as mx

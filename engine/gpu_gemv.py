@@ -277,18 +277,21 @@ def gemv(x, w):
     return _call("float", x, [w], w.shape[0], [])
 
 
-def warm(dtype) -> None:
-    """Compile every row-count variant now (1, 2, 4 and 8 rows; 4-bit group 64 and the
-    float kernel), so that no request waits on NVRTC."""
+def warm(dtype, group_sizes=(64,), quantized: bool = True, float_: bool = True) -> None:
+    """Compile every row-count variant now (1, 2, 4 and 8 rows) of the kernels asked
+    for (4-bit per group size, float), so that no request waits on NVRTC."""
     import mlx.core as mx
 
     k, n = 256, 64
-    w = mx.zeros((n, k // 8), dtype=mx.uint32)
-    s = mx.ones((n, k // 64), dtype=dtype)
     wf = mx.zeros((n, k), dtype=dtype)
     for m in (1, 2, 4, 8):
         x = mx.zeros((m, k), dtype=dtype)
-        mx.eval(quantized_gemv(x, w, s, s, 64), gemv(x, wf))
+        outs = [gemv(x, wf)] if float_ else []
+        for gs in group_sizes if quantized else ():
+            w = mx.zeros((n, k // 8), dtype=mx.uint32)
+            s = mx.ones((n, k // gs), dtype=dtype)
+            outs.append(quantized_gemv(x, w, s, s, gs))
+        mx.eval(outs)
 
 
 def kernel_specs_for_check() -> list[KernelSpec]:
