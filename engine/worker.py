@@ -284,6 +284,7 @@ class ModelWorker:
         decoding = bool(self.running)
         if decoding:
             self._decode_step()
+            self._flush_outbox()  # before the prefill chunks: they must not delay these tokens
         plan = self.scheduler.plan_prefill(self.prefilling, decoding=decoding)
         for seq, n in plan.chunks:
             self._prefill_chunk(seq, n)
