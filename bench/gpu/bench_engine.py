@@ -59,6 +59,7 @@ from bench_decode import (  # noqa: E402  (puts the repo root on sys.path)
 )
 from shapes import CONFIGS  # noqa: E402
 
+from engine import gpu_linear  # noqa: E402
 from engine.decode_step import FusedDecodeStep, make_decode_step, on_gpu  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 
@@ -139,28 +140,17 @@ def run_ab(args) -> None:
         known["compiled2d"].decode_step = FusedDecodeStep(
             model, fuse_quantized=True, compile=True, gpu_plans=on_gpu(), flat=True
         )
-    for name, splits in (("qk2", 2), ("qk4", 4)):
-        if name in names:  # fused2d with split-K quantized products from 8 rows on
-            import os
-
-            os.environ["MARKBASE_GPU_QUANT_PLAN"] = f"1:qmm,8:qmmk{splits}"
-            try:
-                known[name] = ModelRunner(model)
-            finally:
-                del os.environ["MARKBASE_GPU_QUANT_PLAN"]
-    if "wxt8" in names:  # fused2d with the float plan "wxt from 8 rows, xwt from 32"
-        # (a second fused step: its own concatenated QKV and gate/up arrays)
-        import os
-
-        old = os.environ.get("MARKBASE_GPU_FLOAT_PLAN")
-        os.environ["MARKBASE_GPU_FLOAT_PLAN"] = "1:xwt,8:wxt,32:xwt"
-        try:
-            known["wxt8"] = ModelRunner(model)
-        finally:
-            if old is None:
-                del os.environ["MARKBASE_GPU_FLOAT_PLAN"]
-            else:
-                os.environ["MARKBASE_GPU_FLOAT_PLAN"] = old
+    # plan variants: the engine's step following other product plans. Plans are
+    # process-wide (engine/gpu_linear.py reads the environment once), so they are set
+    # before each measurement, not at construction.
+    plans = {
+        "qk2": (None, "1:qmm,8:qmmk2"),  # split-K quantized products from 8 rows on
+        "qk4": (None, "1:qmm,8:qmmk4"),
+        "wxt8": ("1:xwt,8:wxt,32:xwt", None),  # float plan wxt from 8 rows, xwt from 32
+    }
+    for name in plans:
+        if name in names:  # a second fused step: its own concatenated QKV and gate/up
+            known[name] = ModelRunner(model)
     if len(names) < 2 or any(v not in known for v in names):
         raise SystemExit(f"--variants: two or more of {list(known)}")
     runners = {v: known[v] for v in names}
@@ -189,6 +179,8 @@ def run_ab(args) -> None:
                         log(f"B={b} {shape} {variant} rep {rep}: budget spent, skipped")
                         continue
                     runner = runners[variant]
+                    gpu_linear.reset_plans()  # the environment's (or default) plans
+                    gpu_linear.set_plans(*plans.get(variant, (None, None)))
                     try:
                         batch, _ = build_batch(runner, layer_kv, lengths)
                         firsts = [first] * b
@@ -219,6 +211,7 @@ def run_ab(args) -> None:
                     )
                     save(args, rows)
                     mx.clear_cache()
+    gpu_linear.reset_plans()
     # tokens: each variant against the first from the same start (bf16 rounding may
     # flip near ties)
     agree = {}
