@@ -183,25 +183,31 @@ class FusedDecodeStep:
         import mlx.core as mx
         import mlx.nn as nn
 
-        from engine import gpu_attention, gpu_gemv, gpu_linear
+        from engine import gpu_attention, gpu_gemv, gpu_linear, gpu_mma
 
         dtype = self.inner.norm.weight.dtype
         if self.attention_kernel:
             attn = self.inner.layers[0].self_attn
             gpu_attention.warm(attn.n_heads, attn.n_kv_heads, attn.head_dim, dtype, attn.scale)
-        quantized, float_ = gpu_linear.uses("qgemv"), gpu_linear.uses("gemv")
-        if (
-            self.gpu_plans
-            and mx.cuda.is_available()
-            and dtype in (mx.bfloat16, mx.float16)
-            and (quantized or float_)
+        if not (self.gpu_plans and mx.cuda.is_available() and dtype in (mx.bfloat16, mx.float16)):
+            return
+        groups = tuple(
+            sorted(
+                {
+                    m.group_size
+                    for m in self.model.modules()
+                    if isinstance(m, nn.QuantizedLinear) and m.bits == 4 and m.group_size % 32 == 0
+                }
+            )
+        )
+        for module, quant_form, float_form in (
+            (gpu_gemv, "qgemv", "gemv"),
+            (gpu_mma, "qmma", "mma"),
         ):
-            groups = {
-                m.group_size
-                for m in self.model.modules()
-                if isinstance(m, nn.QuantizedLinear) and m.bits == 4 and m.group_size % 32 == 0
-            }
-            gpu_gemv.warm(dtype, tuple(groups), quantized=quantized and bool(groups), float_=float_)
+            quantized = gpu_linear.uses(quant_form) and bool(groups)
+            float_ = gpu_linear.uses(float_form)
+            if quantized or float_:
+                module.warm(dtype, groups, quantized=quantized, float_=float_)
 
     def __call__(self, tokens, cache):
         import mlx.core as mx

@@ -10,7 +10,10 @@ a step). The same product can be written in ways that reach other kernels:
   (the weight as the left operand: cuBLAS sees an N x K by K x B product);
 - float: ``gemv`` = engine/gpu_gemv.py's kernel (up to 8 rows a call, each call
   reading the weight once; no cuBLAS call, whose host cost dominates small batches);
+- float: ``mma`` = engine/gpu_mma.py's tensor-core kernel (1-32 rows a call, the
+  weight read once; no cuBLAS call);
 - quantized: ``qgemv`` = engine/gpu_gemv.py's 4-bit kernel (same; 4-bit affine only);
+  ``qmma`` = engine/gpu_mma.py's 4-bit tensor-core kernel (1-32 rows a call);
   ``qmm`` = ``mx.quantized_matmul``; ``deq`` = dequantize the weight to
   the activations' dtype, then ``xwt`` (reads the 4-bit weight, writes and reads a
   bf16 copy: about 3x the bytes of a bf16 product, but at bf16 speed); ``deqwxt``;
@@ -33,8 +36,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-FLOAT_FORMS = ("xwt", "wxt", "gemv")
-QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv")
+FLOAT_FORMS = ("xwt", "wxt", "gemv", "mma")
+QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv", "qmma")
 # measured on the H200 (bench/gpu/NOTES.md, session 5): the 4-bit kernel for 2-8 rows
 # (8b 4-bit B=8: 550 -> 630-690 tok/s); at 1 row MLX's qmv needs less host time per
 # step than the custom kernel's call, and the float kernel gained nothing measurable
@@ -117,6 +120,14 @@ def _rows(x) -> int:
 
 def float_matmul(x, w, form: str):
     """``x @ w.T`` for x [..., K], w [N, K], written as ``form``."""
+    if form == "mma":
+        from engine import gpu_mma
+
+        if gpu_mma.float_supported(x.dtype, w.dtype, w.shape[0], w.shape[-1]):
+            lead = x.shape[:-1]
+            y = gpu_mma.matmul(x.reshape(-1, x.shape[-1]), w)
+            return y.reshape(*lead, w.shape[0])
+        form = "xwt"
     if form == "gemv":
         from engine import gpu_gemv
 
@@ -193,6 +204,19 @@ class GpuQuantizedLinear:
         import mlx.core as mx
 
         form = self.plan.form(_rows(x))
+        if form == "qmma":
+            from engine import gpu_mma
+
+            n, k = self.weight.shape[0], self.scales.shape[-1] * self.group_size
+            if gpu_mma.quant_supported(
+                x.dtype, n, k, self.bits, self.group_size, self.mode, self.biases
+            ):
+                lead = x.shape[:-1]
+                y = gpu_mma.quantized_matmul(
+                    x.reshape(-1, k), self.weight, self.scales, self.biases, self.group_size
+                )
+                return y.reshape(*lead, n)
+            form = "qmm"
         if form == "qgemv":
             from engine import gpu_gemv
 

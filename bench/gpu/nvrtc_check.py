@@ -99,12 +99,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default="/tmp/nvrtc")
     ap.add_argument("--show", action="store_true", help="print the generated sources")
+    ap.add_argument("--only", default="", help="only kernels whose name contains this")
     args = ap.parse_args()
-    from engine import gpu_attention, gpu_gemv
+    from engine import gpu_attention, gpu_gemv, gpu_mma
 
     failed = 0
-    specs = gpu_attention.kernel_specs_for_check() + gpu_gemv.kernel_specs_for_check()
+    specs = (
+        gpu_attention.kernel_specs_for_check()
+        + gpu_gemv.kernel_specs_for_check()
+        + gpu_mma.kernel_specs_for_check()
+    )
     for spec in specs:
+        if args.only not in spec.name:
+            continue
         src = build_source(spec)
         if args.show:
             print(src)

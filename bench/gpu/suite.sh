@@ -9,6 +9,7 @@
 #   bash bench/gpu/suite.sh test engine-ab save-ptx                           (session 4: [B, D] step)
 #   bash bench/gpu/suite.sh kernel-test profile                               (session 5: attention kernel)
 #   bash bench/gpu/suite.sh engine-table first-request save-ptx               (session 5: the table)
+#   PROFILE_VARIANTS=default,mma,mmaall bash bench/gpu/suite.sh mma-test profile  (session 6)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -141,6 +142,17 @@ for stage in "$@"; do
             echo "gemv tests FAILED: MLX's products (plans 1:xwt, 1:qmm) for the later stages"
             export MARKBASE_GPU_FLOAT_PLAN=1:xwt MARKBASE_GPU_QUANT_PLAN=1:qmm
         fi
+        ;;
+    mma-test)  # session 6: the tensor-core product kernels against float32 products, and
+        # the host time per call of each product formulation; if the tests fail, the
+        # later stages keep the products off the new kernels
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_mma.py 2>&1 \
+            | tee "$OUT/test_gpu_mma.log"
+        if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+            echo "mma tests FAILED: the later stages leave them out"
+            export MARKBASE_NO_MMA=1
+        fi
+        timeout 120 python3 bench/gpu/call_cost.py --out "$OUT/call_cost.json" 2>&1 | tee "$OUT/call_cost.log"
         ;;
     profile)  # session 5: kernels and GPU busy time per step (CUPTI), attention kernel vs MLX's
         for mq in ${PROFILE_CONFIGS:-8b:q4 1b:bf16 8b:bf16 1b:q4}; do

@@ -1,0 +1,380 @@
+"""Decode products of 1-32 rows on tensor cores: bf16/fp16 and 4-bit affine weights.
+
+Why: engine/gpu_gemv.py's few-row kernels multiply on CUDA cores, one FMA per weight
+and row: for 8 rows that is ALU-bound (8b 4-bit, 8 rows: 10.6 ms a step against a
+~1.2 ms read of the weights; bf16, 8 rows: 3x cuBLAS's GPU time). MLX's own kernels
+for these shapes are weak too (4-bit ``qmm_sm80`` moves 0.34 TB/s at 8 rows, 23 ms a
+step at 32), and a bf16 product of 2-32 rows goes through cuBLAS, whose host cost per
+call makes the small-batch step host-bound (bench/gpu/NOTES.md, session 5).
+
+Here the product is computed transposed, ``y.T = W @ x.T``, with
+``mma.sync.m16n8k16``: 16 output features are the MMA's M side and the batch rows its
+N side (8 per n-tile, up to 4 n-tiles), so the tensor core does the multiplies and
+the kernel only has to stream the weight. A block owns 16 output features; its
+``WARPS`` warps split the input dim and add their results through shared memory at
+the end. Each lane loads 16 bytes of a weight row at a time (the 4 lanes of a quad
+read 64 consecutive bytes), and the same 16-byte slice of each ``x`` row: the order
+of the products inside a 16-wide MMA step does not matter for the sum, so the lanes'
+registers are fed to the MMA as they were loaded (lane ``t`` of a quad holds
+physical inputs ``8t..8t+7`` of its slice, which the MMA reads as logical inputs
+``2t, 2t+1, 2t+8, 2t+9`` of two steps; x is permuted the same way), no shuffles.
+
+4-bit: each lane loads 32 nibbles of a row (one 16-byte word group, always inside one
+quantization group) and turns each pair into bf16/fp16 with the exponent trick
+(``0x4300 | q`` is 128 + q in bf16, ``0x6400 | q`` is 1024 + q in fp16; subtracting the
+constant is exact), then ``q * scale + bias`` in one paired FMA: the weight rounded
+once to the activations' type, as a dequantize-then-multiply does.
+
+Limits (``float_supported``/``quant_supported``): bf16/fp16 activations, N a multiple
+of 16, K a multiple of 32 (float) or 128 (4-bit, group size a multiple of 32),
+1-32 rows a call (more: several calls). ``bench/gpu/nvrtc_check.py`` compiles the
+sources without a GPU; ``tests/test_gpu_mma.py`` checks them against MLX on one.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from engine.cuda_kernels import KernelSpec, build
+
+WARPS = 8
+MAX_ROWS = 32
+
+_HEADER = r"""
+__device__ __forceinline__ void mb_mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
+                                       uint32_t a3, uint32_t b0, uint32_t b1, __nv_bfloat16) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mb_mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
+                                       uint32_t a3, uint32_t b0, uint32_t b1, __half) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint4 mb_ldg(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+__device__ __forceinline__ uint32_t mb_word(const uint4& u, int i) {
+  return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
+}
+// two 4-bit values (bits 0-3 and 4-7 of v) as a bf16/fp16 pair q*s + b
+__device__ __forceinline__ uint32_t mb_deq2(uint32_t v, uint32_t s2, uint32_t b2, __nv_bfloat16) {
+  const uint32_t bits = (v & 0xFu) | ((v & 0xF0u) << 12) | 0x43004300u;
+  __nv_bfloat162 q = *reinterpret_cast<const __nv_bfloat162*>(&bits);
+  const __nv_bfloat162 k = __floats2bfloat162_rn(128.f, 128.f);
+  q = __hsub2(q, k);
+  const __nv_bfloat162 r = __hfma2(q, *reinterpret_cast<const __nv_bfloat162*>(&s2),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&b2));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t mb_deq2(uint32_t v, uint32_t s2, uint32_t b2, __half) {
+  const uint32_t bits = (v & 0xFu) | ((v & 0xF0u) << 12) | 0x64006400u;
+  __half2 q = *reinterpret_cast<const __half2*>(&bits);
+  q = __hsub2(q, __floats2half2_rn(1024.f, 1024.f));
+  const __half2 r = __hfma2(q, *reinterpret_cast<const __half2*>(&s2),
+                            *reinterpret_cast<const __half2*>(&b2));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+"""
+
+# both kernels: lane roles, the accumulators c[n-tile][4], and at the end the warps'
+# partial sums added through shared memory and written as y[m, n]
+_HEAD = r"""
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int M = x_shape[0];
+  const int K = x_shape[1];
+  const int N = w_shape[0];
+  const int n0 = blockIdx.x * 16;
+  float c[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      c[j][i] = 0.f;
+    }
+  }
+  const T* xr[NT];
+  bool xv[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int m = j * 8 + g;
+    xv[j] = m < M;
+    xr[j] = x + (int64_t)(xv[j] ? m : 0) * K;
+  }
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+"""
+
+_TAIL = r"""
+  __shared__ float red[WARPS * NT * 128];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      red[((warp * NT + j) * 4 + i) * 32 + lane] = c[j][i];
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < NT * 128; e += WARPS * 32) {
+    float v = 0.f;
+#pragma unroll
+    for (int w2 = 0; w2 < WARPS; ++w2) {
+      v += red[w2 * NT * 128 + e];
+    }
+    const int j = e >> 7;
+    const int i = (e >> 5) & 3;
+    const int l = e & 31;
+    const int n = n0 + (l >> 2) + (i >= 2 ? 8 : 0);
+    const int m = j * 8 + (l & 3) * 2 + (i & 1);
+    if (m < M) {
+      y[(int64_t)m * N + n] = static_cast<T>(v);
+    }
+  }
+"""
+
+# float weights [N, K]: a lane's 16-byte slice is 8 inputs, two MMA steps
+_F_LOOP = r"""
+  const T* w0 = w + (int64_t)(n0 + g) * K;
+  const T* w1 = w + (int64_t)(n0 + g + 8) * K;
+  const int chunks = K / 8;
+  for (int s = warp; s * 4 * U < chunks; s += WARPS) {
+    uint4 a0[U], a1[U], b[NT][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t off = (int64_t)((s * U + u) * 4 + t) * 8;
+      a0[u] = mb_ldg(w0 + off);
+      a1[u] = mb_ldg(w1 + off);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        b[j][u] = xv[j] ? mb_ldg(xr[j] + off) : zero;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        mb_mma(c[j], a0[u].x, a1[u].x, a0[u].y, a1[u].y, b[j][u].x, b[j][u].y, T{});
+        mb_mma(c[j], a0[u].z, a1[u].z, a0[u].w, a1[u].w, b[j][u].z, b[j][u].w, T{});
+      }
+    }
+  }
+"""
+
+# 4-bit weights [N, K/8] uint32: a lane's 16-byte slice is 32 inputs (one quantization
+# group's part), eight MMA steps; x's matching 32 inputs are four 16-byte loads
+_Q4_LOOP = r"""
+  const int words = K / 8;
+  const int groups = K / GS;
+  const uint32_t* w0 = w + (int64_t)(n0 + g) * words;
+  const uint32_t* w1 = w + (int64_t)(n0 + g + 8) * words;
+  const T* s0 = scales + (int64_t)(n0 + g) * groups;
+  const T* s1 = scales + (int64_t)(n0 + g + 8) * groups;
+  const T* b0p = biases + (int64_t)(n0 + g) * groups;
+  const T* b1p = biases + (int64_t)(n0 + g + 8) * groups;
+  const int chunks = K / 32;
+  for (int s = warp; s * 4 * U < chunks; s += WARPS) {
+    uint4 q0[U], q1[U], b[NT][U][4];
+    uint32_t sc0[U], sc1[U], bi0[U], bi1[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int ch = (s * U + u) * 4 + t;
+      q0[u] = mb_ldg(w0 + (int64_t)ch * 4);
+      q1[u] = mb_ldg(w1 + (int64_t)ch * 4);
+      const int gi = ch * 32 / GS;
+      const T sv0 = s0[gi], sv1 = s1[gi], bv0 = b0p[gi], bv1 = b1p[gi];
+      const uint16_t hs0 = *reinterpret_cast<const uint16_t*>(&sv0);
+      const uint16_t hs1 = *reinterpret_cast<const uint16_t*>(&sv1);
+      const uint16_t hb0 = *reinterpret_cast<const uint16_t*>(&bv0);
+      const uint16_t hb1 = *reinterpret_cast<const uint16_t*>(&bv1);
+      sc0[u] = hs0 | ((uint32_t)hs0 << 16);
+      sc1[u] = hs1 | ((uint32_t)hs1 << 16);
+      bi0[u] = hb0 | ((uint32_t)hb0 << 16);
+      bi1[u] = hb1 | ((uint32_t)hb1 << 16);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          b[j][u][p] = xv[j] ? mb_ldg(xr[j] + (int64_t)ch * 32 + p * 8) : zero;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int h = 0; h < 8; ++h) {
+        const uint32_t v0 = mb_word(q0[u], h >> 1) >> ((h & 1) * 16);
+        const uint32_t v1 = mb_word(q1[u], h >> 1) >> ((h & 1) * 16);
+        const uint32_t a0 = mb_deq2(v0, sc0[u], bi0[u], T{});
+        const uint32_t a1 = mb_deq2(v1, sc1[u], bi1[u], T{});
+        const uint32_t a2 = mb_deq2(v0 >> 8, sc0[u], bi0[u], T{});
+        const uint32_t a3 = mb_deq2(v1 >> 8, sc1[u], bi1[u], T{});
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const uint4& xb = b[j][u][h >> 1];
+          const uint32_t x0 = (h & 1) ? xb.z : xb.x;
+          const uint32_t x1 = (h & 1) ? xb.w : xb.y;
+          mb_mma(c[j], a0, a1, a2, a3, x0, x1, T{});
+        }
+      }
+    }
+  }
+"""
+
+
+def _specs() -> dict[str, KernelSpec]:
+    header = _HEADER
+    return {
+        "float": KernelSpec(
+            "mb_mma_f",
+            [("x", "T", 2), ("w", "T", 2)],
+            [("y", "T")],
+            _HEAD + _F_LOOP + _TAIL,
+            header,
+        ),
+        "q4": KernelSpec(
+            "mb_mma_q4",
+            [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)],
+            [("y", "T")],
+            _HEAD + _Q4_LOOP + _TAIL,
+            header,
+        ),
+    }
+
+
+@cache
+def _kernels() -> dict:
+    return build(_specs(), ensure_row_contiguous=True)
+
+
+def _tiles(m: int) -> int:
+    return 1 if m <= 8 else 2 if m <= 16 else 4
+
+
+def _float_u(k: int) -> int:
+    return 4 if k % 128 == 0 else 2 if k % 64 == 0 else 1
+
+
+def _quant_u(k: int, nt: int) -> int:
+    return 2 if nt <= 2 and k % 256 == 0 else 1
+
+
+def float_supported(x_dtype, w_dtype, n: int, k: int) -> bool:
+    import mlx.core as mx
+
+    return (
+        mx.cuda.is_available()
+        and x_dtype in (mx.bfloat16, mx.float16)
+        and w_dtype == x_dtype
+        and n % 16 == 0
+        and k % 32 == 0
+        and n > 0
+    )
+
+
+def quant_supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: str, biases) -> bool:
+    import mlx.core as mx
+
+    return (
+        mx.cuda.is_available()
+        and x_dtype in (mx.bfloat16, mx.float16)
+        and bits == 4
+        and mode == "affine"
+        and biases is not None
+        and group_size % 32 == 0
+        and k % group_size == 0
+        and k % 128 == 0
+        and n % 16 == 0
+        and n > 0
+    )
+
+
+@cache
+def _template(dtype, nt: int, u: int, gs: int) -> list:
+    out = [("T", dtype), ("NT", nt), ("U", u), ("WARPS", WARPS)]
+    return out + [("GS", gs)] if gs else out
+
+
+def _call(kind: str, x, inputs: list, n: int, k: int, gs: int = 0):
+    """One kernel call per MAX_ROWS rows of ``x`` [M, K]."""
+    import mlx.core as mx
+
+    m = x.shape[0]
+    outs = []
+    for r0 in range(0, m, MAX_ROWS):
+        xs = x if m <= MAX_ROWS else x[r0 : r0 + MAX_ROWS]
+        rows = xs.shape[0]
+        nt = _tiles(rows)
+        u = _float_u(k) if kind == "float" else _quant_u(k, nt)
+        outs.append(
+            _kernels()[kind](
+                inputs=[xs, *inputs],
+                template=_template(x.dtype, nt, u, gs),
+                grid=(n // 16 * WARPS * 32, 1, 1),
+                threadgroup=(WARPS * 32, 1, 1),
+                output_shapes=[(rows, n)],
+                output_dtypes=[x.dtype],
+            )[0]
+        )
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+def matmul(x, w):
+    """``x @ w.T`` for a bf16/fp16 ``w`` [N, K]; x [M, K] of the same dtype."""
+    return _call("float", x, [w], w.shape[0], w.shape[1])
+
+
+def quantized_matmul(x, w, scales, biases, group_size: int):
+    """``x @ dequantize(w).T`` for 4-bit affine ``w`` [N, K/8] uint32; x [M, K]."""
+    return _call("q4", x, [w, scales, biases], w.shape[0], w.shape[1] * 8, group_size)
+
+
+def warm(dtype, group_sizes=(64,), quantized: bool = True, float_: bool = True) -> None:
+    """Compile the variants a step can need now (1-3 n-tiles, each U), so that no
+    request waits on NVRTC (about a second each)."""
+    import mlx.core as mx
+
+    n = 16
+    outs = []
+    for m in (1, 9, 17):
+        for k in (128, 192, 96) if float_ else ():  # U = 4, 2, 1
+            x = mx.zeros((m, k), dtype=dtype)
+            outs.append(matmul(x, mx.zeros((n, k), dtype=dtype)))
+        for gs in group_sizes if quantized else ():
+            for k in (256, 384):  # U = 2 (up to 2 n-tiles) and U = 1
+                x = mx.zeros((m, k), dtype=dtype)
+                w = mx.zeros((n, k // 8), dtype=mx.uint32)
+                s = mx.ones((n, k // gs), dtype=dtype)
+                outs.append(quantized_matmul(x, w, s, s, gs))
+    mx.eval(outs)
+
+
+def kernel_specs_for_check() -> list[KernelSpec]:
+    out = []
+    for kind, spec in _specs().items():
+        for dtype in ("bfloat16", "float16"):
+            for nt in (1, 2, 4):
+                for u in (1, 2, 4) if kind == "float" else (1, 2):
+                    tmpl = [("T", dtype), ("NT", nt), ("U", u), ("WARPS", WARPS)]
+                    if kind == "q4":
+                        tmpl.append(("GS", 64))
+                    ins = [(n, dtype if t == "T" else t, nd) for n, t, nd in spec.inputs]
+                    outs = [(n, dtype if t == "T" else t) for n, t in spec.outputs]
+                    out.append(
+                        KernelSpec(
+                            f"{spec.name}_{dtype}_{nt}_{u}",
+                            ins,
+                            outs,
+                            spec.source,
+                            spec.header,
+                            tmpl,
+                        )
+                    )
+    return out
