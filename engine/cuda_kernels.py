@@ -1,9 +1,25 @@
 """Custom CUDA kernels as MLX builds them: a spec per kernel, kept so that
-bench/gpu/nvrtc_check.py can compile the same source without a GPU."""
+bench/gpu/nvrtc_check.py can compile the same source without a GPU.
+
+``Baked`` makes one ``mx.fast.cuda_kernel`` object per set of template values, with
+the values written into the source, instead of passing ``template=`` on every call:
+on the H200 each call's host time is what limits small decode steps, and MLX turns
+a call's template list into strings, hashes them and formats them into the source
+every time (bench/gpu/call_cost.py: a 2-line kernel costs ~5 us a call, the
+templated product kernels 10-16 us).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+CTYPES = {
+    "float32": "float",
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+    "int32": "int32_t",
+    "uint32": "uint32_t",
+}
 
 
 @dataclass(frozen=True)
@@ -18,18 +34,60 @@ class KernelSpec:
     template: list = field(default_factory=list)  # (name, int | bool | dtype name)
 
 
+def dtype_name(dtype) -> str:
+    """``mx.bfloat16`` (or ``"bfloat16"``) -> ``"bfloat16"``."""
+    return dtype if isinstance(dtype, str) else str(dtype).rsplit(".", 1)[-1]
+
+
+def bake(spec: KernelSpec, template) -> KernelSpec:
+    """``spec`` with its template values as ``constexpr``/``using`` lines at the top of
+    the body (where MLX would write them) and a name that says them."""
+    lines, parts = [], []
+    for name, value in template:
+        if isinstance(value, bool):
+            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
+            parts.append("t" if value else "f")
+        elif isinstance(value, int):
+            lines.append(f"  constexpr int {name} = {value};")
+            parts.append(str(value))
+        else:
+            lines.append(f"  using {name} = {CTYPES[dtype_name(value)]};")
+            parts.append(dtype_name(value))
+    source = "\n".join(lines) + "\n\n" + spec.source
+    return replace(spec, name="_".join([spec.name, *parts]), source=source, template=[])
+
+
 def build(specs: dict[str, KernelSpec], ensure_row_contiguous: bool) -> dict:
     """``{kind: mx.fast.cuda_kernel(...)}`` for ``specs`` (CUDA builds of MLX only)."""
+    return {kind: _make(spec, ensure_row_contiguous) for kind, spec in specs.items()}
+
+
+def _make(spec: KernelSpec, ensure_row_contiguous: bool):
     import mlx.core as mx
 
-    return {
-        kind: mx.fast.cuda_kernel(
-            name=spec.name,
-            input_names=[n for n, _, _ in spec.inputs],
-            output_names=[n for n, _ in spec.outputs],
-            source=spec.source,
-            header=spec.header,
-            ensure_row_contiguous=ensure_row_contiguous,
-        )
-        for kind, spec in specs.items()
-    }
+    return mx.fast.cuda_kernel(
+        name=spec.name,
+        input_names=[n for n, _, _ in spec.inputs],
+        output_names=[n for n, _ in spec.outputs],
+        source=spec.source,
+        header=spec.header,
+        ensure_row_contiguous=ensure_row_contiguous,
+    )
+
+
+class Baked:
+    """``baked(kind, template)`` -> the kernel object for ``specs()[kind]`` with these
+    template values baked in, made once. ``template`` is a tuple of (name, value)."""
+
+    def __init__(self, specs, ensure_row_contiguous: bool) -> None:
+        self._specs = specs  # a callable: {kind: KernelSpec}, read at the first use
+        self._ensure = ensure_row_contiguous
+        self._made: dict = {}
+
+    def __call__(self, kind: str, template: tuple):
+        key = (kind, template)
+        kernel = self._made.get(key)
+        if kernel is None:
+            kernel = _make(bake(self._specs()[kind], template), self._ensure)
+            self._made[key] = kernel
+        return kernel

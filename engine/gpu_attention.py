@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from engine.cuda_kernels import KernelSpec, build
+from engine.cuda_kernels import Baked, KernelSpec
 
 _PARTIAL_BODY = r"""
   constexpr int PER = HD / 32;
@@ -238,8 +238,10 @@ def _specs(scale: float) -> dict[str, KernelSpec]:
 
 
 @cache
-def _kernels(scale: float) -> dict:
-    return build(_specs(scale), ensure_row_contiguous=False)
+def _kernels(scale: float) -> Baked:
+    """One kernel object per template values (engine/cuda_kernels.py: less host time a
+    call), per softmax scale."""
+    return Baked(lambda: _specs(scale), ensure_row_contiguous=False)
 
 
 def warps_for(group: int, head_dim: int) -> int:
@@ -278,14 +280,13 @@ def decode_attention(q, keys, values, start, scale: float):
     warps = warps_for(g, d)
     n = splits(b, hkv, t)
     kern = _kernels(float(scale))
-    template = [("T", q.dtype), ("HD", d), ("G", g), ("WARPS", warps)]
+    template = (("T", q.dtype), ("HD", d), ("G", g), ("WARPS", warps))
     inputs = [q, keys, values, start]
     grid = (n * warps * 32, hkv, b)
     block = (warps * 32, 1, 1)
     if n == 1:
-        return kern["single"](
+        return kern("single", template)(
             inputs=inputs,
-            template=template,
             grid=grid,
             threadgroup=block,
             output_shapes=[(b, hq, 1, d)],
@@ -293,17 +294,15 @@ def decode_attention(q, keys, values, start, scale: float):
         )[0]
     import mlx.core as mx
 
-    pm, pl, pacc = kern["parts"](
+    pm, pl, pacc = kern("parts", template)(
         inputs=inputs,
-        template=template,
         grid=grid,
         threadgroup=block,
         output_shapes=[(b, hq, n), (b, hq, n), (b, hq, n, d)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
-    return kern["combine"](
+    return kern("combine", template[:2])(
         inputs=[pm, pl, pacc],
-        template=[("T", q.dtype), ("HD", d)],
         grid=(b * hq * d, 1, 1),
         threadgroup=(d, 1, 1),
         output_shapes=[(b, hq, 1, d)],

@@ -20,9 +20,7 @@ sources without a GPU; ``tests/test_gpu_gemv.py`` checks them against MLX on one
 
 from __future__ import annotations
 
-from functools import cache
-
-from engine.cuda_kernels import KernelSpec, build
+from engine.cuda_kernels import Baked, KernelSpec
 
 WARPS = 4
 MAX_ROWS = 8
@@ -200,9 +198,8 @@ def _specs() -> dict[str, KernelSpec]:
     }
 
 
-@cache
-def _kernels() -> dict:
-    return build(_specs(), ensure_row_contiguous=True)
+# one kernel object per template values (engine/cuda_kernels.py: less host time a call)
+_kernel = Baked(_specs, ensure_row_contiguous=True)
 
 
 def _mmax(m: int) -> int:
@@ -242,7 +239,7 @@ def float_supported(x_dtype, w_dtype, k: int) -> bool:
     )
 
 
-def _call(kind: str, x, inputs: list, n: int, template: list):
+def _call(kind: str, x, inputs: list, n: int, template: tuple):
     """One kernel call per MAX_ROWS rows of ``x`` [M, K]."""
     import mlx.core as mx
 
@@ -255,9 +252,8 @@ def _call(kind: str, x, inputs: list, n: int, template: list):
         r = _rows_per_warp(n, mmax)
         blocks = -(-n // (r * WARPS))
         outs.append(
-            _kernels()[kind](
+            _kernel(kind, (("T", x.dtype), ("MMAX", mmax), ("R", r), ("WARPS", WARPS)) + template)(
                 inputs=[xs] + inputs,
-                template=[("T", x.dtype), ("MMAX", mmax), ("R", r), ("WARPS", WARPS)] + template,
                 grid=(blocks * WARPS * 32, 1, 1),
                 threadgroup=(WARPS * 32, 1, 1),
                 output_shapes=[(rows, n)],
@@ -269,12 +265,12 @@ def _call(kind: str, x, inputs: list, n: int, template: list):
 
 def quantized_gemv(x, w, scales, biases, group_size: int):
     """``x @ dequantize(w).T`` for 4-bit affine ``w`` [N, K/8] uint32; x [M, K]."""
-    return _call("q4", x, [w, scales, biases], w.shape[0], [("GS", group_size)])
+    return _call("q4", x, [w, scales, biases], w.shape[0], (("GS", group_size),))
 
 
 def gemv(x, w):
     """``x @ w.T`` for a float ``w`` [N, K]; x [M, K]."""
-    return _call("float", x, [w], w.shape[0], [])
+    return _call("float", x, [w], w.shape[0], ())
 
 
 def warm(dtype, group_sizes=(64,), quantized: bool = True, float_: bool = True) -> None:
@@ -311,3 +307,8 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                     )
                 )
     return out
+
+
+# the names engine/gpu_linear.py calls (the same as engine/gpu_mma.py's)
+matmul = gemv
+quantized_matmul = quantized_gemv

@@ -38,11 +38,12 @@ from dataclasses import dataclass
 
 FLOAT_FORMS = ("xwt", "wxt", "gemv", "mma")
 QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv", "qmma")
-# measured on the H200 (bench/gpu/NOTES.md, session 5): the 4-bit kernel for 2-8 rows
-# (8b 4-bit B=8: 550 -> 630-690 tok/s); at 1 row MLX's qmv needs less host time per
-# step than the custom kernel's call, and the float kernel gained nothing measurable
-DEFAULT_FLOAT_PLAN = "1:xwt"
-DEFAULT_QUANT_PLAN = "1:qmm,2:qgemv,9:qmm"
+# measured on the H200 (bench/gpu/NOTES.md, session 6): engine/gpu_mma.py's tensor-core
+# kernels from 2 rows (32 a call; 8b 4-bit B=8 630 -> 752-1,198 tok/s, B=32 1,373 ->
+# 3,296-3,444; 1b bf16 B=8 +15%, B=32 +10%); at 1 row MLX's own kernels need less host
+# time per step, and from 33 rows cuBLAS's bf16 GEMM is the faster one
+DEFAULT_FLOAT_PLAN = "1:xwt,2:mma,33:xwt"
+DEFAULT_QUANT_PLAN = "1:qmm,2:qmma"
 
 
 @dataclass(frozen=True)
@@ -118,22 +119,36 @@ def _rows(x) -> int:
     return n
 
 
+_checked: dict = {}
+
+
+def _float_kernel_ok(form: str, dtype, w) -> bool:
+    """Whether the custom kernel of ``form`` takes this product (remembered per shape:
+    the check would run on every call of every layer otherwise)."""
+    key = (form, dtype, w.dtype, w.shape)
+    ok = _checked.get(key)
+    if ok is None:
+        from engine import gpu_gemv, gpu_mma
+
+        if form == "mma":
+            ok = gpu_mma.float_supported(dtype, w.dtype, w.shape[0], w.shape[-1])
+        else:
+            ok = gpu_gemv.float_supported(dtype, w.dtype, w.shape[-1])
+        _checked[key] = ok
+    return ok
+
+
 def float_matmul(x, w, form: str):
     """``x @ w.T`` for x [..., K], w [N, K], written as ``form``."""
-    if form == "mma":
-        from engine import gpu_mma
+    if form in ("mma", "gemv"):
+        from engine import gpu_gemv, gpu_mma
 
-        if gpu_mma.float_supported(x.dtype, w.dtype, w.shape[0], w.shape[-1]):
+        module = gpu_mma if form == "mma" else gpu_gemv
+        if _float_kernel_ok(form, x.dtype, w):
+            if x.ndim == 2:  # the GPU step's [B, D]: no reshapes (each is host time)
+                return module.matmul(x, w)
             lead = x.shape[:-1]
-            y = gpu_mma.matmul(x.reshape(-1, x.shape[-1]), w)
-            return y.reshape(*lead, w.shape[0])
-        form = "xwt"
-    if form == "gemv":
-        from engine import gpu_gemv
-
-        if gpu_gemv.float_supported(x.dtype, w.dtype, w.shape[-1]):
-            lead = x.shape[:-1]
-            y = gpu_gemv.gemv(x.reshape(-1, x.shape[-1]), w)
+            y = module.matmul(x.reshape(-1, x.shape[-1]), w)
             return y.reshape(*lead, w.shape[0])
         form = "xwt"
     if form == "xwt":
@@ -166,6 +181,7 @@ class GpuQuantizedLinear:
         self.group_size, self.bits, self.mode = group_size, bits, mode
         self._plan = plan
         self._parts: dict[int, list] = {}
+        self._ok: dict = {}
         for _, form in self.plan.steps:
             if form.startswith("qmmk"):
                 self._split(int(form[4:]))
@@ -173,6 +189,21 @@ class GpuQuantizedLinear:
     @property
     def plan(self) -> Plan:
         return self._plan or quant_plan()
+
+    def _kernel_ok(self, form: str, dtype) -> bool:
+        """Whether the custom kernel of ``form`` takes this layer (remembered per dtype)."""
+        key = (form, dtype)
+        ok = self._ok.get(key)
+        if ok is None:
+            from engine import gpu_gemv, gpu_mma
+
+            module = gpu_mma if form == "qmma" else gpu_gemv
+            n, k = self.weight.shape[0], self.scales.shape[-1] * self.group_size
+            ok = module.quant_supported(
+                dtype, n, k, self.bits, self.group_size, self.mode, self.biases
+            )
+            self._ok[key] = ok
+        return ok
 
     def _split(self, n: int) -> list | None:
         """The weight's n column blocks (whole quantization groups), as contiguous
@@ -204,31 +235,24 @@ class GpuQuantizedLinear:
         import mlx.core as mx
 
         form = self.plan.form(_rows(x))
-        if form == "qmma":
-            from engine import gpu_mma
+        if form in ("qmma", "qgemv"):
+            from engine import gpu_gemv, gpu_mma
 
-            n, k = self.weight.shape[0], self.scales.shape[-1] * self.group_size
-            if gpu_mma.quant_supported(
-                x.dtype, n, k, self.bits, self.group_size, self.mode, self.biases
-            ):
+            module = gpu_mma if form == "qmma" else gpu_gemv
+            if self._kernel_ok(form, x.dtype):
+                if x.ndim == 2:  # the GPU step's [B, D]: no reshapes (each is host time)
+                    return module.quantized_matmul(
+                        x, self.weight, self.scales, self.biases, self.group_size
+                    )
                 lead = x.shape[:-1]
-                y = gpu_mma.quantized_matmul(
-                    x.reshape(-1, k), self.weight, self.scales, self.biases, self.group_size
+                y = module.quantized_matmul(
+                    x.reshape(-1, x.shape[-1]),
+                    self.weight,
+                    self.scales,
+                    self.biases,
+                    self.group_size,
                 )
-                return y.reshape(*lead, n)
-            form = "qmm"
-        if form == "qgemv":
-            from engine import gpu_gemv
-
-            n, k = self.weight.shape[0], self.scales.shape[-1] * self.group_size
-            if gpu_gemv.quant_supported(
-                x.dtype, n, k, self.bits, self.group_size, self.mode, self.biases
-            ):
-                lead = x.shape[:-1]
-                y = gpu_gemv.quantized_gemv(
-                    x.reshape(-1, k), self.weight, self.scales, self.biases, self.group_size
-                )
-                return y.reshape(*lead, n)
+                return y.reshape(*lead, self.weight.shape[0])
             form = "qmm"
         if form.startswith("qmmk"):
             parts = self._split(int(form[4:]))

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from engine.cuda_kernels import KernelSpec, build
+from engine.cuda_kernels import Baked, KernelSpec
 
 WARPS = 8
 MAX_ROWS = 32
@@ -249,13 +249,8 @@ def _specs() -> dict[str, KernelSpec]:
     }
 
 
-@cache
-def _kernels() -> dict:
-    return build(_specs(), ensure_row_contiguous=True)
-
-
-def _tiles(m: int) -> int:
-    return 1 if m <= 8 else 2 if m <= 16 else 4
+# one kernel object per template values (engine/cuda_kernels.py: less host time a call)
+_kernel = Baked(_specs, ensure_row_contiguous=True)
 
 
 def _float_u(k: int) -> int:
@@ -297,33 +292,33 @@ def quant_supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: s
 
 
 @cache
-def _template(dtype, nt: int, u: int, gs: int) -> list:
-    out = [("T", dtype), ("NT", nt), ("U", u), ("WARPS", WARPS)]
-    return out + [("GS", gs)] if gs else out
+def _template(dtype, nt: int, u: int, gs: int) -> tuple:
+    out = (("T", dtype), ("NT", nt), ("U", u), ("WARPS", WARPS))
+    return out + (("GS", gs),) if gs else out
 
 
 def _call(kind: str, x, inputs: list, n: int, k: int, gs: int = 0):
     """One kernel call per MAX_ROWS rows of ``x`` [M, K]."""
+    m = x.shape[0]
+    if m <= MAX_ROWS:
+        return _one(kind, x, inputs, n, k, gs)
     import mlx.core as mx
 
-    m = x.shape[0]
-    outs = []
-    for r0 in range(0, m, MAX_ROWS):
-        xs = x if m <= MAX_ROWS else x[r0 : r0 + MAX_ROWS]
-        rows = xs.shape[0]
-        nt = _tiles(rows)
-        u = _float_u(k) if kind == "float" else _quant_u(k, nt)
-        outs.append(
-            _kernels()[kind](
-                inputs=[xs, *inputs],
-                template=_template(x.dtype, nt, u, gs),
-                grid=(n // 16 * WARPS * 32, 1, 1),
-                threadgroup=(WARPS * 32, 1, 1),
-                output_shapes=[(rows, n)],
-                output_dtypes=[x.dtype],
-            )[0]
-        )
-    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    parts = [_one(kind, x[r0 : r0 + MAX_ROWS], inputs, n, k, gs) for r0 in range(0, m, MAX_ROWS)]
+    return mx.concatenate(parts, axis=0)
+
+
+def _one(kind: str, x, inputs: list, n: int, k: int, gs: int):
+    rows = x.shape[0]
+    nt = 1 if rows <= 8 else 2 if rows <= 16 else 4
+    u = _float_u(k) if kind == "float" else _quant_u(k, nt)
+    return _kernel(kind, _template(x.dtype, nt, u, gs))(
+        inputs=[x, *inputs],
+        grid=(n // 16 * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(rows, n)],
+        output_dtypes=[x.dtype],
+    )[0]
 
 
 def matmul(x, w):
