@@ -111,6 +111,9 @@ class Tokenizer:
         self._vocab = backend.get_vocab(with_added_tokens=True)
         added = backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._added_ids = frozenset(added)
+        self._plain_pieces: PlainPieces | None = None
+        self._plain_checked = False
         if chat_template is None:
             gemma_turns = "<start_of_turn>" in self._vocab and "<end_of_turn>" in self._vocab
             chat_template = fallback_chat_template(gemma_turns, add_bos)
@@ -172,6 +175,19 @@ class Tokenizer:
     ) -> StreamingDetokenizer:
         """A fresh streaming detokenizer for one sequence (``context``: last prompt ids)."""
         return StreamingDetokenizer(self, context=context, skip_special_tokens=skip_special_tokens)
+
+    def plain_pieces(self) -> PlainPieces | None:
+        """The text of every token that always adds the same text, whatever comes before
+        it (see ``PlainPieces``); None when the decoder is not one we can reason about.
+        Built once per tokenizer, filled lazily."""
+        if not self._plain_checked:
+            if decoder_is_context_free(self._backend.decoder):
+                try:
+                    self._plain_pieces = PlainPieces(self)
+                except ValueError:  # no token to read pieces after: no fast path
+                    pass
+            self._plain_checked = True
+        return self._plain_pieces
 
     def id_to_piece(self, token_id: int) -> str | None:
         return self._backend.id_to_token(int(token_id))
@@ -343,6 +359,99 @@ def _bytes_to_unicode() -> dict[int, str]:
     return bytes_to_unicode()
 
 
+# Decoder steps that map each token's text on its own (before ``Fuse``), so a token adds
+# the same text whatever precedes it: Replace and Strip act on each token, ByteFallback
+# turns only ``<0xXX>`` tokens into bytes, Metaspace drops the space of the first token
+# of a decode only. After ``Fuse`` the steps see the whole text at once; only a Strip
+# of at most one leading character keeps that property there (given some text before).
+_PER_TOKEN_STEPS = frozenset({"Replace", "Strip", "ByteFallback", "Metaspace"})
+
+
+def decoder_is_context_free(decoder) -> bool:
+    """Whether ``decode(W + [t]) == decode(W) + piece(t)`` for every token ``t`` outside
+    the added vocabulary (and not a ``<0xXX>`` byte token) whose piece is complete
+    UTF-8, whenever ``W`` holds at least one token with text and ends on a complete
+    character: true of byte-level BPE (GPT-2, SmolLM2, Llama 3, Qwen) and of the
+    SentencePiece decoders (Gemma, Llama 2, Mistral, T5). Other decoders (WordPiece's
+    cleanup, BPEDecoder's end-of-word suffix, CTC, none at all) are not assumed to be."""
+    if decoder is None:
+        return False
+    try:
+        spec = json.loads(decoder.__getstate__())
+    except Exception:
+        return False
+    steps = spec.get("decoders") if spec.get("type") == "Sequence" else [spec]
+    if not isinstance(steps, list) or not steps:
+        return False
+    if len(steps) == 1 and steps[0].get("type") == "ByteLevel":
+        return True
+    fused = False
+    for step in steps:
+        kind = step.get("type")
+        if kind == "Fuse":
+            fused = True
+        elif kind == "Strip" and fused:
+            if step.get("stop") != 0 or step.get("start", 0) > 1:
+                return False
+        elif kind not in _PER_TOKEN_STEPS or fused:
+            return False
+    return True
+
+
+class PlainPieces(dict):
+    """token id -> the text the token adds after any text (its "piece"), or None.
+
+    A token is plain when it is in the model's vocabulary (not an added or special
+    token), not a byte-fallback ``<0xXX>`` token, and its text is complete UTF-8 with
+    no U+FFFD: e.g. byte-level BPE's ``Ġcapital`` -> " capital", SentencePiece's
+    ``▁Paris`` -> " Paris". Its piece is what it adds after a probe token, read from
+    the tokenizer's own decoder. Filled lazily, one decode per distinct token; only
+    built for decoders ``decoder_is_context_free`` accepts.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        super().__init__()
+        backend = tokenizer.backend
+        self._backend = backend
+        self._added = tokenizer._added_ids
+        self._byte_fallback = b'"ByteFallback"' in backend.decoder.__getstate__()
+        # what a piece follows: one plain token with text (its decode is checked below)
+        self._probe = backend.encode("a", add_special_tokens=False).ids
+        self._probe_text = backend.decode(self._probe, skip_special_tokens=False)
+        if (
+            len(self._probe) != 1
+            or self._probe[0] in self._added
+            or not self._probe_text
+            or "\ufffd" in self._probe_text
+        ):
+            raise ValueError("no probe token")
+
+    def __missing__(self, token_id):
+        piece = self._piece(token_id) if type(token_id) is int else None
+        if type(token_id) is int:
+            self[token_id] = piece
+        return piece
+
+    def _piece(self, token_id: int) -> str | None:
+        if token_id in self._added:
+            return None
+        try:
+            token = self._backend.id_to_token(token_id)
+        except (OverflowError, ValueError):
+            return None
+        if token is None:
+            return None
+        if self._byte_fallback and len(token) == 6 and token[:3] == "<0x" and token[5] == ">":
+            return None
+        text = self._backend.decode([*self._probe, token_id], skip_special_tokens=False)
+        if not text.startswith(self._probe_text):
+            return None
+        piece = text[len(self._probe_text) :]
+        if not piece or "\ufffd" in piece:
+            return None
+        return piece
+
+
 class StreamingDetokenizer:
     """Incremental detokenization for one sequence.
 
@@ -352,12 +461,23 @@ class StreamingDetokenizer:
     token is bounded by the window, not the output length. While the text ends in U+FFFD
     (an incomplete UTF-8 / byte-fallback sequence) nothing is emitted and the window grows.
 
+    Fast path: right after a token was emitted (nothing held back, so the window's text
+    ends on a complete character), a plain token (``PlainPieces``: most tokens of most
+    text) adds exactly its piece: the two decodes would give ``W`` and ``W + piece``.
+    It then emits the piece and moves the offsets as the decodes would, without
+    decoding. Output and state are the same as with ``fast=False`` token by token (the
+    tests compare them).
+
     ``context`` can hold the last prompt token(s) so tokenizers that strip a leading space
     when decoding (sentencepiece with a dummy prefix) keep the space of the first new token.
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, context: Sequence[int] = (), skip_special_tokens: bool = True
+        self,
+        tokenizer: Tokenizer,
+        context: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        fast: bool = True,
     ):
         self._tok = tokenizer
         self._skip = skip_special_tokens
@@ -365,30 +485,54 @@ class StreamingDetokenizer:
         self._prefix = 0
         self._read = len(self._ids)
         self.text_emitted = 0  # characters emitted so far
+        plain = getattr(tokenizer, "plain_pieces", None) if fast else None
+        self._pieces: PlainPieces | None = plain() if plain is not None else None
+        # True right after add_token emitted text: the window ends on a complete
+        # character and holds a token with text (the fast path's precondition)
+        self._synced = False
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def add_token(self, token_id: int) -> str:
-        self._ids.append(int(token_id))
+        token_id = int(token_id)
+        if self._synced:
+            piece = self._pieces[token_id]
+            if piece is not None:
+                ids = self._ids
+                ids.append(token_id)
+                self._prefix = self._read
+                self._read = len(ids)
+                if self._prefix > 64:
+                    self._trim()
+                self.text_emitted += len(piece)
+                return piece
+        self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
         if new_text.endswith("\ufffd") or len(new_text) <= len(prefix_text):
+            self._synced = False
             return ""  # incomplete character, or a token with no text (e.g. skipped special)
         delta = new_text[len(prefix_text) :]
         self._prefix, self._read = self._read, len(self._ids)
-        if self._prefix > 64:  # drop what no window needs any more
-            del self._ids[: self._prefix]
-            self._read -= self._prefix
-            self._prefix = 0
+        if self._prefix > 64:
+            self._trim()
         self.text_emitted += len(delta)
+        self._synced = self._pieces is not None
         return delta
+
+    def _trim(self) -> None:
+        """Drop what no window needs any more."""
+        del self._ids[: self._prefix]
+        self._read -= self._prefix
+        self._prefix = 0
 
     def flush(self) -> str:
         """Whatever is still held back (e.g. an unfinished character at the end)."""
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
         self._prefix = self._read = len(self._ids)
+        self._synced = False
         delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
         self.text_emitted += len(delta)
         return delta

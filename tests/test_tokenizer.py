@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import functools
+import random
 import time
 
 import pytest
 from conftest_loading import GEMMA, SMOLLM2, builtin_path
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models
 
 from engine.loading.convert_cache import cache_root
 from engine.loading.gguf_reader import GGUFFile
 from engine.loading.loader import gguf_tokenizer
-from engine.tokenizer import StreamingDetokenizer, Tokenizer
+from engine.tokenizer import StreamingDetokenizer, Tokenizer, decoder_is_context_free
 
 # Token ids llama.cpp (llama-cpp-python 0.3.36, vocab_only, add_bos=True, special=True) gives
 # for the same GGUF files.
@@ -201,3 +204,218 @@ def test_byte_level_save_load(tmp_path):
 
     hf = AutoTokenizer.from_pretrained(str(tmp_path))
     assert hf.encode("héllo", add_special_tokens=False) == t.encode("héllo")
+
+
+# --- the detokenizer's fast path (plain pieces, no decode) -------------------------------
+
+# Streamed text must equal the full decode: spaces (leading, repeated, trailing), tabs,
+# newlines, accents (precomposed and combining), CJK, RTL scripts, emoji (multi-byte,
+# skin tones, flags, ZWJ sequences) between letters and at the start, symbols, code.
+CORPUS = STREAM_TEXTS + [
+    "The capital of France is Paris. It is known for the Eiffel Tower.",
+    "  two leading spaces, three   inside, and trailing   ",
+    "line one\nline two\r\n\n\ttab\t\tdouble tab\n\n\n",
+    "👍🏽 🇫🇷 👨‍💻 ❤️ 🙂🙂🙂 a🙂b🙂c",
+    "🙂 at the start",
+    "日本語のテキスト、한국어 텍스트, 中文文本。",
+    "combining: e\u0301 a\u0308 n\u0303; RTL: مرحبا بالعالم שלום",
+    "∑ x² ≤ √y — ½ € £ ¥ © ™ «»“”‘’…",
+    "zero\u200bwidth\u00a0nbsp and ======== rules\n    indented {code: [1, 2]}",
+    '```python\nfor i in range(10):\n    print(f"{i:>3} ✓")\n```\n',
+]
+
+
+def stream(det: StreamingDetokenizer, ids: list[int]) -> list[str]:
+    return [det.add_token(i) for i in ids] + [det.flush()]
+
+
+def assert_same_as_slow_path(t: Tokenizer, ids, context=(), skip=True) -> list[str]:
+    """The fast detokenizer gives the same piece and state as the decoding one, token
+    by token."""
+    fast = StreamingDetokenizer(t, context=context, skip_special_tokens=skip)
+    slow = StreamingDetokenizer(t, context=context, skip_special_tokens=skip, fast=False)
+    out = []
+    for i in ids:
+        a, b = fast.add_token(i), slow.add_token(i)
+        assert a == b, (ids, i)
+        assert (fast._ids, fast._prefix, fast._read) == (slow._ids, slow._prefix, slow._read)
+        out.append(a)
+    out.append(fast.flush())
+    assert out[-1] == slow.flush() and fast.text_emitted == slow.text_emitted
+    return out
+
+
+@pytest.mark.parametrize("alias", [SMOLLM2, GEMMA])
+def test_fast_detokenizer_streams_the_full_decode(alias):
+    t = tok(alias)
+    assert t.plain_pieces() is not None  # both decoders take the fast path
+    prompt = t.apply_chat_template([{"role": "user", "content": "Hi"}])
+    for text in CORPUS:
+        ids = t.encode(text, add_special_tokens=False)
+        for context in ((), prompt[-4:]):  # the worker passes the prompt's last 4 ids
+            pieces = assert_same_as_slow_path(t, ids, context)
+            assert "".join(pieces) == t.decode(ids) == text
+            assert not any("\ufffd" in p for p in pieces)
+
+
+@pytest.mark.parametrize("alias", [SMOLLM2, GEMMA])
+def test_fast_detokenizer_decodes_only_what_is_not_plain(alias):
+    t = tok(alias)
+    calls = []
+    real = t.decode
+
+    def counting(ids, skip_special_tokens=True):
+        calls.append(list(ids))
+        return real(ids, skip_special_tokens=skip_special_tokens)
+
+    ids = t.encode("The capital of France is Paris, of course.", add_special_tokens=False)
+    det = StreamingDetokenizer(t)
+    t.decode = counting
+    try:
+        text = "".join(det.add_token(i) for i in ids)
+    finally:
+        del t.decode
+    assert text == "The capital of France is Paris, of course."
+    assert len(calls) == 2  # the first token only; every later one is a plain piece
+
+
+def test_plain_pieces():
+    s, g = tok(SMOLLM2).plain_pieces(), tok(GEMMA).plain_pieces()
+    assert s[3575] == " capital" and s[504] == "The"  # byte-level BPE's Ġ is a space
+    assert s[2] is None and s[0] is None  # special tokens
+    assert s[tok(SMOLLM2).encode("🙂")[0]] is None  # part of a character
+    assert s[10**7] is None and s[-1] is None  # not in the vocabulary
+    gt = tok(GEMMA)
+    paris = gt.encode(" Paris", add_special_tokens=False)
+    assert len(paris) == 1 and g[paris[0]] == " Paris"  # SentencePiece's ▁ is a space
+    assert g[gt.token_to_id("<0x41>")] is None  # byte fallback
+    assert g[1] is None and g[106] is None  # <eos>, <end_of_turn>
+
+
+def random_ids(rng: random.Random, t: Tokenizer, extra: list[int], n: int) -> list[int]:
+    """Token soup: any id, special and added tokens, byte-fallback tokens, ids past the
+    vocabulary, and runs of a real text's tokens (so the fast path gets its turns)."""
+    text = t.encode(CORPUS[0] + CORPUS[3], add_special_tokens=False)
+    added = sorted(t._added_ids)
+    out: list[int] = []
+    while len(out) < n:
+        r = rng.random()
+        if r < 0.1:
+            out.append(rng.choice(added))
+        elif r < 0.3 and extra:
+            out.append(rng.choice(extra))
+        elif r < 0.35:
+            out.append(t.vocab_size + rng.randrange(8))
+        elif r < 0.7:
+            start = rng.randrange(len(text))
+            out.extend(text[start : start + rng.randint(1, 6)])
+        else:
+            out.append(rng.randrange(t.vocab_size))
+    return out
+
+
+@pytest.mark.parametrize("alias", [SMOLLM2, GEMMA])
+def test_fast_detokenizer_equals_slow_on_random_ids(alias):
+    t = tok(alias)
+    rng = random.Random(alias)
+    if alias == GEMMA:  # byte-fallback tokens, e.g. the bytes of é and 🙂
+        extra = [t.token_to_id(f"<0x{b:02X}>") for b in b"A\xc3\xa9\xf0\x9f\x99\x82\x80\xff"]
+    else:  # the byte-level tokens of é and 🙂's bytes, one by one
+        extra = [t.token_to_id(c) for c in ("Ã", "©", "ð", "Ł", "Ļ", "Ĥ")]
+    assert None not in extra
+    for _ in range(400):
+        ids = random_ids(rng, t, extra, rng.randint(1, 24))
+        context = [rng.randrange(t.vocab_size) for _ in range(rng.randint(0, 4))]
+        assert_same_as_slow_path(t, ids, context, skip=rng.random() < 0.7)
+
+
+def sentencepiece_like(decoder) -> Tokenizer:
+    """A small SentencePiece-style vocabulary (▁ words, byte fallback, special and added
+    tokens) with the given decoder, to check each decoder form."""
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces += ["▁", "▁▁", "▁▁▁", "▁the", "▁cat", "s", "at", "▁Paris", "é", "東京", "\n", "▁\n"]
+    pieces += ["a", "▁a", "ab", "🙂", ".", ",", "▁▁x"]
+    backend = BackendTokenizer(
+        models.BPE(
+            vocab={p: i for i, p in enumerate(pieces)},
+            merges=[],
+            byte_fallback=True,
+            unk_token="<unk>",
+        )
+    )
+    backend.add_special_tokens(["<s>", "</s>"])
+    backend.add_tokens(["<tool>"])  # added, not special
+    backend.decoder = decoder
+    return Tokenizer(
+        backend,
+        special_tokens={"bos_token": "<s>", "eos_token": "</s>"},
+        eos_token_ids={2},
+        bos_token_id=1,
+        chat_template=None,
+        has_chat_template=False,
+    )
+
+
+def _sp_steps(*tail):
+    return [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *tail]
+
+
+DECODERS = {
+    "gemma": (decoders.Sequence(_sp_steps()), True),
+    "llama": (decoders.Sequence(_sp_steps(decoders.Strip(" ", 1, 0))), True),
+    "metaspace-always": (decoders.Metaspace(prepend_scheme="always"), True),
+    "metaspace-first": (decoders.Metaspace(prepend_scheme="first"), True),
+    "metaspace-never": (decoders.Metaspace(prepend_scheme="never"), True),
+    "strip-each-token": (decoders.Sequence([decoders.Strip(" ", 1, 0), decoders.Fuse()]), True),
+    "strip-2": (decoders.Sequence(_sp_steps(decoders.Strip(" ", 2, 0))), False),
+    "replace-after-fuse": (decoders.Sequence([decoders.Fuse(), decoders.Replace("▁", " ")]), False),
+    "wordpiece": (decoders.WordPiece(), False),
+    "bpe-suffix": (decoders.BPEDecoder(), False),
+    "ctc": (decoders.CTC(), False),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_fast_detokenizer_equals_slow_for_each_decoder(name):
+    decoder, fast = DECODERS[name]
+    assert decoder_is_context_free(decoder) is fast
+    t = sentencepiece_like(decoder)
+    assert (t.plain_pieces() is not None) is fast
+    rng = random.Random(name)
+    vocab = t.vocab_size
+    words = [t.token_to_id(p) for p in ("▁the", "▁cat", "s", "▁Paris", "▁", "▁▁", "\n", "é")]
+    for _ in range(300):
+        ids = []
+        for _ in range(rng.randint(1, 20)):
+            r = rng.random()
+            ids.append(rng.choice(words) if r < 0.6 else rng.randrange(vocab + 2))
+        context = [rng.randrange(vocab) for _ in range(rng.randint(0, 3))]
+        assert_same_as_slow_path(t, ids, context, skip=rng.random() < 0.7)
+    if fast:  # and it does take the fast path
+        ids = [t.token_to_id(p) for p in ("▁the", "▁cat", "s", "▁Paris", "\n", "▁the")]
+        det = StreamingDetokenizer(t)
+        pieces = [det.add_token(i) for i in ids]
+        assert det._synced  # the fast path's state after each of them
+        assert "".join(pieces) + det.flush() == t.decode(ids)
+
+
+def test_decoders_not_taken_for_context_free():
+    # Strip at the end of the whole text (tokenizers 0.23 panics decoding some of these)
+    assert not decoder_is_context_free(decoders.Sequence(_sp_steps(decoders.Strip(" ", 0, 1))))
+    assert not decoder_is_context_free(None)  # tokens joined with spaces
+    assert decoder_is_context_free(tok(SMOLLM2).backend.decoder)
+    assert decoder_is_context_free(tok(GEMMA).backend.decoder)
+
+
+def test_detokenizer_without_plain_pieces():
+    """A tokenizer-like object with only ``decode`` (as some tests pass) streams through
+    the decoding path."""
+
+    class Bytes:
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    ids = list("a🙂 é".encode())
+    det = StreamingDetokenizer(Bytes())
+    assert det._pieces is None
+    assert "".join(stream(det, ids)) == "a🙂 é"
