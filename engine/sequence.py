@@ -85,6 +85,14 @@ class Sequence:
     last_token_at: float | None = None
     finish_reason: FinishReason | None = None
     reserved_tokens: int = 0  # KV budget held for this sequence
+    # Derived once (the worker reads them for every token):
+    end_ids: frozenset[int] = field(init=False)  # eos_ids and params.stop_token_ids
+    output_limit: int = field(init=False)  # max output tokens: max_tokens and max_len
+
+    def __post_init__(self) -> None:
+        params = self.request.params
+        self.end_ids = self.eos_ids | frozenset(params.stop_token_ids)
+        self.output_limit = min(params.max_tokens, self.max_len - len(self.request.prompt_tokens))
 
     @property
     def request_id(self) -> str:

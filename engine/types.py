@@ -41,11 +41,15 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenEvent:
     """One step of one sequence: new text (stop strings already cut) and, at the
     end, why it finished. ``text`` may be empty while a possible stop string or
-    an incomplete UTF-8 sequence is held back."""
+    an incomplete UTF-8 sequence is held back.
+
+    Read-only by convention, not frozen: the worker makes one per row and token, and
+    a frozen dataclass's ``__init__`` (``object.__setattr__`` per field) costs about
+    2 us more each time."""
 
     request_id: str
     text: str

@@ -429,6 +429,12 @@ class ModelWorker:
         self._accept_rows(seqs, tokens)
 
     def _accept_rows(self, seqs: list[Sequence], tokens: list[int | None]) -> None:
+        """One decode step's tokens, one per row (None: that row's sampling failed).
+        All rows get their token at the same moment: one timestamp for the step, and
+        the token counter and inter-token histogram are updated once per step."""
+        now = time.monotonic()
+        gaps: list[float] = []  # inter-token latency of each row with an earlier token
+        accepted = 0
         any_done = False
         for seq, tok in zip(seqs, tokens):
             if seq.state is not SeqState.RUNNING:  # ended since the step was queued
@@ -437,8 +443,15 @@ class ModelWorker:
             if tok is None:
                 any_done = True
                 continue
+            accepted += 1
+            if seq.first_token_at is None:  # not in practice: the prefill gives the first
+                self._first_token(seq, now)
+            else:
+                gaps.append(now - seq.last_token_at)
+            seq.last_token_at = now
             try:
-                any_done |= self._accept_token(seq, tok)
+                if self._take_token(seq, tok):
+                    any_done = True
             except Exception as exc:  # one sequence's bookkeeping failed: only it ends
                 log.exception("token handling failed for %s", seq.request_id)
                 self._finish(
@@ -448,6 +461,9 @@ class ModelWorker:
                     error_kind="internal",
                 )
                 any_done = True
+        if accepted:
+            self.metrics.generation_tokens.inc(accepted)
+            metrics.observe_many(self.metrics.inter_token_latency, gaps)
         if any_done:
             self._drop_finished_rows()
 
@@ -482,38 +498,49 @@ class ModelWorker:
 
     # -- tokens out ------------------------------------------------------------------
     def _accept_token(self, seq: Sequence, token: int) -> bool:
-        """Record a sampled token and emit its text; returns True if the sequence ended."""
+        """Record one sampled token (a prefill's first) and emit its text; returns True
+        if the sequence ended."""
         now = time.monotonic()
         if seq.first_token_at is None:
-            seq.first_token_at = now
-            self.metrics.time_to_first_token.observe(now - seq.arrived)
+            self._first_token(seq, now)
         else:
             self.metrics.inter_token_latency.observe(now - seq.last_token_at)
         seq.last_token_at = now
-        seq.output_ids.append(token)
         self.metrics.generation_tokens.inc()
+        return self._take_token(seq, token)
 
-        finish = None
-        if token in seq.eos_ids or token in seq.params.stop_token_ids:
-            text, matched = seq.stop.feed(seq.detokenizer.flush())
+    def _first_token(self, seq: Sequence, now: float) -> None:
+        seq.first_token_at = now
+        self.metrics.time_to_first_token.observe(now - seq.arrived)
+
+    def _take_token(self, seq: Sequence, token: int) -> bool:
+        """Append ``token`` to ``seq`` and queue its text (stop strings cut); returns
+        True if the sequence ended. Timestamps and metrics are the caller's."""
+        seq.output_ids.append(token)
+        stop = seq.stop
+        if token in seq.end_ids:  # EOS or one of the request's stop_token_ids
+            text, matched = stop.feed(seq.detokenizer.flush())
             finish = FinishReason.STOP
         else:
-            text, matched = seq.stop.feed(seq.detokenizer.add_token(token))
+            text = seq.detokenizer.add_token(token)
+            matched = False
+            if stop.stops:
+                text, matched = stop.feed(text)
             if matched:
                 finish = FinishReason.STOP
-            elif len(seq.output_ids) >= seq.params.max_tokens or seq.total_len >= seq.max_len:
+            elif len(seq.output_ids) >= seq.output_limit:  # max_tokens or the context
                 finish = FinishReason.LENGTH
-                tail, matched = seq.stop.feed(seq.detokenizer.flush())
+                tail, matched = stop.feed(seq.detokenizer.flush())
                 text += tail
                 if matched:
                     finish = FinishReason.STOP
-        if finish is not None and not matched:
-            text += seq.stop.flush()
-        if finish is None:
-            seq.next_token = token
-            if text:
-                self._send(seq, text, None)
-            return False
+            else:
+                seq.next_token = token
+                if text:
+                    self._send(seq, text, None)
+                return False
+        if not matched:
+            text += stop.flush()
         self._finish(seq, finish, text=text)
         return True
 
@@ -526,18 +553,21 @@ class ModelWorker:
         error: str | None = None,
         error_kind: str | None = None,
     ) -> None:
-        event = TokenEvent(
-            request_id=seq.request_id,
-            text=text,
-            token_ids=tuple(seq.output_ids[seq.sent_tokens :]),
-            prompt_tokens=len(seq.prompt),
-            completion_tokens=len(seq.output_ids),
-            cached_tokens=seq.cached_tokens,
-            finish_reason=finish,
-            error=error,
-            error_kind=error_kind,
+        out = seq.output_ids
+        n = len(out)
+        sent = seq.sent_tokens
+        event = TokenEvent(  # positional: request_id, text, token_ids, prompt_tokens, ...
+            seq.request.request_id,
+            text,
+            (out[sent],) if sent == n - 1 else tuple(out[sent:]),
+            len(seq.request.prompt_tokens),
+            n,
+            seq.cached_tokens,
+            finish,
+            error,
+            error_kind,
         )
-        seq.sent_tokens = len(seq.output_ids)
+        seq.sent_tokens = n
         self._outbox.append((seq.emit, event))
 
     def _flush_outbox(self) -> None:

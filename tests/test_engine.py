@@ -143,6 +143,50 @@ def test_seeded_sampling_is_reproducible_in_any_batch(tiny):
     assert a != c
 
 
+def test_metrics_count_every_token(tiny):
+    """Every token counts once in the generation counter; each sequence's first in
+    the time-to-first-token histogram, every later one in the inter-token histogram
+    (a decode step records its rows' gaps together)."""
+    from prometheus_client import REGISTRY
+
+    model, client = tiny
+    names = (
+        "markbase_generation_tokens_total",
+        "markbase_time_to_first_token_seconds_count",
+        "markbase_inter_token_latency_seconds_count",
+        "markbase_inter_token_latency_seconds_sum",
+        "markbase_inter_token_latency_seconds_bucket",
+    )
+
+    def values():
+        get = REGISTRY.get_sample_value
+        out = {n: get(n, {"model": model}) or 0.0 for n in names[:-1]}
+        out[names[-1]] = get(names[-1], {"model": model, "le": "+Inf"}) or 0.0
+        return out
+
+    lengths = [24, 5, 13, 1]
+    before = values()
+
+    async def main():
+        return await asyncio.gather(
+            *[
+                generate(client, model, p, max_tokens=n, temperature=0, ignore_eos=True)
+                for p, n in zip(PROMPTS, lengths)
+            ]
+        )
+
+    results = asyncio.run(main())
+    after = values()
+    delta = {n: after[n] - before[n] for n in names}
+    total = sum(len(r[0]) for r in results)
+    assert total == sum(lengths)
+    assert delta["markbase_generation_tokens_total"] == total
+    assert delta["markbase_time_to_first_token_seconds_count"] == len(lengths)
+    assert delta["markbase_inter_token_latency_seconds_count"] == total - len(lengths)
+    assert delta["markbase_inter_token_latency_seconds_bucket"] == total - len(lengths)
+    assert delta["markbase_inter_token_latency_seconds_sum"] > 0
+
+
 def test_prefix_cache_hit_gives_identical_output(tiny):
     model, client = tiny
     prompt = list(range(100, 164)) + [5, 6, 7]
