@@ -29,35 +29,54 @@ class StopMatcher:
 
     Text that could still be the start of a stop string is held back until the
     next token decides it, so a stop string is never emitted, not even in part.
+    A stop string or a held tail starts with the first character of some stop
+    string: text without one, and nothing held, passes at once; otherwise only the
+    places of those characters in the last ``hold`` characters are tried as tails.
     """
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = tuple(s for s in stops if s)
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.pending = ""
+        self._firsts = tuple(sorted({s[0] for s in self.stops}))
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add new text; return (text safe to emit, whether a stop string matched)."""
-        if not self.stops:
+        stops = self.stops
+        if not stops:
             return text, False
-        self.pending += text
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if not self.pending:
+            for c in self._firsts:
+                if c in text:
+                    break
+            else:  # no stop string can start in it: nothing to cut, nothing to hold
+                return text, False
+        pending = self.pending + text
+        if len(stops) == 1:
+            cut = pending.find(stops[0])
+        else:
+            cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
         if cut >= 0:
-            out, self.pending = self.pending[:cut], ""
-            return out, True
-        if self.hold == 0:
-            out, self.pending = self.pending, ""
-            return out, False
-        # keep only the tail that is a prefix of some stop string
-        keep = 0
-        for k in range(min(self.hold, len(self.pending)), 0, -1):
-            tail = self.pending[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                keep = k
-                break
-        out = self.pending[: len(self.pending) - keep]
-        self.pending = self.pending[len(self.pending) - keep :]
-        return out, False
+            self.pending = ""
+            return pending[:cut], True
+        # keep the longest tail (at most hold characters) that is a prefix of a stop string
+        i = self._candidate(pending, max(0, len(pending) - self.hold)) if self.hold else -1
+        while i >= 0:
+            tail = pending[i:]
+            if any(s.startswith(tail) for s in stops):
+                self.pending = tail
+                return pending[:i], False
+            i = self._candidate(pending, i + 1)
+        self.pending = ""
+        return pending, False
+
+    def _candidate(self, text: str, start: int) -> int:
+        """The first place from ``start`` on where a stop string could begin, or -1."""
+        firsts = self._firsts
+        if len(firsts) == 1:
+            return text.find(firsts[0], start)
+        found = [i for i in (text.find(c, start) for c in firsts) if i >= 0]
+        return min(found) if found else -1
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
