@@ -16,10 +16,10 @@ tokens read back would. The outbox is cleared after each step, untimed.
 
 Per batch size: ``--warmup`` untimed steps, then ``--steps`` (default: enough for about
 20000 rows) timed ones; the table gives the median step and the median per row
-(step / B), the best of ``--rounds`` rounds (a shared machine's noise only adds).
-``--compare REV`` runs the same measurement in a subprocess on ``git archive REV engine``
-(this script, the old engine), alternating with this tree's round by round, so before
-and after come from one run on one machine. ``--stop STR`` (repeatable) gives every request stop strings; ``--json`` prints
+(step / B), the best of ``--rounds`` rounds (a shared machine's noise only adds), each
+round in a fresh process. ``--compare REV`` also runs rounds on ``git archive REV engine``
+(this script, the old engine), alternating with this tree's, so before and after come
+from one run on one machine. ``--stop STR`` (repeatable) gives every request stop strings; ``--json`` prints
 the rows as JSON instead of the table.
 """
 
@@ -148,20 +148,24 @@ def best_of(a: dict | None, b: dict) -> dict:
     return a
 
 
+def run_engine(root: str, args) -> dict:
+    """One round of this script in a fresh process, importing ``engine`` from ``root``."""
+    cmd = [sys.executable, __file__, "--engine-root", root, "--json", "--model", args.model]
+    cmd += ["--rows", args.rows, "--warmup", str(args.warmup), "--rounds", "1"]
+    cmd += ["--steps", str(args.steps)] if args.steps else []
+    for s in args.stop:
+        cmd += ["--stop", s]
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+
 def run_revision(rev: str, args) -> dict:
-    """This script on ``git archive REV engine``, in a subprocess."""
+    """One round on ``git archive REV engine``."""
     with tempfile.TemporaryDirectory(prefix="worker-rows-") as tmp:
         archive = subprocess.run(
             ["git", "archive", rev, "engine"], cwd=REPO, check=True, capture_output=True
         ).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        cmd = [sys.executable, __file__, "--engine-root", tmp, "--json", "--model", args.model]
-        cmd += ["--rows", args.rows, "--warmup", str(args.warmup), "--rounds", "1"]
-        cmd += ["--steps", str(args.steps)] if args.steps else []
-        for s in args.stop:
-            cmd += ["--stop", s]
-        done = subprocess.run(cmd, check=True, capture_output=True, text=True)
-        result = json.loads(done.stdout)
+        result = run_engine(tmp, args)
         result["engine"] = f"{rev} ({result['engine']})"
         return result
 
@@ -179,22 +183,19 @@ def main() -> None:
     ap.add_argument("--engine-root", help=argparse.SUPPRESS)  # import `engine` from here
     args = ap.parse_args()
 
-    if args.engine_root:
-        sys.path.insert(0, args.engine_root)
-    else:
-        sys.path.insert(0, str(REPO))
-    from engine.cpu_blas import ensure_fast_blas
+    if args.json:  # one round, here (the parent runs each round in a fresh process)
+        sys.path.insert(0, args.engine_root or str(REPO))
+        from engine.cpu_blas import ensure_fast_blas
 
-    ensure_fast_blas()
-    rows = [int(r) for r in args.rows.split(",")]
+        ensure_fast_blas()
+        rows = [int(r) for r in args.rows.split(",")]
+        print(json.dumps(measure(args.model, rows, args.steps, args.warmup, args.stop)))
+        return
     base = new = None
     for _ in range(args.rounds):  # before and after alternate; each keeps its best round
         if args.compare:
             base = best_of(base, run_revision(args.compare, args))
-        new = best_of(new, measure(args.model, rows, args.steps, args.warmup, args.stop))
-    if args.json:
-        print(json.dumps(new))
-        return
+        new = best_of(new, run_engine(str(REPO), args))
 
     print(f"model {new['model']}, token stream of {new['tokens']} tokens, stop={args.stop}")
     print(f"CPU: {os.cpu_count()} cores; median of the timed steps, best of {args.rounds} rounds")
