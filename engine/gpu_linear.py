@@ -172,6 +172,17 @@ class GpuLinear:
     def __call__(self, x):
         return float_matmul(x, self.weight, self.plan.form(_rows(x)))
 
+    def fused(self, x, residual=None, swiglu: bool = False):
+        """``residual + f(x) @ w.T`` with ``f`` = silu(gate) * up of x = [gate | up] if
+        ``swiglu``, else identity: one engine/gpu_mma.py call when the plan says ``mma``
+        for these rows (x [B, K], the 2-D decode step), else the same as MLX ops."""
+        if x.ndim == 2 and self.plan.form(x.shape[0]) == "mma":
+            if _float_kernel_ok("mma", x.dtype, self.weight):
+                from engine import gpu_mma
+
+                return gpu_mma.matmul(x, self.weight, residual=residual, swiglu=swiglu)
+        return _unfused(self, x, residual, swiglu)
+
 
 class GpuQuantizedLinear:
     """A quantized linear layer (no bias) that follows the quantized plan per call."""
@@ -189,6 +200,26 @@ class GpuQuantizedLinear:
     @property
     def plan(self) -> Plan:
         return self._plan or quant_plan()
+
+    def fused(self, x, residual=None, swiglu: bool = False):
+        """As ``GpuLinear.fused``, through the 4-bit kernel when the plan says ``qmma``."""
+        if (
+            x.ndim == 2
+            and self.plan.form(x.shape[0]) == "qmma"
+            and self._kernel_ok("qmma", x.dtype)
+        ):
+            from engine import gpu_mma
+
+            return gpu_mma.quantized_matmul(
+                x,
+                self.weight,
+                self.scales,
+                self.biases,
+                self.group_size,
+                residual=residual,
+                swiglu=swiglu,
+            )
+        return _unfused(self, x, residual, swiglu)
 
     def _kernel_ok(self, form: str, dtype) -> bool:
         """Whether the custom kernel of ``form`` takes this layer (remembered per dtype)."""
@@ -294,6 +325,17 @@ class GpuQuantizedLinear:
             dtype=x.dtype,
         )
         return float_matmul(x, w, "xwt" if form == "deq" else "wxt")
+
+
+def _unfused(linear, x, residual, swiglu: bool):
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    if swiglu:
+        g, u = mx.split(x, 2, axis=-1)
+        x = nn.silu(g) * u
+    y = linear(x)
+    return y if residual is None else residual + y
 
 
 def for_module(linear):

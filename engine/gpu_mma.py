@@ -60,6 +60,33 @@ __device__ __forceinline__ void mb_mma(float* c, uint32_t a0, uint32_t a1, uint3
 __device__ __forceinline__ uint4 mb_ldg(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
+__device__ __forceinline__ uint32_t mb_swiglu2(uint32_t g, uint32_t u, __nv_bfloat16) {
+  const float2 gf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g));
+  const float2 uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+  const __nv_bfloat162 r = __floats2bfloat162_rn(gf.x / (1.f + __expf(-gf.x)) * uf.x,
+                                                 gf.y / (1.f + __expf(-gf.y)) * uf.y);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t mb_swiglu2(uint32_t g, uint32_t u, __half) {
+  const float2 gf = __half22float2(*reinterpret_cast<const __half2*>(&g));
+  const float2 uf = __half22float2(*reinterpret_cast<const __half2*>(&u));
+  const __half2 r = __floats2half2_rn(gf.x / (1.f + __expf(-gf.x)) * uf.x,
+                                      gf.y / (1.f + __expf(-gf.y)) * uf.y);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+// 8 inputs of an x row at ``off``: as stored, or (SWIGLU: x is [gate | up], K each)
+// silu(gate) * up, computed in float32 and rounded once
+template <bool SW, typename TT>
+__device__ __forceinline__ uint4 mb_ldx(const TT* row, int64_t off, int K) {
+  if constexpr (!SW) {
+    return mb_ldg(row + off);
+  } else {
+    const uint4 g = mb_ldg(row + off);
+    const uint4 u = mb_ldg(row + K + off);
+    return make_uint4(mb_swiglu2(g.x, u.x, TT{}), mb_swiglu2(g.y, u.y, TT{}),
+                      mb_swiglu2(g.z, u.z, TT{}), mb_swiglu2(g.w, u.w, TT{}));
+  }
+}
 __device__ __forceinline__ uint32_t mb_word(const uint4& u, int i) {
   return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
 }
@@ -91,7 +118,8 @@ _HEAD = r"""
   const int g = lane >> 2;
   const int t = lane & 3;
   const int M = x_shape[0];
-  const int K = x_shape[1];
+  const int XS = x_shape[1];  // row stride of x: K, or 2K with SWIGLU
+  const int K = SWIGLU ? XS / 2 : XS;
   const int N = w_shape[0];
   const int n0 = blockIdx.x * 16;
   float c[NT][4];
@@ -108,7 +136,7 @@ _HEAD = r"""
   for (int j = 0; j < NT; ++j) {
     const int m = j * 8 + g;
     xv[j] = m < M;
-    xr[j] = x + (int64_t)(xv[j] ? m : 0) * K;
+    xr[j] = x + (int64_t)(xv[j] ? m : 0) * XS;
   }
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 """
@@ -135,6 +163,9 @@ _TAIL = r"""
     const int n = n0 + (l >> 2) + (i >= 2 ? 8 : 0);
     const int m = j * 8 + (l & 3) * 2 + (i & 1);
     if (m < M) {
+      if constexpr (RES) {
+        v += static_cast<float>(r[(int64_t)m * N + n]);
+      }
       y[(int64_t)m * N + n] = static_cast<T>(v);
     }
   }
@@ -154,7 +185,7 @@ _F_LOOP = r"""
       a1[u] = mb_ldg(w1 + off);
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        b[j][u] = xv[j] ? mb_ldg(xr[j] + off) : zero;
+        b[j][u] = xv[j] ? mb_ldx<SWIGLU>(xr[j], off, K) : zero;
       }
     }
 #pragma unroll
@@ -202,7 +233,7 @@ _Q4_LOOP = r"""
       for (int j = 0; j < NT; ++j) {
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
-          b[j][u][p] = xv[j] ? mb_ldg(xr[j] + (int64_t)ch * 32 + p * 8) : zero;
+          b[j][u][p] = xv[j] ? mb_ldx<SWIGLU>(xr[j], (int64_t)ch * 32 + p * 8, K) : zero;
         }
       }
     }
@@ -230,23 +261,37 @@ _Q4_LOOP = r"""
 
 
 def _specs() -> dict[str, KernelSpec]:
-    header = _HEADER
-    return {
-        "float": KernelSpec(
-            "mb_mma_f",
-            [("x", "T", 2), ("w", "T", 2)],
-            [("y", "T")],
-            _HEAD + _F_LOOP + _TAIL,
-            header,
-        ),
-        "q4": KernelSpec(
-            "mb_mma_q4",
-            [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)],
-            [("y", "T")],
-            _HEAD + _Q4_LOOP + _TAIL,
-            header,
-        ),
+    """Kinds: ``float``/``q4``, each also with ``_res`` (a residual input ``r`` [M, N]
+    added to the output) and ``_sw_res`` (x is [gate | up]; the kernel multiplies
+    silu(gate) * up as it loads it, then adds ``r``): the decode step's o_proj and
+    down_proj with the residual adds and the SwiGLU folded in (engine/decode_step.py)."""
+    inputs = {
+        "float": [("x", "T", 2), ("w", "T", 2)],
+        "q4": [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)],
     }
+    loops = {"float": _F_LOOP, "q4": _Q4_LOOP}
+    names = {"float": "mb_mma_f", "q4": "mb_mma_q4"}
+    out = {}
+    for base in ("float", "q4"):
+        for suffix, swiglu, res in (
+            ("", False, False),
+            ("_res", False, True),
+            ("_sw_res", True, True),
+        ):
+            flags = (
+                f"  constexpr bool SWIGLU = {'true' if swiglu else 'false'};\n"
+                f"  constexpr bool RES = {'true' if res else 'false'};\n"
+            )
+            if not res:  # the (discarded) residual branch still names r
+                flags += "  const T* r = nullptr;\n"
+            out[base + suffix] = KernelSpec(
+                names[base] + suffix,
+                inputs[base] + ([("r", "T", 2)] if res else []),
+                [("y", "T")],
+                flags + _HEAD + loops[base] + _TAIL,
+                _HEADER,
+            )
+    return out
 
 
 # one kernel object per template values (engine/cuda_kernels.py: less host time a call)
@@ -297,23 +342,38 @@ def _template(dtype, nt: int, u: int, gs: int) -> tuple:
     return out + (("GS", gs),) if gs else out
 
 
-def _call(kind: str, x, inputs: list, n: int, k: int, gs: int = 0):
-    """One kernel call per MAX_ROWS rows of ``x`` [M, K]."""
+def _call(kind: str, x, inputs: list, n: int, k: int, gs: int, residual, swiglu: bool):
+    """One kernel call per MAX_ROWS rows of ``x`` [M, K] ([M, 2K] with ``swiglu``)."""
+    if swiglu:
+        kind += "_sw"
+    if residual is not None or swiglu:
+        kind += "_res"
     m = x.shape[0]
     if m <= MAX_ROWS:
-        return _one(kind, x, inputs, n, k, gs)
+        return _one(kind, x, inputs, n, k, gs, residual)
     import mlx.core as mx
 
-    parts = [_one(kind, x[r0 : r0 + MAX_ROWS], inputs, n, k, gs) for r0 in range(0, m, MAX_ROWS)]
+    parts = [
+        _one(
+            kind,
+            x[r0 : r0 + MAX_ROWS],
+            inputs,
+            n,
+            k,
+            gs,
+            None if residual is None else residual[r0 : r0 + MAX_ROWS],
+        )
+        for r0 in range(0, m, MAX_ROWS)
+    ]
     return mx.concatenate(parts, axis=0)
 
 
-def _one(kind: str, x, inputs: list, n: int, k: int, gs: int):
+def _one(kind: str, x, inputs: list, n: int, k: int, gs: int, residual):
     rows = x.shape[0]
     nt = 1 if rows <= 8 else 2 if rows <= 16 else 4
-    u = _float_u(k) if kind == "float" else _quant_u(k, nt)
+    u = _float_u(k) if kind.startswith("float") else _quant_u(k, nt)
     return _kernel(kind, _template(x.dtype, nt, u, gs))(
-        inputs=[x, *inputs],
+        inputs=[x, *inputs] if residual is None else [x, *inputs, residual],
         grid=(n // 16 * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(rows, n)],
@@ -321,33 +381,50 @@ def _one(kind: str, x, inputs: list, n: int, k: int, gs: int):
     )[0]
 
 
-def matmul(x, w):
-    """``x @ w.T`` for a bf16/fp16 ``w`` [N, K]; x [M, K] of the same dtype."""
-    return _call("float", x, [w], w.shape[0], w.shape[1])
+def _zero_residual(x, n: int):
+    import mlx.core as mx
+
+    return mx.zeros((x.shape[0], n), dtype=x.dtype)
 
 
-def quantized_matmul(x, w, scales, biases, group_size: int):
-    """``x @ dequantize(w).T`` for 4-bit affine ``w`` [N, K/8] uint32; x [M, K]."""
-    return _call("q4", x, [w, scales, biases], w.shape[0], w.shape[1] * 8, group_size)
+def matmul(x, w, residual=None, swiglu: bool = False):
+    """``x @ w.T`` for a bf16/fp16 ``w`` [N, K]; x [M, K] of the same dtype.
+    ``residual`` [M, N]: added to the result. ``swiglu``: x is [M, 2K] = [gate | up]
+    and the product is ``(silu(gate) * up) @ w.T`` (+ residual: zeros if not given)."""
+    n, k = w.shape
+    if swiglu and residual is None:
+        residual = _zero_residual(x, n)
+    return _call("float", x, [w], n, k, 0, residual, swiglu)
 
 
-def warm(dtype, group_sizes=(64,), quantized: bool = True, float_: bool = True) -> None:
-    """Compile the variants a step can need now (1-3 n-tiles, each U), so that no
-    request waits on NVRTC (about a second each)."""
+def quantized_matmul(x, w, scales, biases, group_size: int, residual=None, swiglu: bool = False):
+    """``x @ dequantize(w).T`` for 4-bit affine ``w`` [N, K/8] uint32; x [M, K].
+    ``residual`` and ``swiglu`` as in ``matmul``."""
+    n, k = w.shape[0], w.shape[1] * 8
+    if swiglu and residual is None:
+        residual = _zero_residual(x, n)
+    return _call("q4", x, [w, scales, biases], n, k, group_size, residual, swiglu)
+
+
+def warm(dtype, products) -> None:
+    """Compile now every variant the decode step can call (1, 2 and 4 n-tiles for each
+    product kind), so that no request waits on NVRTC (about a second each; MLX keeps
+    the PTX on disk, so only a machine's first start pays). ``products``: (group size
+    or 0 for a float weight, K, residual, swiglu) per kind of product the model has."""
     import mlx.core as mx
 
     n = 16
     outs = []
-    for m in (1, 9, 17):
-        for k in (128, 192, 96) if float_ else ():  # U = 4, 2, 1
-            x = mx.zeros((m, k), dtype=dtype)
-            outs.append(matmul(x, mx.zeros((n, k), dtype=dtype)))
-        for gs in group_sizes if quantized else ():
-            for k in (256, 384):  # U = 2 (up to 2 n-tiles) and U = 1
-                x = mx.zeros((m, k), dtype=dtype)
+    for gs, k, residual, swiglu in sorted(set(products)):
+        for m in (2, 9, 17):
+            x = mx.zeros((m, 2 * k if swiglu else k), dtype=dtype)
+            r = mx.zeros((m, n), dtype=dtype) if residual else None
+            if gs:
                 w = mx.zeros((n, k // 8), dtype=mx.uint32)
                 s = mx.ones((n, k // gs), dtype=dtype)
-                outs.append(quantized_matmul(x, w, s, s, gs))
+                outs.append(quantized_matmul(x, w, s, s, gs, residual=r, swiglu=swiglu))
+            else:
+                outs.append(matmul(x, mx.zeros((n, k), dtype=dtype), residual=r, swiglu=swiglu))
     mx.eval(outs)
 
 
@@ -356,9 +433,9 @@ def kernel_specs_for_check() -> list[KernelSpec]:
     for kind, spec in _specs().items():
         for dtype in ("bfloat16", "float16"):
             for nt in (1, 2, 4):
-                for u in (1, 2, 4) if kind == "float" else (1, 2):
+                for u in (1, 2, 4) if kind.startswith("float") else (1, 2):
                     tmpl = [("T", dtype), ("NT", nt), ("U", u), ("WARPS", WARPS)]
-                    if kind == "q4":
+                    if kind.startswith("q4"):
                         tmpl.append(("GS", 64))
                     ins = [(n, dtype if t == "T" else t, nd) for n, t, nd in spec.inputs]
                     outs = [(n, dtype if t == "T" else t) for n, t in spec.outputs]

@@ -140,6 +140,7 @@ def test_runner_fused_decode_switch():
         ("1:xwt", "1:qmmk2,2:qmmk4"),
         # the custom CUDA kernels: on a machine without CUDA they fall back to xwt/qmm
         ("1:gemv", "1:qgemv"),
+        ("1:mma", "1:qmma"),  # and the fused residual/SwiGLU step's fallback
     ],
 )
 def test_gpu_matmul_plans_give_the_same_step(monkeypatch, float_plan, quant_plan):

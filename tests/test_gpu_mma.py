@@ -95,5 +95,69 @@ def test_plan_forms_reach_the_kernels():
 
 
 def test_warm_compiles_without_error():
-    gpu_mma.warm(mx.bfloat16, (32, 64, 128))
-    gpu_mma.warm(mx.float16, (64,), quantized=True, float_=False)
+    gpu_mma.warm(
+        mx.bfloat16, [(0, 256, False, False), (64, 512, True, True), (32, 384, True, False)]
+    )
+    gpu_mma.warm(mx.float16, [(128, 1024, False, False), (0, 96, True, True)])
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("m", [1, 5, 8, 12, 32, 40])
+def test_residual_and_swiglu(quantized, m):
+    """The o_proj form (``residual``) and the down_proj form (x = [gate | up],
+    ``swiglu``, plus the residual) equal the same math in float32."""
+    rng = np.random.default_rng(m + 100 * quantized)
+    n, k = 256, 512
+    dtype = mx.bfloat16
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(dtype)
+    r = mx.array(rng.standard_normal((m, n)).astype(np.float32)).astype(dtype)
+    gu = mx.array(rng.standard_normal((m, 2 * k)).astype(np.float32)).astype(dtype)
+    x = gu[:, :k]
+    if quantized:
+        wq, s, b = mx.quantize(w, group_size=64, bits=4)
+        wf = mx.dequantize(wq, s, b, group_size=64, bits=4).astype(mx.float32)
+
+        def run(inp, **kw):
+            return gpu_mma.quantized_matmul(inp, wq, s, b, 64, **kw)
+    else:
+        wf = w.astype(mx.float32)
+
+        def run(inp, **kw):
+            return gpu_mma.matmul(inp, w, **kw)
+
+    r32, g32, u32 = r.astype(mx.float32), gu[:, :k].astype(mx.float32), gu[:, k:].astype(mx.float32)
+    _close(run(x, residual=r), r32 + x.astype(mx.float32) @ wf.T)
+    act = g32 * mx.sigmoid(g32) * u32
+    _close(run(gu, residual=r, swiglu=True), r32 + act @ wf.T)
+    _close(run(gu, swiglu=True), act @ wf.T)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_gpu_decode_step_with_the_kernels_matches_the_model(quantized):
+    """The GPU decode step with every product of 2-32 rows on these kernels (residual adds
+    and SwiGLU folded into o_proj/down_proj) equals the model's own call, ragged rows."""
+    from conftest_loading import prefilled_batch
+
+    from engine.decode_step import FusedDecodeStep
+    from engine.loading import build_random_model
+
+    cfg = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+               vocab_size=512, tie_word_embeddings=False)  # fmt: skip
+    kw = {"quantize_bits": 4, "group_size": 64} if quantized else {}
+    model = build_random_model("llama", cfg, seed=7, **kw).model
+    model.set_dtype(mx.bfloat16)
+    try:
+        gpu_linear.set_plans("1:xwt,2:mma,33:xwt", "1:qmm,2:qmma")
+        step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
+        step.warm_up()
+        prompts = ([5, 6, 7, 8, 9, 10], [11, 12, 13], [1, 2, 3, 4], [9] * 9)
+        mine, theirs = prefilled_batch(model, prompts), prefilled_batch(model, prompts)
+        tokens = mx.array([[1]] * len(prompts), dtype=mx.int32)
+        for _ in range(3):
+            got = step(tokens, mine).astype(mx.float32)
+            want = model(tokens, cache=theirs)[:, -1, :].astype(mx.float32)
+            _close(got, want)
+            tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
+    finally:
+        gpu_linear.reset_plans()

@@ -101,7 +101,7 @@ def main() -> None:
             results.append({"rows": rows, "form": name, "build_us": b, "encode_us": e})
             print(f"{rows:>4}  {name:<28} {b:>9.1f} {e:>10.1f} {b + e:>7.1f}", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        Path(args.out).write_text(json.dumps({"calls": results}, indent=1))
 
 
 if __name__ == "__main__":
