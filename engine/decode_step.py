@@ -101,7 +101,7 @@ class FusedDecodeStep:
         self.flat = gpu_plans if flat is None else flat
         wrap = mx.compile if compile else (lambda f: f)
         self._pre, self._post = [], []
-        self._products: list = []  # (linear, residual, swiglu): what warm_up compiles for
+        self._products: list = []  # (linear, residual, glu): what warm_up compiles for
         self.fused_groups = 0  # how many of the 2 per layer got one matmul
         for layer in self.inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -154,12 +154,12 @@ class FusedDecodeStep:
                     and hasattr(o_proj, "fused")
                     and hasattr(down_proj, "fused")
                 ):
-                    # the residual adds inside the o_proj and down_proj products, and
-                    # silu(gate) * up inside down_proj's (engine/gpu_mma.py): 7 graph
+                    # the residual adds inside the o_proj and down_proj products and
+                    # silu(gate) * up inside gate_up's (engine/gpu_mma.py): 7 graph
                     # nodes a layer fewer when the plan sends these rows there
                     h = o_proj.fused(o.reshape(b, -1), residual=x)
                     z = layer.post_attention_layernorm(h)
-                    return down_proj.fused(wgu(z), residual=h, swiglu=True)
+                    return down_proj.fused(wgu.fused(z, glu=True), residual=h)
                 if x.ndim == 2:  # o [B, H, 1, hd] -> [B, H*hd]
                     h = x + o_proj(o.reshape(b, -1))
                 else:
@@ -171,8 +171,8 @@ class FusedDecodeStep:
                     g, u = mlp.gate_proj(z), mlp.up_proj(z)
                 return h + down_proj(nn.silu(g) * u)
 
-            self._products += [(wqkv, False, False), (wgu, False, False)]
-            self._products += [(o_proj, True, False), (down_proj, True, True)]
+            self._products += [(wqkv, False, False), (wgu, False, True)]
+            self._products += [(o_proj, True, False), (down_proj, True, False)]
             self._pre.append(wrap(pre))
             self._post.append(wrap(post))
 
@@ -222,24 +222,24 @@ class FusedDecodeStep:
             gpu_mma.warm(dtype, self._mma_products())
 
     def _mma_products(self) -> set:
-        """(group size or 0, K, residual, swiglu) of every product the step can send to
+        """(group size or 0, K, residual, glu) of every product the step can send to
         engine/gpu_mma.py (gpu_mma.warm compiles their variants)."""
         from engine import gpu_linear, gpu_mma
 
         dtype = self.inner.norm.weight.dtype
         quant, float_ = gpu_linear.uses("qmma"), gpu_linear.uses("mma")
         out = set()
-        for linear, residual, swiglu in self._products:
+        for linear, residual, glu in self._products:
             if quant and isinstance(linear, GpuQuantizedLinear):
                 n, k = linear.weight.shape[0], linear.scales.shape[-1] * linear.group_size
                 if gpu_mma.quant_supported(
                     dtype, n, k, linear.bits, linear.group_size, linear.mode, linear.biases
                 ):
-                    out.add((linear.group_size, k, residual, swiglu))
+                    out.add((linear.group_size, k, residual, glu))
             elif float_ and isinstance(linear, GpuLinear):
                 n, k = linear.weight.shape
                 if gpu_mma.float_supported(dtype, linear.weight.dtype, n, k):
-                    out.add((0, k, residual, swiglu))
+                    out.add((0, k, residual, glu))
         return out
 
     def __call__(self, tokens, cache):

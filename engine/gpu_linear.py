@@ -39,11 +39,12 @@ from dataclasses import dataclass
 FLOAT_FORMS = ("xwt", "wxt", "gemv", "mma")
 QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv", "qmma")
 # measured on the H200 (bench/gpu/NOTES.md, session 6): engine/gpu_mma.py's tensor-core
-# kernels from 2 rows (32 a call; 8b 4-bit B=8 630 -> 752-1,198 tok/s, B=32 1,373 ->
-# 3,296-3,444; 1b bf16 B=8 +15%, B=32 +10%); at 1 row MLX's own kernels need less host
-# time per step, and from 33 rows cuBLAS's bf16 GEMM is the faster one
+# kernels from 2 to 32 rows (8b 4-bit B=8 630 -> 752-1,198 tok/s, B=32 1,373 ->
+# 3,296-3,444; 1b bf16 B=8 +15%, B=32 +10%, before the residual/SwiGLU folding); at
+# 1 row MLX's own kernels need less host time per step, and from 33 rows MLX's GEMMs
+# (cuBLAS, qmm_sm80) are as fast or faster on the GPU
 DEFAULT_FLOAT_PLAN = "1:xwt,2:mma,33:xwt"
-DEFAULT_QUANT_PLAN = "1:qmm,2:qmma"
+DEFAULT_QUANT_PLAN = "1:qmm,2:qmma,33:qmm"
 
 
 @dataclass(frozen=True)
@@ -172,16 +173,16 @@ class GpuLinear:
     def __call__(self, x):
         return float_matmul(x, self.weight, self.plan.form(_rows(x)))
 
-    def fused(self, x, residual=None, swiglu: bool = False):
-        """``residual + f(x) @ w.T`` with ``f`` = silu(gate) * up of x = [gate | up] if
-        ``swiglu``, else identity: one engine/gpu_mma.py call when the plan says ``mma``
-        for these rows (x [B, K], the 2-D decode step), else the same as MLX ops."""
+    def fused(self, x, residual=None, glu: bool = False):
+        """``residual + x @ w.T``, or with ``glu`` (w = [gate; up]) ``silu(x @ gate.T) *
+        (x @ up.T)``: one engine/gpu_mma.py call when the plan says ``mma`` for these
+        rows (x [B, K], the 2-D decode step), else the same math as MLX ops."""
         if x.ndim == 2 and self.plan.form(x.shape[0]) == "mma":
             if _float_kernel_ok("mma", x.dtype, self.weight):
                 from engine import gpu_mma
 
-                return gpu_mma.matmul(x, self.weight, residual=residual, swiglu=swiglu)
-        return _unfused(self, x, residual, swiglu)
+                return gpu_mma.matmul(x, self.weight, residual=residual, glu=glu)
+        return _unfused(self, x, residual, glu)
 
 
 class GpuQuantizedLinear:
@@ -201,7 +202,7 @@ class GpuQuantizedLinear:
     def plan(self) -> Plan:
         return self._plan or quant_plan()
 
-    def fused(self, x, residual=None, swiglu: bool = False):
+    def fused(self, x, residual=None, glu: bool = False):
         """As ``GpuLinear.fused``, through the 4-bit kernel when the plan says ``qmma``."""
         if (
             x.ndim == 2
@@ -217,9 +218,9 @@ class GpuQuantizedLinear:
                 self.biases,
                 self.group_size,
                 residual=residual,
-                swiglu=swiglu,
+                glu=glu,
             )
-        return _unfused(self, x, residual, swiglu)
+        return _unfused(self, x, residual, glu)
 
     def _kernel_ok(self, form: str, dtype) -> bool:
         """Whether the custom kernel of ``form`` takes this layer (remembered per dtype)."""
@@ -327,14 +328,14 @@ class GpuQuantizedLinear:
         return float_matmul(x, w, "xwt" if form == "deq" else "wxt")
 
 
-def _unfused(linear, x, residual, swiglu: bool):
+def _unfused(linear, x, residual, glu: bool):
     import mlx.core as mx
     import mlx.nn as nn
 
-    if swiglu:
-        g, u = mx.split(x, 2, axis=-1)
-        x = nn.silu(g) * u
     y = linear(x)
+    if glu:
+        g, u = mx.split(y, 2, axis=-1)
+        y = nn.silu(g) * u
     return y if residual is None else residual + y
 
 

@@ -60,33 +60,6 @@ __device__ __forceinline__ void mb_mma(float* c, uint32_t a0, uint32_t a1, uint3
 __device__ __forceinline__ uint4 mb_ldg(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
-__device__ __forceinline__ uint32_t mb_swiglu2(uint32_t g, uint32_t u, __nv_bfloat16) {
-  const float2 gf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g));
-  const float2 uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
-  const __nv_bfloat162 r = __floats2bfloat162_rn(gf.x / (1.f + __expf(-gf.x)) * uf.x,
-                                                 gf.y / (1.f + __expf(-gf.y)) * uf.y);
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-__device__ __forceinline__ uint32_t mb_swiglu2(uint32_t g, uint32_t u, __half) {
-  const float2 gf = __half22float2(*reinterpret_cast<const __half2*>(&g));
-  const float2 uf = __half22float2(*reinterpret_cast<const __half2*>(&u));
-  const __half2 r = __floats2half2_rn(gf.x / (1.f + __expf(-gf.x)) * uf.x,
-                                      gf.y / (1.f + __expf(-gf.y)) * uf.y);
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-// 8 inputs of an x row at ``off``: as stored, or (SWIGLU: x is [gate | up], K each)
-// silu(gate) * up, computed in float32 and rounded once
-template <bool SW, typename TT>
-__device__ __forceinline__ uint4 mb_ldx(const TT* row, int64_t off, int K) {
-  if constexpr (!SW) {
-    return mb_ldg(row + off);
-  } else {
-    const uint4 g = mb_ldg(row + off);
-    const uint4 u = mb_ldg(row + K + off);
-    return make_uint4(mb_swiglu2(g.x, u.x, TT{}), mb_swiglu2(g.y, u.y, TT{}),
-                      mb_swiglu2(g.z, u.z, TT{}), mb_swiglu2(g.w, u.w, TT{}));
-  }
-}
 __device__ __forceinline__ uint32_t mb_word(const uint4& u, int i) {
   return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
 }
@@ -118,10 +91,14 @@ _HEAD = r"""
   const int g = lane >> 2;
   const int t = lane & 3;
   const int M = x_shape[0];
-  const int XS = x_shape[1];  // row stride of x: K, or 2K with SWIGLU
-  const int K = SWIGLU ? XS / 2 : XS;
-  const int N = w_shape[0];
-  const int n0 = blockIdx.x * 16;
+  const int K = x_shape[1];
+  const int NW = w_shape[0];
+  // GLU: w is [gate; up] (NW/2 rows each); a block takes 8 gate rows (MMA rows 0-7)
+  // and the 8 matching up rows (8-15), and writes silu(gate) * up: NW/2 outputs
+  const int N = GLU ? NW / 2 : NW;
+  const int n0 = GLU ? blockIdx.x * 8 : blockIdx.x * 16;  // first output feature
+  const int row0 = n0 + g;
+  const int row1 = GLU ? N + n0 + g : n0 + g + 8;
   float c[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
@@ -136,7 +113,7 @@ _HEAD = r"""
   for (int j = 0; j < NT; ++j) {
     const int m = j * 8 + g;
     xv[j] = m < M;
-    xr[j] = x + (int64_t)(xv[j] ? m : 0) * XS;
+    xr[j] = x + (int64_t)(xv[j] ? m : 0) * K;
   }
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 """
@@ -151,30 +128,49 @@ _TAIL = r"""
     }
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < NT * 128; e += WARPS * 32) {
-    float v = 0.f;
+  if constexpr (GLU) {
+    // lane l's c[j][i] (i < 2) is gate feature n0 + l/4, c[j][i + 2] the same up feature
+    for (int e = threadIdx.x; e < NT * 64; e += WARPS * 32) {
+      const int j = e >> 6;
+      const int i = (e >> 5) & 1;
+      const int l = e & 31;
+      float gs = 0.f, us = 0.f;
 #pragma unroll
-    for (int w2 = 0; w2 < WARPS; ++w2) {
-      v += red[w2 * NT * 128 + e];
-    }
-    const int j = e >> 7;
-    const int i = (e >> 5) & 3;
-    const int l = e & 31;
-    const int n = n0 + (l >> 2) + (i >= 2 ? 8 : 0);
-    const int m = j * 8 + (l & 3) * 2 + (i & 1);
-    if (m < M) {
-      if constexpr (RES) {
-        v += static_cast<float>(r[(int64_t)m * N + n]);
+      for (int w2 = 0; w2 < WARPS; ++w2) {
+        gs += red[w2 * NT * 128 + (j * 4 + i) * 32 + l];
+        us += red[w2 * NT * 128 + (j * 4 + i + 2) * 32 + l];
       }
-      y[(int64_t)m * N + n] = static_cast<T>(v);
+      const int m = j * 8 + (l & 3) * 2 + i;
+      if (m < M) {
+        y[(int64_t)m * N + n0 + (l >> 2)] = static_cast<T>(gs / (1.f + __expf(-gs)) * us);
+      }
+    }
+  } else {
+    for (int e = threadIdx.x; e < NT * 128; e += WARPS * 32) {
+      float v = 0.f;
+#pragma unroll
+      for (int w2 = 0; w2 < WARPS; ++w2) {
+        v += red[w2 * NT * 128 + e];
+      }
+      const int j = e >> 7;
+      const int i = (e >> 5) & 3;
+      const int l = e & 31;
+      const int n = n0 + (l >> 2) + (i >= 2 ? 8 : 0);
+      const int m = j * 8 + (l & 3) * 2 + (i & 1);
+      if (m < M) {
+        if constexpr (RES) {
+          v += static_cast<float>(r[(int64_t)m * N + n]);
+        }
+        y[(int64_t)m * N + n] = static_cast<T>(v);
+      }
     }
   }
 """
 
 # float weights [N, K]: a lane's 16-byte slice is 8 inputs, two MMA steps
 _F_LOOP = r"""
-  const T* w0 = w + (int64_t)(n0 + g) * K;
-  const T* w1 = w + (int64_t)(n0 + g + 8) * K;
+  const T* w0 = w + (int64_t)row0 * K;
+  const T* w1 = w + (int64_t)row1 * K;
   const int chunks = K / 8;
   for (int s = warp; s * 4 * U < chunks; s += WARPS) {
     uint4 a0[U], a1[U], b[NT][U];
@@ -185,7 +181,7 @@ _F_LOOP = r"""
       a1[u] = mb_ldg(w1 + off);
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        b[j][u] = xv[j] ? mb_ldx<SWIGLU>(xr[j], off, K) : zero;
+        b[j][u] = xv[j] ? mb_ldg(xr[j] + off) : zero;
       }
     }
 #pragma unroll
@@ -204,12 +200,12 @@ _F_LOOP = r"""
 _Q4_LOOP = r"""
   const int words = K / 8;
   const int groups = K / GS;
-  const uint32_t* w0 = w + (int64_t)(n0 + g) * words;
-  const uint32_t* w1 = w + (int64_t)(n0 + g + 8) * words;
-  const T* s0 = scales + (int64_t)(n0 + g) * groups;
-  const T* s1 = scales + (int64_t)(n0 + g + 8) * groups;
-  const T* b0p = biases + (int64_t)(n0 + g) * groups;
-  const T* b1p = biases + (int64_t)(n0 + g + 8) * groups;
+  const uint32_t* w0 = w + (int64_t)row0 * words;
+  const uint32_t* w1 = w + (int64_t)row1 * words;
+  const T* s0 = scales + (int64_t)row0 * groups;
+  const T* s1 = scales + (int64_t)row1 * groups;
+  const T* b0p = biases + (int64_t)row0 * groups;
+  const T* b1p = biases + (int64_t)row1 * groups;
   const int chunks = K / 32;
   for (int s = warp; s * 4 * U < chunks; s += WARPS) {
     uint4 q0[U], q1[U], b[NT][U][4];
@@ -233,7 +229,7 @@ _Q4_LOOP = r"""
       for (int j = 0; j < NT; ++j) {
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
-          b[j][u][p] = xv[j] ? mb_ldx<SWIGLU>(xr[j], (int64_t)ch * 32 + p * 8, K) : zero;
+          b[j][u][p] = xv[j] ? mb_ldg(xr[j] + (int64_t)ch * 32 + p * 8) : zero;
         }
       }
     }
@@ -262,9 +258,9 @@ _Q4_LOOP = r"""
 
 def _specs() -> dict[str, KernelSpec]:
     """Kinds: ``float``/``q4``, each also with ``_res`` (a residual input ``r`` [M, N]
-    added to the output) and ``_sw_res`` (x is [gate | up]; the kernel multiplies
-    silu(gate) * up as it loads it, then adds ``r``): the decode step's o_proj and
-    down_proj with the residual adds and the SwiGLU folded in (engine/decode_step.py)."""
+    added to the output) and ``_glu`` (w = [gate; up]; the output is silu(gate) * up,
+    [M, N/2]): the decode step's o_proj and down_proj with the residual adds folded in,
+    and gate_up with the SwiGLU (engine/decode_step.py)."""
     inputs = {
         "float": [("x", "T", 2), ("w", "T", 2)],
         "q4": [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)],
@@ -273,13 +269,9 @@ def _specs() -> dict[str, KernelSpec]:
     names = {"float": "mb_mma_f", "q4": "mb_mma_q4"}
     out = {}
     for base in ("float", "q4"):
-        for suffix, swiglu, res in (
-            ("", False, False),
-            ("_res", False, True),
-            ("_sw_res", True, True),
-        ):
+        for suffix, glu, res in (("", False, False), ("_res", False, True), ("_glu", True, False)):
             flags = (
-                f"  constexpr bool SWIGLU = {'true' if swiglu else 'false'};\n"
+                f"  constexpr bool GLU = {'true' if glu else 'false'};\n"
                 f"  constexpr bool RES = {'true' if res else 'false'};\n"
             )
             if not res:  # the (discarded) residual branch still names r
@@ -342,15 +334,14 @@ def _template(dtype, nt: int, u: int, gs: int) -> tuple:
     return out + (("GS", gs),) if gs else out
 
 
-def _call(kind: str, x, inputs: list, n: int, k: int, gs: int, residual, swiglu: bool):
-    """One kernel call per MAX_ROWS rows of ``x`` [M, K] ([M, 2K] with ``swiglu``)."""
-    if swiglu:
-        kind += "_sw"
-    if residual is not None or swiglu:
-        kind += "_res"
+def _call(kind: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bool):
+    """One kernel call per MAX_ROWS rows of ``x`` [M, K]; ``n`` rows of the weight."""
+    if glu and residual is not None:
+        raise ValueError("gpu_mma: glu and residual together are not a kernel")
+    kind += "_glu" if glu else "_res" if residual is not None else ""
     m = x.shape[0]
     if m <= MAX_ROWS:
-        return _one(kind, x, inputs, n, k, gs, residual)
+        return _one(kind, x, inputs, n, k, gs, residual, glu)
     import mlx.core as mx
 
     parts = [
@@ -362,13 +353,14 @@ def _call(kind: str, x, inputs: list, n: int, k: int, gs: int, residual, swiglu:
             k,
             gs,
             None if residual is None else residual[r0 : r0 + MAX_ROWS],
+            glu,
         )
         for r0 in range(0, m, MAX_ROWS)
     ]
     return mx.concatenate(parts, axis=0)
 
 
-def _one(kind: str, x, inputs: list, n: int, k: int, gs: int, residual):
+def _one(kind: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bool):
     rows = x.shape[0]
     nt = 1 if rows <= 8 else 2 if rows <= 16 else 4
     u = _float_u(k) if kind.startswith("float") else _quant_u(k, nt)
@@ -376,55 +368,45 @@ def _one(kind: str, x, inputs: list, n: int, k: int, gs: int, residual):
         inputs=[x, *inputs] if residual is None else [x, *inputs, residual],
         grid=(n // 16 * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(rows, n)],
+        output_shapes=[(rows, n // 2 if glu else n)],
         output_dtypes=[x.dtype],
     )[0]
 
 
-def _zero_residual(x, n: int):
-    import mlx.core as mx
-
-    return mx.zeros((x.shape[0], n), dtype=x.dtype)
-
-
-def matmul(x, w, residual=None, swiglu: bool = False):
+def matmul(x, w, residual=None, glu: bool = False):
     """``x @ w.T`` for a bf16/fp16 ``w`` [N, K]; x [M, K] of the same dtype.
-    ``residual`` [M, N]: added to the result. ``swiglu``: x is [M, 2K] = [gate | up]
-    and the product is ``(silu(gate) * up) @ w.T`` (+ residual: zeros if not given)."""
+    ``residual`` [M, N]: added to the result. ``glu``: w is [gate; up] and the result
+    is ``silu(x @ gate.T) * (x @ up.T)``, [M, N/2]."""
     n, k = w.shape
-    if swiglu and residual is None:
-        residual = _zero_residual(x, n)
-    return _call("float", x, [w], n, k, 0, residual, swiglu)
+    return _call("float", x, [w], n, k, 0, residual, glu)
 
 
-def quantized_matmul(x, w, scales, biases, group_size: int, residual=None, swiglu: bool = False):
+def quantized_matmul(x, w, scales, biases, group_size: int, residual=None, glu: bool = False):
     """``x @ dequantize(w).T`` for 4-bit affine ``w`` [N, K/8] uint32; x [M, K].
-    ``residual`` and ``swiglu`` as in ``matmul``."""
+    ``residual`` and ``glu`` as in ``matmul``."""
     n, k = w.shape[0], w.shape[1] * 8
-    if swiglu and residual is None:
-        residual = _zero_residual(x, n)
-    return _call("q4", x, [w, scales, biases], n, k, group_size, residual, swiglu)
+    return _call("q4", x, [w, scales, biases], n, k, group_size, residual, glu)
 
 
 def warm(dtype, products) -> None:
     """Compile now every variant the decode step can call (1, 2 and 4 n-tiles for each
     product kind), so that no request waits on NVRTC (about a second each; MLX keeps
     the PTX on disk, so only a machine's first start pays). ``products``: (group size
-    or 0 for a float weight, K, residual, swiglu) per kind of product the model has."""
+    or 0 for a float weight, K, residual, glu) per kind of product the model has."""
     import mlx.core as mx
 
-    n = 16
+    n = 32
     outs = []
-    for gs, k, residual, swiglu in sorted(set(products)):
+    for gs, k, residual, glu in sorted(set(products)):
         for m in (2, 9, 17):
-            x = mx.zeros((m, 2 * k if swiglu else k), dtype=dtype)
+            x = mx.zeros((m, k), dtype=dtype)
             r = mx.zeros((m, n), dtype=dtype) if residual else None
             if gs:
                 w = mx.zeros((n, k // 8), dtype=mx.uint32)
                 s = mx.ones((n, k // gs), dtype=dtype)
-                outs.append(quantized_matmul(x, w, s, s, gs, residual=r, swiglu=swiglu))
+                outs.append(quantized_matmul(x, w, s, s, gs, residual=r, glu=glu))
             else:
-                outs.append(matmul(x, mx.zeros((n, k), dtype=dtype), residual=r, swiglu=swiglu))
+                outs.append(matmul(x, mx.zeros((n, k), dtype=dtype), residual=r, glu=glu))
     mx.eval(outs)
 
 

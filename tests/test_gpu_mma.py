@@ -103,16 +103,15 @@ def test_warm_compiles_without_error():
 
 @pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("m", [1, 5, 8, 12, 32, 40])
-def test_residual_and_swiglu(quantized, m):
-    """The o_proj form (``residual``) and the down_proj form (x = [gate | up],
-    ``swiglu``, plus the residual) equal the same math in float32."""
+def test_residual_and_glu(quantized, m):
+    """The o_proj form (``residual``) and the gate_up form (w = [gate; up], ``glu``:
+    silu(gate) * up) equal the same math in float32."""
     rng = np.random.default_rng(m + 100 * quantized)
     n, k = 256, 512
     dtype = mx.bfloat16
     w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(dtype)
     r = mx.array(rng.standard_normal((m, n)).astype(np.float32)).astype(dtype)
-    gu = mx.array(rng.standard_normal((m, 2 * k)).astype(np.float32)).astype(dtype)
-    x = gu[:, :k]
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
     if quantized:
         wq, s, b = mx.quantize(w, group_size=64, bits=4)
         wf = mx.dequantize(wq, s, b, group_size=64, bits=4).astype(mx.float32)
@@ -125,17 +124,19 @@ def test_residual_and_swiglu(quantized, m):
         def run(inp, **kw):
             return gpu_mma.matmul(inp, w, **kw)
 
-    r32, g32, u32 = r.astype(mx.float32), gu[:, :k].astype(mx.float32), gu[:, k:].astype(mx.float32)
-    _close(run(x, residual=r), r32 + x.astype(mx.float32) @ wf.T)
-    act = g32 * mx.sigmoid(g32) * u32
-    _close(run(gu, residual=r, swiglu=True), r32 + act @ wf.T)
-    _close(run(gu, swiglu=True), act @ wf.T)
+    x32 = x.astype(mx.float32)
+    _close(run(x, residual=r), r.astype(mx.float32) + x32 @ wf.T)
+    gate, up = x32 @ wf[: n // 2].T, x32 @ wf[n // 2 :].T
+    got = run(x, glu=True)
+    assert got.shape == (m, n // 2)
+    _close(got, gate * mx.sigmoid(gate) * up)
 
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_gpu_decode_step_with_the_kernels_matches_the_model(quantized):
     """The GPU decode step with every product of 2-32 rows on these kernels (residual adds
-    and SwiGLU folded into o_proj/down_proj) equals the model's own call, ragged rows."""
+    folded into o_proj/down_proj, the SwiGLU into gate_up) equals the model's own call,
+    ragged rows."""
     from conftest_loading import prefilled_batch
 
     from engine.decode_step import FusedDecodeStep

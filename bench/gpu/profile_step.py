@@ -57,6 +57,7 @@ VARIANTS = {
     "gemvall": (True, "1:gemv,9:xwt", "1:qgemv"),
     # engine/gpu_mma.py's tensor-core kernels: from 2 rows, up to 32; and from 1 row
     "mma": (True, "1:xwt,2:mma,33:xwt", "1:qmm,2:qmma,33:qmm"),
+    "mma16": (True, "1:xwt,2:mma,17:xwt", "1:qmm,2:qmma,33:qmm"),
     "s5": (True, "1:xwt", "1:qmm,2:qgemv,9:qmm"),  # session 5's defaults
     "mmaall": (True, "1:mma,33:xwt", "1:qmma,33:qmm"),
 }
