@@ -96,9 +96,11 @@ def test_plan_forms_reach_the_kernels():
 
 def test_warm_compiles_without_error():
     gpu_mma.warm(
-        mx.bfloat16, [(0, 256, False, False), (64, 512, True, True), (32, 384, True, False)]
+        mx.bfloat16, [(0, 256, False, False), (64, 512, False, True), (32, 384, True, False)]
     )
-    gpu_mma.warm(mx.float16, [(128, 1024, False, False), (0, 96, True, True)])
+    gpu_mma.warm(mx.float16, [(128, 1024, False, False), (0, 96, False, True)])
+    with pytest.raises(ValueError, match="glu and residual"):
+        gpu_mma.warm(mx.float16, [(0, 96, True, True)])
 
 
 @pytest.mark.parametrize("quantized", [False, True])
