@@ -96,6 +96,9 @@ class FusedDecodeStep:
         self.gpu_plans = gpu_plans
         # the 2-D step's q and k through one RoPE call (MARKBASE_GPU_JOINT_ROPE=0: two)
         self.joint_rope = os.environ.get("MARKBASE_GPU_JOINT_ROPE", "1") != "0"
+        # the residual adds and the SwiGLU inside the products (engine/gpu_mma.py) where
+        # the plan sends a step's rows there (MARKBASE_GPU_FOLD=0: separate ops, for A/B)
+        self.fold = os.environ.get("MARKBASE_GPU_FOLD", "1") != "0"
         # the hidden state as [B, D] between attentions (default: with gpu_plans,
         # i.e. on a GPU; the CPU's compiled step keeps [B, 1, D] as it was measured)
         self.flat = gpu_plans if flat is None else flat

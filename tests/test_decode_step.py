@@ -158,8 +158,10 @@ def test_gpu_matmul_plans_give_the_same_step(monkeypatch, float_plan, quant_plan
         for kw in ({}, {"quantize_bits": 4, "group_size": 32}):
             model = build_random_model("llama", untied, seed=5, **kw).model
             step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
-            _check_against_model(model, step, atol=2e-4)
-            _check_against_model(model, step, prompts=(PROMPTS[0],), atol=2e-4)
+            for fold in (True, False):  # MARKBASE_GPU_FOLD: the residual/SwiGLU folding
+                step.fold = fold
+                _check_against_model(model, step, atol=2e-4)
+                _check_against_model(model, step, prompts=(PROMPTS[0],), atol=2e-4)
     finally:
         monkeypatch.undo()
         gpu_linear.reset_plans()

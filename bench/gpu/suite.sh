@@ -136,10 +136,10 @@ for stage in "$@"; do
             echo "kernel tests FAILED: MARKBASE_GPU_ATTENTION=mlx for the later stages"
             export MARKBASE_GPU_ATTENTION=mlx
         fi
-        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemv.py 2>&1 \
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemv.py tests/test_gpu_mma.py 2>&1 \
             | tee "$OUT/test_gpu_gemv.log"
         if [ "${PIPESTATUS[0]}" -ne 0 ]; then
-            echo "gemv tests FAILED: MLX's products (plans 1:xwt, 1:qmm) for the later stages"
+            echo "product kernel tests FAILED: MLX's products (plans 1:xwt, 1:qmm) for the later stages"
             export MARKBASE_GPU_FLOAT_PLAN=1:xwt MARKBASE_GPU_QUANT_PLAN=1:qmm
         fi
         ;;
