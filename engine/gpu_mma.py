@@ -312,19 +312,12 @@ def float_supported(x_dtype, w_dtype, n: int, k: int) -> bool:
 
 
 def quant_supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: str, biases) -> bool:
-    import mlx.core as mx
+    from engine import gpu_gemv
 
     return (
-        mx.cuda.is_available()
-        and x_dtype in (mx.bfloat16, mx.float16)
-        and bits == 4
-        and mode == "affine"
-        and biases is not None
-        and group_size % 32 == 0
-        and k % group_size == 0
+        gpu_gemv.quant_supported(x_dtype, n, k, bits, group_size, mode, biases)
         and k % 128 == 0
         and n % 16 == 0
-        and n > 0
     )
 
 

@@ -25,16 +25,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from engine.cuda_kernels import CTYPES  # noqa: E402
+
 DEFAULT_HEADER = (
     '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
 )
-CTYPES = {
-    "float32": "float",
-    "float16": "__half",
-    "bfloat16": "__nv_bfloat16",
-    "int32": "int32_t",
-    "uint32": "uint32_t",
-}
 
 
 def build_source(spec) -> str:
