@@ -152,10 +152,9 @@ class FusedDecodeStep:
             def post(x, o, layer=layer, mlp=mlp, wgu=wgu, o_proj=o_proj, down_proj=down_proj):
                 b, _, length, _ = o.shape
                 if (
-                    x.ndim == 2
-                    and wgu is not None
-                    and hasattr(o_proj, "fused")
-                    and hasattr(down_proj, "fused")
+                    self.fold
+                    and x.ndim == 2
+                    and all(hasattr(f, "fused") for f in (wgu, o_proj, down_proj))
                 ):
                     # the residual adds inside the o_proj and down_proj products and
                     # silu(gate) * up inside gate_up's (engine/gpu_mma.py): 7 graph

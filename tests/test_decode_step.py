@@ -200,3 +200,28 @@ def test_gpu_step_rope_variants(variant, joint):
     step.joint_rope = joint
     _check_against_model(model, step, atol=2e-4)
     _check_against_model(model, step, prompts=(PROMPTS[0],), atol=2e-4)
+
+
+def test_gpu_fold_switch_routes_the_products(monkeypatch):
+    """``fold`` (MARKBASE_GPU_FOLD) decides whether the 2-D step's o_proj, gate_up and
+    down_proj go through ``fused`` (residual adds and SwiGLU inside the products); both
+    ways the step equals the model (on the CPU ``fused`` computes with MLX ops)."""
+    from engine import gpu_linear
+
+    calls = []
+    real = gpu_linear.GpuLinear.fused
+
+    def counting(self, *args, **kwargs):
+        calls.append(kwargs)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(gpu_linear.GpuLinear, "fused", counting)
+    model = build_random_model("llama", {**TINY, "tie_word_embeddings": False}, seed=5).model
+    step = FusedDecodeStep(model, compile=False, gpu_plans=True)
+    layers = len(model.model.layers)
+    for fold, want in ((False, 0), (True, 3 * layers * 3)):  # 3 products, 3 steps
+        step.fold = fold
+        calls.clear()
+        _check_against_model(model, step, atol=2e-4)
+        assert len(calls) == want
+    assert any(c.get("glu") for c in calls) and any("residual" in c for c in calls)
