@@ -57,11 +57,6 @@ def bake(spec: KernelSpec, template) -> KernelSpec:
     return replace(spec, name="_".join([spec.name, *parts]), source=source, template=[])
 
 
-def build(specs: dict[str, KernelSpec], ensure_row_contiguous: bool) -> dict:
-    """``{kind: mx.fast.cuda_kernel(...)}`` for ``specs`` (CUDA builds of MLX only)."""
-    return {kind: _make(spec, ensure_row_contiguous) for kind, spec in specs.items()}
-
-
 def _make(spec: KernelSpec, ensure_row_contiguous: bool):
     import mlx.core as mx
 

@@ -17,6 +17,7 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from test_gpu_gemv import _close  # noqa: E402  (the same tolerance as the gemv kernels)
 
 from engine import gpu_linear, gpu_mma  # noqa: E402
 
@@ -26,13 +27,6 @@ pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's 
 SHAPES = [(1, 4096, 4096), (2, 64, 256), (3, 128, 1024), (7, 16, 96), (8, 6144, 2048),
           (9, 32, 384), (16, 4096, 14336), (17, 48, 640), (31, 2048, 8192), (32, 256, 512),
           (33, 64, 256), (40, 16, 128)]  # fmt: skip
-
-
-def _close(got, want):
-    got = np.array(got.astype(mx.float32))
-    want = np.array(want)
-    scale = np.abs(want).max()
-    np.testing.assert_allclose(got, want, atol=2e-2 * scale, rtol=2e-2)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
