@@ -224,7 +224,7 @@ class FusedDecodeStep:
             gpu_mma.warm(dtype, self._mma_products())
 
     def _mma_products(self) -> set:
-        """(group size or 0, K, residual, glu) of every product the step can send to
+        """(group size or 0, K, N, residual, glu) of every product the step can send to
         engine/gpu_mma.py (gpu_mma.warm compiles their variants)."""
         from engine import gpu_linear, gpu_mma
 
@@ -237,11 +237,11 @@ class FusedDecodeStep:
                 if gpu_mma.quant_supported(
                     dtype, n, k, linear.bits, linear.group_size, linear.mode, linear.biases
                 ):
-                    out.add((linear.group_size, k, residual, glu))
+                    out.add((linear.group_size, k, n, residual, glu))
             elif float_ and isinstance(linear, GpuLinear):
                 n, k = linear.weight.shape
                 if gpu_mma.float_supported(dtype, linear.weight.dtype, n, k):
-                    out.add((0, k, residual, glu))
+                    out.add((0, k, n, residual, glu))
         return out
 
     def __call__(self, tokens, cache):

@@ -38,13 +38,14 @@ from dataclasses import dataclass
 
 FLOAT_FORMS = ("xwt", "wxt", "gemv", "mma")
 QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv", "qmma")
-# measured on the H200 (bench/gpu/NOTES.md, session 6): engine/gpu_mma.py's tensor-core
-# kernels from 2 to 32 rows (8b 4-bit B=8 630 -> 752-1,198 tok/s, B=32 1,373 ->
-# 3,296-3,444; 1b bf16 B=8 +15%, B=32 +10%, before the residual/SwiGLU folding); at
-# 1 row MLX's own kernels need less host time per step, and from 33 rows MLX's GEMMs
-# (cuBLAS, qmm_sm80) are as fast or faster on the GPU
-DEFAULT_FLOAT_PLAN = "1:xwt,2:mma,33:xwt"
-DEFAULT_QUANT_PLAN = "1:qmm,2:qmma,33:qmm"
+# measured on the H200 (bench/gpu/NOTES.md, sessions 6-7): engine/gpu_mma.py's
+# tensor-core kernels up to 32 rows (8b 4-bit B=8 630 -> 1,131-1,512 tok/s, B=32
+# 1,373 -> 4,258-4,345; 1b bf16 B=8 1.5-1.7x, B=32 1.4-2.4x, with the residual adds
+# and the SwiGLU folded into them). One row too since session 7: the call costs 2-3x
+# an MLX op's host time, but the folding it allows removes 7 nodes a layer. From 33
+# rows MLX's GEMMs (cuBLAS, qmm_sm80) are as fast or faster on the GPU.
+DEFAULT_FLOAT_PLAN = "1:mma,33:xwt"
+DEFAULT_QUANT_PLAN = "1:qmma,33:qmm"
 
 
 @dataclass(frozen=True)

@@ -96,15 +96,25 @@ _HEAD = r"""
   // GLU: w is [gate; up] (NW/2 rows each); a block takes 8 gate rows (MMA rows 0-7)
   // and the 8 matching up rows (8-15), and writes silu(gate) * up: NW/2 outputs
   const int N = GLU ? NW / 2 : NW;
-  const int n0 = GLU ? blockIdx.x * 8 : blockIdx.x * 16;  // first output feature
-  const int row0 = n0 + g;
-  const int row1 = GLU ? N + n0 + g : n0 + g + 8;
-  float c[NT][4];
+  // a block owns MT m-tiles of 16 weight rows: 16 * MT output features, or for GLU
+  // 8 * MT gate rows (each m-tile's MMA rows 0-7) and the 8 * MT matching up rows (8-15)
+  const int n0 = blockIdx.x * (GLU ? 8 : 16) * MT;  // the block's first output feature
+  int row0[MT], row1[MT];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
+  for (int i = 0; i < MT; ++i) {
+    const int f = n0 + i * (GLU ? 8 : 16) + g;
+    row0[i] = f;
+    row1[i] = GLU ? N + f : f + 8;
+  }
+  float c[MT][NT][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      c[j][i] = 0.f;
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        c[i][j][e] = 0.f;
+      }
     }
   }
   const T* xr[NT];
@@ -119,49 +129,58 @@ _HEAD = r"""
 """
 
 _TAIL = r"""
+  // one m-tile at a time through shared memory (all MT at once would need up to
+  // 64 KB): the warps' partial sums added, the epilogue applied, y written
   __shared__ float red[WARPS * NT * 128];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      red[((warp * NT + j) * 4 + i) * 32 + lane] = c[j][i];
+  for (int mt = 0; mt < MT; ++mt) {
+    if (mt > 0) {
+      __syncthreads();  // the previous m-tile's reads of red are done
     }
-  }
-  __syncthreads();
-  if constexpr (GLU) {
-    // lane l's c[j][i] (i < 2) is gate feature n0 + l/4, c[j][i + 2] the same up feature
-    for (int e = threadIdx.x; e < NT * 64; e += WARPS * 32) {
-      const int j = e >> 6;
-      const int i = (e >> 5) & 1;
-      const int l = e & 31;
-      float gs = 0.f, us = 0.f;
+    const int nb = n0 + mt * (GLU ? 8 : 16);  // this m-tile's first output feature
 #pragma unroll
-      for (int w2 = 0; w2 < WARPS; ++w2) {
-        gs += red[w2 * NT * 128 + (j * 4 + i) * 32 + l];
-        us += red[w2 * NT * 128 + (j * 4 + i + 2) * 32 + l];
-      }
-      const int m = j * 8 + (l & 3) * 2 + i;
-      if (m < M) {
-        y[(int64_t)m * N + n0 + (l >> 2)] = static_cast<T>(gs / (1.f + __expf(-gs)) * us);
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        red[((warp * NT + j) * 4 + i) * 32 + lane] = c[mt][j][i];
       }
     }
-  } else {
-    for (int e = threadIdx.x; e < NT * 128; e += WARPS * 32) {
-      float v = 0.f;
+    __syncthreads();
+    if constexpr (GLU) {
+      // lane l's c[j][i] (i < 2) is gate feature nb + l/4, c[j][i + 2] the same up feature
+      for (int e = threadIdx.x; e < NT * 64; e += WARPS * 32) {
+        const int j = e >> 6;
+        const int i = (e >> 5) & 1;
+        const int l = e & 31;
+        float gs = 0.f, us = 0.f;
 #pragma unroll
-      for (int w2 = 0; w2 < WARPS; ++w2) {
-        v += red[w2 * NT * 128 + e];
-      }
-      const int j = e >> 7;
-      const int i = (e >> 5) & 3;
-      const int l = e & 31;
-      const int n = n0 + (l >> 2) + (i >= 2 ? 8 : 0);
-      const int m = j * 8 + (l & 3) * 2 + (i & 1);
-      if (m < M) {
-        if constexpr (RES) {
-          v += static_cast<float>(r[(int64_t)m * N + n]);
+        for (int w2 = 0; w2 < WARPS; ++w2) {
+          gs += red[w2 * NT * 128 + (j * 4 + i) * 32 + l];
+          us += red[w2 * NT * 128 + (j * 4 + i + 2) * 32 + l];
         }
-        y[(int64_t)m * N + n] = static_cast<T>(v);
+        const int m = j * 8 + (l & 3) * 2 + i;
+        if (m < M) {
+          y[(int64_t)m * N + nb + (l >> 2)] = static_cast<T>(gs / (1.f + __expf(-gs)) * us);
+        }
+      }
+    } else {
+      for (int e = threadIdx.x; e < NT * 128; e += WARPS * 32) {
+        float v = 0.f;
+#pragma unroll
+        for (int w2 = 0; w2 < WARPS; ++w2) {
+          v += red[w2 * NT * 128 + e];
+        }
+        const int j = e >> 7;
+        const int i = (e >> 5) & 3;
+        const int l = e & 31;
+        const int n = nb + (l >> 2) + (i >= 2 ? 8 : 0);
+        const int m = j * 8 + (l & 3) * 2 + (i & 1);
+        if (m < M) {
+          if constexpr (RES) {
+            v += static_cast<float>(r[(int64_t)m * N + n]);
+          }
+          y[(int64_t)m * N + n] = static_cast<T>(v);
+        }
       }
     }
   }
@@ -169,16 +188,24 @@ _TAIL = r"""
 
 # float weights [N, K]: a lane's 16-byte slice is 8 inputs, two MMA steps
 _F_LOOP = r"""
-  const T* w0 = w + (int64_t)row0 * K;
-  const T* w1 = w + (int64_t)row1 * K;
+  const T* w0[MT];
+  const T* w1[MT];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    w0[i] = w + (int64_t)row0[i] * K;
+    w1[i] = w + (int64_t)row1[i] * K;
+  }
   const int chunks = K / 8;
   for (int s = warp; s * 4 * U < chunks; s += WARPS) {
-    uint4 a0[U], a1[U], b[NT][U];
+    uint4 a0[MT][U], a1[MT][U], b[NT][U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t off = (int64_t)((s * U + u) * 4 + t) * 8;
-      a0[u] = mb_ldg(w0 + off);
-      a1[u] = mb_ldg(w1 + off);
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        a0[i][u] = mb_ldg(w0[i] + off);
+        a1[i][u] = mb_ldg(w1[i] + off);
+      }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         b[j][u] = xv[j] ? mb_ldg(xr[j] + off) : zero;
@@ -187,9 +214,14 @@ _F_LOOP = r"""
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        mb_mma(c[j], a0[u].x, a1[u].x, a0[u].y, a1[u].y, b[j][u].x, b[j][u].y, T{});
-        mb_mma(c[j], a0[u].z, a1[u].z, a0[u].w, a1[u].w, b[j][u].z, b[j][u].w, T{});
+      for (int i = 0; i < MT; ++i) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          mb_mma(c[i][j], a0[i][u].x, a1[i][u].x, a0[i][u].y, a1[i][u].y, b[j][u].x, b[j][u].y,
+                 T{});
+          mb_mma(c[i][j], a0[i][u].z, a1[i][u].z, a0[i][u].w, a1[i][u].w, b[j][u].z, b[j][u].w,
+                 T{});
+        }
       }
     }
   }
@@ -200,31 +232,43 @@ _F_LOOP = r"""
 _Q4_LOOP = r"""
   const int words = K / 8;
   const int groups = K / GS;
-  const uint32_t* w0 = w + (int64_t)row0 * words;
-  const uint32_t* w1 = w + (int64_t)row1 * words;
-  const T* s0 = scales + (int64_t)row0 * groups;
-  const T* s1 = scales + (int64_t)row1 * groups;
-  const T* b0p = biases + (int64_t)row0 * groups;
-  const T* b1p = biases + (int64_t)row1 * groups;
+  const uint32_t* w0[MT];
+  const uint32_t* w1[MT];
+  const T* s0[MT];
+  const T* s1[MT];
+  const T* b0p[MT];
+  const T* b1p[MT];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    w0[i] = w + (int64_t)row0[i] * words;
+    w1[i] = w + (int64_t)row1[i] * words;
+    s0[i] = scales + (int64_t)row0[i] * groups;
+    s1[i] = scales + (int64_t)row1[i] * groups;
+    b0p[i] = biases + (int64_t)row0[i] * groups;
+    b1p[i] = biases + (int64_t)row1[i] * groups;
+  }
   const int chunks = K / 32;
   for (int s = warp; s * 4 * U < chunks; s += WARPS) {
-    uint4 q0[U], q1[U], b[NT][U][4];
-    uint32_t sc0[U], sc1[U], bi0[U], bi1[U];
+    uint4 q0[MT][U], q1[MT][U], b[NT][U][4];
+    uint32_t sc0[MT][U], sc1[MT][U], bi0[MT][U], bi1[MT][U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int ch = (s * U + u) * 4 + t;
-      q0[u] = mb_ldg(w0 + (int64_t)ch * 4);
-      q1[u] = mb_ldg(w1 + (int64_t)ch * 4);
       const int gi = ch * 32 / GS;
-      const T sv0 = s0[gi], sv1 = s1[gi], bv0 = b0p[gi], bv1 = b1p[gi];
-      const uint16_t hs0 = *reinterpret_cast<const uint16_t*>(&sv0);
-      const uint16_t hs1 = *reinterpret_cast<const uint16_t*>(&sv1);
-      const uint16_t hb0 = *reinterpret_cast<const uint16_t*>(&bv0);
-      const uint16_t hb1 = *reinterpret_cast<const uint16_t*>(&bv1);
-      sc0[u] = hs0 | ((uint32_t)hs0 << 16);
-      sc1[u] = hs1 | ((uint32_t)hs1 << 16);
-      bi0[u] = hb0 | ((uint32_t)hb0 << 16);
-      bi1[u] = hb1 | ((uint32_t)hb1 << 16);
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        q0[i][u] = mb_ldg(w0[i] + (int64_t)ch * 4);
+        q1[i][u] = mb_ldg(w1[i] + (int64_t)ch * 4);
+        const T sv0 = s0[i][gi], sv1 = s1[i][gi], bv0 = b0p[i][gi], bv1 = b1p[i][gi];
+        const uint16_t hs0 = *reinterpret_cast<const uint16_t*>(&sv0);
+        const uint16_t hs1 = *reinterpret_cast<const uint16_t*>(&sv1);
+        const uint16_t hb0 = *reinterpret_cast<const uint16_t*>(&bv0);
+        const uint16_t hb1 = *reinterpret_cast<const uint16_t*>(&bv1);
+        sc0[i][u] = hs0 | ((uint32_t)hs0 << 16);
+        sc1[i][u] = hs1 | ((uint32_t)hs1 << 16);
+        bi0[i][u] = hb0 | ((uint32_t)hb0 << 16);
+        bi1[i][u] = hb1 | ((uint32_t)hb1 << 16);
+      }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
 #pragma unroll
@@ -237,18 +281,21 @@ _Q4_LOOP = r"""
     for (int u = 0; u < U; ++u) {
 #pragma unroll
       for (int h = 0; h < 8; ++h) {
-        const uint32_t v0 = mb_word(q0[u], h >> 1) >> ((h & 1) * 16);
-        const uint32_t v1 = mb_word(q1[u], h >> 1) >> ((h & 1) * 16);
-        const uint32_t a0 = mb_deq2(v0, sc0[u], bi0[u], T{});
-        const uint32_t a1 = mb_deq2(v1, sc1[u], bi1[u], T{});
-        const uint32_t a2 = mb_deq2(v0 >> 8, sc0[u], bi0[u], T{});
-        const uint32_t a3 = mb_deq2(v1 >> 8, sc1[u], bi1[u], T{});
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const uint4& xb = b[j][u][h >> 1];
-          const uint32_t x0 = (h & 1) ? xb.z : xb.x;
-          const uint32_t x1 = (h & 1) ? xb.w : xb.y;
-          mb_mma(c[j], a0, a1, a2, a3, x0, x1, T{});
+        for (int i = 0; i < MT; ++i) {
+          const uint32_t v0 = mb_word(q0[i][u], h >> 1) >> ((h & 1) * 16);
+          const uint32_t v1 = mb_word(q1[i][u], h >> 1) >> ((h & 1) * 16);
+          const uint32_t a0 = mb_deq2(v0, sc0[i][u], bi0[i][u], T{});
+          const uint32_t a1 = mb_deq2(v1, sc1[i][u], bi1[i][u], T{});
+          const uint32_t a2 = mb_deq2(v0 >> 8, sc0[i][u], bi0[i][u], T{});
+          const uint32_t a3 = mb_deq2(v1 >> 8, sc1[i][u], bi1[i][u], T{});
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            const uint4& xb = b[j][u][h >> 1];
+            const uint32_t x0 = (h & 1) ? xb.z : xb.x;
+            const uint32_t x1 = (h & 1) ? xb.w : xb.y;
+            mb_mma(c[i][j], a0, a1, a2, a3, x0, x1, T{});
+          }
         }
       }
     }
@@ -290,12 +337,50 @@ def _specs() -> dict[str, KernelSpec]:
 _kernel = Baked(_specs, ensure_row_contiguous=True)
 
 
-def _float_u(k: int) -> int:
-    return 4 if k % 128 == 0 else 2 if k % 64 == 0 else 1
+def _float_u(k: int, mt: int = 1) -> int:
+    # about 128 bytes of weight in flight per lane whatever MT (registers)
+    return min(4 if k % 128 == 0 else 2 if k % 64 == 0 else 1, max(1, 4 // mt))
 
 
-def _quant_u(k: int, nt: int) -> int:
-    return 2 if nt <= 2 and k % 256 == 0 else 1
+def _quant_u(k: int, nt: int, mt: int = 1) -> int:
+    return 2 if nt <= 2 and mt == 1 and k % 256 == 0 else 1
+
+
+# A block's m-tiles: every block reads all of x (up to 32 rows x K) from L2 for its
+# 16 * MT weight rows, so with one m-tile x's traffic is 2x the weight's at 32 rows
+# (bf16) and 8x (4-bit): measured 10.3 ms a step against cuBLAS's 7.1 (8b bf16, 32
+# rows). More m-tiles a block divide that, but leave fewer blocks: keep at least
+# MIN_BLOCKS (about one per SM of an H200's 132). MARKBASE_GPU_MMA_MT caps it (A/B;
+# set_max_m_tiles switches it in one process).
+MIN_BLOCKS = 128
+_cap: list[int] = []
+
+
+def _max_m_tiles() -> int:
+    if not _cap:
+        import os
+
+        _cap.append(max(1, int(os.environ.get("MARKBASE_GPU_MMA_MT", "4"))))
+    return _cap[0]
+
+
+def set_max_m_tiles(cap: int | None) -> None:
+    """Cap the m-tiles a block takes from the next call on (None: the environment's)."""
+    _cap.clear()
+    if cap is not None:
+        _cap.append(max(1, cap))
+
+
+def m_tiles(n_weight_rows: int) -> int:
+    """How many 16-row m-tiles a block takes for a weight of ``n_weight_rows`` rows."""
+    for mt in (4, 2):
+        if (
+            mt <= _max_m_tiles()
+            and n_weight_rows % (16 * mt) == 0
+            and n_weight_rows // (16 * mt) >= MIN_BLOCKS
+        ):
+            return mt
+    return 1
 
 
 def float_supported(x_dtype, w_dtype, n: int, k: int) -> bool:
@@ -322,8 +407,8 @@ def quant_supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: s
 
 
 @cache
-def _template(dtype, nt: int, u: int, gs: int) -> tuple:
-    out = (("T", dtype), ("NT", nt), ("U", u), ("WARPS", WARPS))
+def _template(dtype, nt: int, u: int, gs: int, mt: int = 1) -> tuple:
+    out = (("T", dtype), ("NT", nt), ("U", u), ("WARPS", WARPS), ("MT", mt))
     return out + (("GS", gs),) if gs else out
 
 
@@ -353,13 +438,14 @@ def _call(kind: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bo
     return mx.concatenate(parts, axis=0)
 
 
-def _one(kind: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bool):
+def _one(kind: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bool, mt=None):
     rows = x.shape[0]
     nt = 1 if rows <= 8 else 2 if rows <= 16 else 4
-    u = _float_u(k) if kind.startswith("float") else _quant_u(k, nt)
-    return _kernel(kind, _template(x.dtype, nt, u, gs))(
+    mt = m_tiles(n) if mt is None else mt
+    u = _float_u(k, mt) if kind.startswith("float") else _quant_u(k, nt, mt)
+    return _kernel(kind, _template(x.dtype, nt, u, gs, mt))(
         inputs=[x, *inputs] if residual is None else [x, *inputs, residual],
-        grid=(n // 16 * WARPS * 32, 1, 1),
+        grid=(n // (16 * mt) * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(rows, n // 2 if glu else n)],
         output_dtypes=[x.dtype],
@@ -385,21 +471,25 @@ def warm(dtype, products) -> None:
     """Compile now every variant the decode step can call (1, 2 and 4 n-tiles for each
     product kind), so that no request waits on NVRTC (about a second each; MLX keeps
     the PTX on disk, so only a machine's first start pays). ``products``: (group size
-    or 0 for a float weight, K, residual, glu) per kind of product the model has."""
+    or 0 for a float weight, K, N, residual, glu) per kind of product the model has;
+    N (the weight's rows) picks the m-tiles, and a small weight with the same m-tiles
+    stands in for it."""
     import mlx.core as mx
 
-    n = 32
     outs = []
-    for gs, k, residual, glu in sorted(set(products)):
+    for gs, k, n_rows, residual, glu in sorted(set(products)):
+        mt = m_tiles(n_rows)
+        n = 16 * mt
+        kind = ("q4" if gs else "float") + ("_glu" if glu else "_res" if residual else "")
         for m in (2, 9, 17):
             x = mx.zeros((m, k), dtype=dtype)
-            r = mx.zeros((m, n), dtype=dtype) if residual else None
+            r = [mx.zeros((m, n), dtype=dtype)] if residual else []
             if gs:
-                w = mx.zeros((n, k // 8), dtype=mx.uint32)
                 s = mx.ones((n, k // gs), dtype=dtype)
-                outs.append(quantized_matmul(x, w, s, s, gs, residual=r, glu=glu))
+                ins = [mx.zeros((n, k // 8), dtype=mx.uint32), s, s]
             else:
-                outs.append(matmul(x, mx.zeros((n, k), dtype=dtype), residual=r, glu=glu))
+                ins = [mx.zeros((n, k), dtype=dtype)]
+            outs.append(_one(kind, x, ins, n, k, gs, r[0] if r else None, glu, mt=mt))
     mx.eval(outs)
 
 
@@ -407,16 +497,20 @@ def kernel_specs_for_check() -> list[KernelSpec]:
     out = []
     for kind, spec in _specs().items():
         for dtype in ("bfloat16", "float16"):
-            for nt in (1, 2, 4):
-                for u in (1, 2, 4) if kind.startswith("float") else (1, 2):
-                    tmpl = [("T", dtype), ("NT", nt), ("U", u), ("WARPS", WARPS)]
+            for nt, mt in ((1, 1), (2, 1), (4, 1), (1, 4), (4, 2), (4, 4)):
+                for u in sorted(
+                    {_float_u(k, mt) for k in (32, 64, 128)}
+                    if kind.startswith("float")
+                    else {_quant_u(k, nt, mt) for k in (128, 256)}
+                ):
+                    tmpl = [("T", dtype), ("NT", nt), ("U", u), ("WARPS", WARPS), ("MT", mt)]
                     if kind.startswith("q4"):
                         tmpl.append(("GS", 64))
                     ins = [(n, dtype if t == "T" else t, nd) for n, t, nd in spec.inputs]
                     outs = [(n, dtype if t == "T" else t) for n, t in spec.outputs]
                     out.append(
                         KernelSpec(
-                            f"{spec.name}_{dtype}_{nt}_{u}",
+                            f"{spec.name}_{dtype}_{nt}_{u}_{mt}",
                             ins,
                             outs,
                             spec.source,

@@ -174,9 +174,9 @@ def test_gpu_matmul_plan_parsing():
     plan = parse_plan("8:wxt, 1:xwt", FLOAT_FORMS)
     assert [plan.form(n) for n in (1, 7, 8, 128)] == ["xwt", "xwt", "wxt", "wxt"]
     plan = parse_plan(gpu_linear.DEFAULT_QUANT_PLAN, gpu_linear.QUANT_FORMS)
-    assert [plan.form(n) for n in (1, 2, 8, 32, 33)] == ["qmm", "qmma", "qmma", "qmma", "qmm"]
+    assert [plan.form(n) for n in (1, 2, 8, 32, 33)] == ["qmma", "qmma", "qmma", "qmma", "qmm"]
     plan = parse_plan(gpu_linear.DEFAULT_FLOAT_PLAN, gpu_linear.FLOAT_FORMS)
-    assert [plan.form(n) for n in (1, 2, 32, 33)] == ["xwt", "mma", "mma", "xwt"]
+    assert [plan.form(n) for n in (1, 2, 32, 33)] == ["mma", "mma", "mma", "xwt"]
     gpu_linear.set_plans(float_text="1:wxt")
     try:
         assert gpu_linear.float_plan().form(5) == "wxt" and gpu_linear.uses("wxt")
@@ -185,6 +185,25 @@ def test_gpu_matmul_plan_parsing():
     for bad in ("", "8wxt", "x:wxt", "1:fast"):
         with pytest.raises(ValueError, match="GPU matmul plan"):
             parse_plan(bad, FLOAT_FORMS)
+
+
+def test_gpu_mma_m_tiles_rule():
+    """A block of engine/gpu_mma.py takes as many 16-row m-tiles (up to 4, or the cap)
+    as leave at least MIN_BLOCKS blocks: 8b's gate_up 4, its o_proj/qkv/down 2, 1b's
+    o_proj 1; a weight the tiles do not divide gets 1."""
+    from engine import gpu_mma
+
+    assert [gpu_mma.m_tiles(n) for n in (28672, 16384, 6144, 4096, 3072, 2048, 4112)] == [
+        4, 4, 2, 2, 1, 1, 1,
+    ]  # fmt: skip
+    try:
+        gpu_mma.set_max_m_tiles(1)
+        assert gpu_mma.m_tiles(28672) == 1
+        gpu_mma.set_max_m_tiles(2)
+        assert gpu_mma.m_tiles(28672) == 2
+    finally:
+        gpu_mma.set_max_m_tiles(None)
+    assert gpu_mma.m_tiles(28672) == 4
 
 
 @pytest.mark.parametrize("variant", ["default", "traditional", "llama3", "linear", "mha"])

@@ -90,11 +90,52 @@ def test_plan_forms_reach_the_kernels():
 
 def test_warm_compiles_without_error():
     gpu_mma.warm(
-        mx.bfloat16, [(0, 256, False, False), (64, 512, False, True), (32, 384, True, False)]
+        mx.bfloat16,
+        [(0, 256, 64, False, False), (64, 512, 28672, False, True), (32, 384, 4096, True, False)],
     )
-    gpu_mma.warm(mx.float16, [(128, 1024, False, False), (0, 96, False, True)])
+    gpu_mma.warm(mx.float16, [(128, 1024, 4096, False, False), (0, 96, 32, False, True)])
     with pytest.raises(ValueError, match="glu and residual"):
-        gpu_mma.warm(mx.float16, [(0, 96, True, True)])
+        gpu_mma.warm(mx.float16, [(0, 96, 32, True, True)])
+
+
+@pytest.mark.parametrize("cap", [2, 4])
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("m", [1, 9, 32])
+def test_several_m_tiles_a_block(cap, quantized, m, monkeypatch):
+    """Blocks of 2 and 4 m-tiles (32/64 weight rows; the SwiGLU's gate and up halves
+    interleaved per m-tile) give the same products, residual adds and SwiGLU: small
+    weights forced onto them (MIN_BLOCKS 1)."""
+    monkeypatch.setattr(gpu_mma, "MIN_BLOCKS", 1)
+    monkeypatch.setattr(gpu_mma, "_max_m_tiles", lambda: cap)
+    n, k = 192 if cap == 2 else 256, 512
+    assert gpu_mma.m_tiles(n) == cap
+    rng = np.random.default_rng(m + 10 * cap + 100 * quantized)
+    dtype = mx.bfloat16
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(dtype)
+    r = mx.array(rng.standard_normal((m, n)).astype(np.float32)).astype(dtype)
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
+    if quantized:
+        wq, s, b = mx.quantize(w, group_size=64, bits=4)
+        wf = mx.dequantize(wq, s, b, group_size=64, bits=4).astype(mx.float32)
+
+        def run(inp, **kw):
+            return gpu_mma.quantized_matmul(inp, wq, s, b, 64, **kw)
+    else:
+        wf = w.astype(mx.float32)
+
+        def run(inp, **kw):
+            return gpu_mma.matmul(inp, w, **kw)
+
+    x32 = x.astype(mx.float32)
+    _close(run(x), x32 @ wf.T)
+    _close(run(x, residual=r), r.astype(mx.float32) + x32 @ wf.T)
+    gate, up = x32 @ wf[: n // 2].T, x32 @ wf[n // 2 :].T
+    _close(run(x, glu=True), gate * mx.sigmoid(gate) * up)
+    if not quantized:  # exact on small integers: no layout error hides in the tolerance
+        wi = rng.integers(-3, 4, (n, k)).astype(np.float32)
+        xi = rng.integers(-3, 4, (m, k)).astype(np.float32)
+        got = gpu_mma.matmul(mx.array(xi).astype(dtype), mx.array(wi).astype(dtype))
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)), xi @ wi.T)
 
 
 @pytest.mark.parametrize("quantized", [False, True])

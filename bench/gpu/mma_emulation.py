@@ -39,13 +39,19 @@ def words(vec8):  # uint4 of 8 elems -> 4 pairs
     return [vec8[0:2], vec8[2:4], vec8[4:6], vec8[6:8]]
 
 
-def run_float(x, w, NT, U, WARPS, GLU, r=None):
+def tiles(NW, MT, GLU):
+    """(block, m-tile, first output feature of the m-tile) as the kernel's n0/nb."""
+    for blk in range(NW // (16 * MT)):
+        for mt in range(MT):
+            yield blk, mt, blk * (8 if GLU else 16) * MT + mt * (8 if GLU else 16)
+
+
+def run_float(x, w, NT, U, WARPS, GLU, r=None, MT=1):
     M, K = x.shape
     NW = w.shape[0]
     N = NW // 2 if GLU else NW
     y = np.zeros((M, N))
-    for blk in range(NW // 16):
-        n0 = blk * 8 if GLU else blk * 16
+    for _blk, _mt, n0 in tiles(NW, MT, GLU):
         red = np.zeros((WARPS, NT, 4, 32))
         for warp in range(WARPS):
             c = np.zeros((NT, 32, 4))
@@ -101,7 +107,7 @@ def run_float(x, w, NT, U, WARPS, GLU, r=None):
     return y
 
 
-def run_q4(x, q, s_, b_, GS, NT, U, WARPS):
+def run_q4(x, q, s_, b_, GS, NT, U, WARPS, MT=1):
     # q: [N, K] ints 0..15 (unpacked); emulate word/nibble extraction via packing
     M, K = x.shape
     N = q.shape[0]
@@ -113,8 +119,7 @@ def run_q4(x, q, s_, b_, GS, NT, U, WARPS):
     def nib(word, sh):
         return (int(word) >> sh) & 0xF
 
-    for blk in range(N // 16):
-        n0 = blk * 16
+    for _blk, _mt, n0 in tiles(N, MT, False):
         red = np.zeros((WARPS, NT, 32, 4))
         for warp in range(WARPS):
             c = np.zeros((NT, 32, 4))
@@ -177,25 +182,31 @@ def run_q4(x, q, s_, b_, GS, NT, U, WARPS):
 def main() -> None:
     rng = np.random.default_rng(0)
     worst = 0.0
-    for m, nw, k, nt, u, warps in [(3, 32, 256, 1, 2, 2), (9, 16, 128, 2, 4, 1),
-                                   (20, 32, 64, 4, 1, 2), (12, 48, 128, 2, 1, 3)]:  # fmt: skip
+    for m, nw, k, nt, u, warps, mt in [(3, 32, 256, 1, 2, 2, 1), (9, 16, 128, 2, 4, 1, 1),
+                                       (20, 32, 64, 4, 1, 2, 1), (12, 48, 128, 2, 1, 3, 1),
+                                       (5, 128, 128, 1, 1, 2, 4), (20, 64, 64, 4, 1, 1, 2),
+                                       (30, 128, 128, 4, 1, 2, 2)]:  # fmt: skip
         x, w = rng.standard_normal((m, k)), rng.standard_normal((nw, k))
         r = rng.standard_normal((m, nw))
-        err = np.abs(run_float(x, w, nt, u, warps, False) - x @ w.T).max()
-        err_r = np.abs(run_float(x, w, nt, u, warps, False, r) - (r + x @ w.T)).max()
+        err = np.abs(run_float(x, w, nt, u, warps, False, MT=mt) - x @ w.T).max()
+        err_r = np.abs(run_float(x, w, nt, u, warps, False, r, MT=mt) - (r + x @ w.T)).max()
         gate, up = x @ w[: nw // 2].T, x @ w[nw // 2 :].T
-        err_g = np.abs(run_float(x, w, nt, u, warps, True) - gate / (1 + np.exp(-gate)) * up).max()
+        glu = run_float(x, w, nt, u, warps, True, MT=mt)
+        err_g = np.abs(glu - gate / (1 + np.exp(-gate)) * up).max()
         print(
-            f"float m={m:2d} nt={nt} u={u}: plain {err:.1e}  residual {err_r:.1e}  glu {err_g:.1e}"
+            f"float m={m:2d} nt={nt} u={u} mt={mt}: plain {err:.1e}  residual {err_r:.1e}"
+            f"  glu {err_g:.1e}"
         )
         worst = max(worst, err, err_r, err_g)
-    for m, n, k, nt, u, warps, gs in [(3, 16, 256, 1, 2, 1, 64), (10, 32, 256, 2, 1, 2, 32),
-                                      (17, 16, 512, 4, 1, 1, 128)]:  # fmt: skip
+    for m, n, k, nt, u, warps, gs, mt in [(3, 16, 256, 1, 2, 1, 64, 1),
+                                          (10, 32, 256, 2, 1, 2, 32, 1),
+                                          (17, 16, 512, 4, 1, 1, 128, 1),
+                                          (9, 64, 256, 2, 1, 1, 64, 4)]:  # fmt: skip
         x, q = rng.standard_normal((m, k)), rng.integers(0, 16, (n, k))
         s, b = rng.standard_normal((n, k // gs)), rng.standard_normal((n, k // gs))
         wd = q * np.repeat(s, gs, axis=1) + np.repeat(b, gs, axis=1)
-        err = np.abs(run_q4(x, q, s, b, gs, nt, u, warps) - x @ wd.T).max()
-        print(f"4-bit m={m:2d} nt={nt} u={u} group {gs}: {err:.1e}")
+        err = np.abs(run_q4(x, q, s, b, gs, nt, u, warps, MT=mt) - x @ wd.T).max()
+        print(f"4-bit m={m:2d} nt={nt} u={u} mt={mt} group {gs}: {err:.1e}")
         worst = max(worst, err)
     print("ok" if worst < 1e-9 else "MISMATCH")
     raise SystemExit(0 if worst < 1e-9 else 1)

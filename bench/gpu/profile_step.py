@@ -47,7 +47,9 @@ from engine.sampler import sample_batch  # noqa: E402
 now = time.perf_counter
 
 # name -> (attention kernel, float plan, quantized plan)
-# (a "-nojoint" suffix: q and k through two RoPE calls, FusedDecodeStep.joint_rope off)
+# suffixes: "-nojoint" = q and k through two RoPE calls (FusedDecodeStep.joint_rope
+# off); "-mt1"/"-mt2" = engine/gpu_mma.py's blocks capped at 1/2 m-tiles (session 6
+# had 1)
 VARIANTS = {
     "default": (True, None, None),  # what the engine does (engine/gpu_linear.py defaults)
     "mlx": (False, "1:xwt", "1:qmm"),
@@ -60,6 +62,9 @@ VARIANTS = {
     "mma16": (True, "1:xwt,2:mma,17:xwt", "1:qmm,2:qmma,33:qmm"),
     "s5": (True, "1:xwt", "1:qmm,2:qgemv,9:qmm"),  # session 5's defaults
     "mmaall": (True, "1:mma,33:xwt", "1:qmma,33:qmm"),
+    "s6": (True, "1:xwt,2:mma,33:xwt", "1:qmm,2:qmma,33:qmm"),  # session 6's defaults
+    # 4-bit products of 33-128 rows as 32-row calls of the tensor-core kernel too
+    "qmma128": (True, "1:mma,33:xwt", "1:qmma"),
 }
 
 
@@ -167,7 +172,7 @@ def main() -> None:
     if not kernel_ok:  # no CUDA (a CPU dry run) or a shape the kernel does not take
         variants = [v for v in variants if not VARIANTS[v.split("-")[0]][0]] or variants[:1]
     if os.environ.get("MARKBASE_NO_MMA"):  # suite.sh: engine/gpu_mma.py failed its tests
-        variants = [v for v in variants if not v.startswith("mma")] or variants[:1]
+        variants = [v for v in variants if not v.startswith(("mma", "s6", "qmma"))] or variants[:1]
     for rep in range(args.repeat):
         for b in [int(x) for x in args.batches.split(",") if x]:
             lengths = ragged_lengths(args.prompt, b) if b > 1 else [args.prompt]
@@ -179,7 +184,12 @@ def main() -> None:
                 attn_kernel, float_text, quant_text = VARIANTS[v.split("-")[0]]
                 step.attention_kernel = attn_kernel and kernel_ok
                 if hasattr(step, "joint_rope"):
-                    step.joint_rope = not v.endswith("-nojoint")
+                    step.joint_rope = "-nojoint" not in v
+                from engine import gpu_mma
+
+                gpu_mma.set_max_m_tiles(
+                    1 if "-mt1" in v else 2 if "-mt2" in v else None
+                )
                 gpu_linear.reset_plans()
                 gpu_linear.set_plans(float_text, quant_text)
                 try:
@@ -223,6 +233,9 @@ def main() -> None:
                         model=args.model, quant=args.quant, rows=rows), indent=1))  # fmt: skip
     step.attention_kernel = kernel_ok
     gpu_linear.reset_plans()
+    from engine import gpu_mma
+
+    gpu_mma.set_max_m_tiles(None)
 
 
 if __name__ == "__main__":
