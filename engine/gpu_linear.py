@@ -10,10 +10,10 @@ a step). The same product can be written in ways that reach other kernels:
   (the weight as the left operand: cuBLAS sees an N x K by K x B product);
 - float: ``gemv`` = engine/gpu_gemv.py's kernel (up to 8 rows a call, each call
   reading the weight once; no cuBLAS call, whose host cost dominates small batches);
-- float: ``mma`` = engine/gpu_mma.py's tensor-core kernel (1-32 rows a call, the
-  weight read once; no cuBLAS call);
+- float: ``mma`` = engine/gpu_mma.py's tensor-core kernel (one call for any rows, the
+  weight read once per 32 rows; no cuBLAS call);
 - quantized: ``qgemv`` = engine/gpu_gemv.py's 4-bit kernel (same; 4-bit affine only);
-  ``qmma`` = engine/gpu_mma.py's 4-bit tensor-core kernel (1-32 rows a call);
+  ``qmma`` = engine/gpu_mma.py's 4-bit tensor-core kernel (the same);
   ``qmm`` = ``mx.quantized_matmul``; ``deq`` = dequantize the weight to
   the activations' dtype, then ``xwt`` (reads the 4-bit weight, writes and reads a
   bf16 copy: about 3x the bytes of a bf16 product, but at bf16 speed); ``deqwxt``;
@@ -39,13 +39,15 @@ from dataclasses import dataclass
 FLOAT_FORMS = ("xwt", "wxt", "gemv", "mma")
 QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv", "qmma")
 # measured on the H200 (bench/gpu/NOTES.md, sessions 6-7): engine/gpu_mma.py's
-# tensor-core kernels up to 32 rows (8b 4-bit B=8 630 -> 1,131-1,512 tok/s, B=32
+# tensor-core kernels from 2 to 32 rows (8b 4-bit B=8 630 -> 1,131-1,512 tok/s, B=32
 # 1,373 -> 4,258-4,345; 1b bf16 B=8 1.5-1.7x, B=32 1.4-2.4x, with the residual adds
-# and the SwiGLU folded into them). One row too since session 7: the call costs 2-3x
-# an MLX op's host time, but the folding it allows removes 7 nodes a layer. From 33
-# rows MLX's GEMMs (cuBLAS, qmm_sm80) are as fast or faster on the GPU.
-DEFAULT_FLOAT_PLAN = "1:mma,33:xwt"
-DEFAULT_QUANT_PLAN = "1:qmma,33:qmm"
+# and the SwiGLU folded into them). 4-bit: also at 1 row (GPU 5.9 -> 4.0 ms a step at
+# 8b, 135 fewer kernels) and from 33 rows (one call; 4 row chunks measured 23 ms of
+# GPU a step at 8b B=128 against qmm_sm80's 33). bf16: at 1 row MLX's gemv is at the
+# bandwidth (8b: 5.0 ms a step, the kernel 7.5), from 33 rows cuBLAS reads the
+# weight once where the kernel reads it once per 32 rows.
+DEFAULT_FLOAT_PLAN = "1:xwt,2:mma,33:xwt"
+DEFAULT_QUANT_PLAN = "1:qmma"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Decode products of 1-32 rows on tensor cores: bf16/fp16 and 4-bit affine weights.
+"""Decode products of few rows on tensor cores: bf16/fp16 and 4-bit affine weights.
 
 Why: engine/gpu_gemv.py's few-row kernels multiply on CUDA cores, one FMA per weight
 and row: for 8 rows that is ALU-bound (8b 4-bit, 8 rows: 10.6 ms a step against a
@@ -27,7 +27,9 @@ once to the activations' type, as a dequantize-then-multiply does.
 
 Limits (``float_supported``/``quant_supported``): bf16/fp16 activations, N a multiple
 of 16, K a multiple of 32 (float) or 128 (4-bit, group size a multiple of 32),
-1-32 rows a call (more: several calls). ``bench/gpu/nvrtc_check.py`` compiles the
+any rows a call (a block takes up to 32; more rows are more blocks, and each 32-row
+chunk reads the weight again, from L2 when the chunks of a tile run side by side:
+worth it for 4-bit weights, whose reads are small). ``bench/gpu/nvrtc_check.py`` compiles the
 sources without a GPU; ``tests/test_gpu_mma.py`` checks them against MLX on one.
 """
 
@@ -90,15 +92,23 @@ _HEAD = r"""
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;
   const int t = lane & 3;
-  const int M = x_shape[0];
   const int K = x_shape[1];
   const int NW = w_shape[0];
-  // GLU: w is [gate; up] (NW/2 rows each); a block takes 8 gate rows (MMA rows 0-7)
+  // GLU: w is [gate; up] (NW/2 rows each); an m-tile takes 8 gate rows (MMA rows 0-7)
   // and the 8 matching up rows (8-15), and writes silu(gate) * up: NW/2 outputs
   const int N = GLU ? NW / 2 : NW;
-  // a block owns MT m-tiles of 16 weight rows: 16 * MT output features, or for GLU
-  // 8 * MT gate rows (each m-tile's MMA rows 0-7) and the 8 * MT matching up rows (8-15)
-  const int n0 = blockIdx.x * (GLU ? 8 : 16) * MT;  // the block's first output feature
+  // a block takes up to 32 rows of x: chunk blockIdx.x % RC, so that the chunks of one
+  // weight tile run side by side (the tile comes from HBM once, from L2 for the rest)
+  const int RC = (x_shape[0] + 31) / 32;
+  const int m0 = (blockIdx.x % RC) * 32;
+  const int M = min(x_shape[0] - m0, 32);
+  x += (int64_t)m0 * K;
+  y += (int64_t)m0 * N;
+  if constexpr (RES) {
+    r += (int64_t)m0 * N;
+  }
+  // a block owns MT m-tiles of 16 weight rows: 16 * MT output features (GLU: 8 * MT)
+  const int n0 = (blockIdx.x / RC) * (GLU ? 8 : 16) * MT;  // the block's first feature
   int row0[MT], row1[MT];
 #pragma unroll
   for (int i = 0; i < MT; ++i) {
@@ -346,12 +356,14 @@ def _quant_u(k: int, nt: int, mt: int = 1) -> int:
     return 2 if nt <= 2 and mt == 1 and k % 256 == 0 else 1
 
 
-# A block's m-tiles: every block reads all of x (up to 32 rows x K) from L2 for its
+# A block's m-tiles: every block reads its rows of x (up to 32 x K) from L2 for its
 # 16 * MT weight rows, so with one m-tile x's traffic is 2x the weight's at 32 rows
-# (bf16) and 8x (4-bit): measured 10.3 ms a step against cuBLAS's 7.1 (8b bf16, 32
-# rows). More m-tiles a block divide that, but leave fewer blocks: keep at least
-# MIN_BLOCKS (about one per SM of an H200's 132). MARKBASE_GPU_MMA_MT caps it (A/B;
-# set_max_m_tiles switches it in one process).
+# (bf16) and 8x (4-bit). More m-tiles a block divide that, but leave fewer blocks and
+# need more registers (1 block of 8 warps an SM at MT 4). Measured (NOTES.md, session
+# 7): 8b 4-bit 32 rows GPU 9.4 -> 7.5 ms a step; at 8 rows slower (bf16 6.3 -> 8.2 ms,
+# 4-bit 4.3 -> 4.6): so more than one m-tile only from 17 rows, and only while at
+# least MIN_BLOCKS blocks remain (about one per SM of an H200's 132).
+# MARKBASE_GPU_MMA_MT caps it (A/B; set_max_m_tiles switches it in one process).
 MIN_BLOCKS = 128
 _cap: list[int] = []
 
@@ -371,13 +383,17 @@ def set_max_m_tiles(cap: int | None) -> None:
         _cap.append(max(1, cap))
 
 
-def m_tiles(n_weight_rows: int) -> int:
-    """How many 16-row m-tiles a block takes for a weight of ``n_weight_rows`` rows."""
+def m_tiles(n_weight_rows: int, rows: int = 32) -> int:
+    """How many 16-row m-tiles a block takes for a weight of ``n_weight_rows`` rows
+    and ``rows`` rows of x."""
+    if rows <= 16:
+        return 1
+    chunks = -(-rows // MAX_ROWS)
     for mt in (4, 2):
         if (
             mt <= _max_m_tiles()
             and n_weight_rows % (16 * mt) == 0
-            and n_weight_rows // (16 * mt) >= MIN_BLOCKS
+            and n_weight_rows // (16 * mt) * chunks >= MIN_BLOCKS
         ):
             return mt
     return 1
@@ -413,39 +429,27 @@ def _template(dtype, nt: int, u: int, gs: int, mt: int = 1) -> tuple:
 
 
 def _call(kind: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bool):
-    """One kernel call per MAX_ROWS rows of ``x`` [M, K]; ``n`` rows of the weight."""
+    """``x`` [M, K] times the weight (``n`` rows), one kernel call for any M (blocks
+    of 32 rows of x)."""
     if glu and residual is not None:
         raise ValueError("gpu_mma: glu and residual together are not a kernel")
     kind += "_glu" if glu else "_res" if residual is not None else ""
-    m = x.shape[0]
-    if m <= MAX_ROWS:
-        return _one(kind, x, inputs, n, k, gs, residual, glu)
-    import mlx.core as mx
+    return _one(kind, x, inputs, n, k, gs, residual, glu)
 
-    parts = [
-        _one(
-            kind,
-            x[r0 : r0 + MAX_ROWS],
-            inputs,
-            n,
-            k,
-            gs,
-            None if residual is None else residual[r0 : r0 + MAX_ROWS],
-            glu,
-        )
-        for r0 in range(0, m, MAX_ROWS)
-    ]
-    return mx.concatenate(parts, axis=0)
+
+def _n_tiles(rows: int) -> int:
+    return 1 if rows <= 8 else 2 if rows <= 16 else 4
 
 
 def _one(kind: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bool, mt=None):
     rows = x.shape[0]
-    nt = 1 if rows <= 8 else 2 if rows <= 16 else 4
-    mt = m_tiles(n) if mt is None else mt
+    nt = _n_tiles(rows)
+    mt = m_tiles(n, rows) if mt is None else mt
     u = _float_u(k, mt) if kind.startswith("float") else _quant_u(k, nt, mt)
+    chunks = -(-rows // MAX_ROWS)
     return _kernel(kind, _template(x.dtype, nt, u, gs, mt))(
         inputs=[x, *inputs] if residual is None else [x, *inputs, residual],
-        grid=(n // (16 * mt) * WARPS * 32, 1, 1),
+        grid=(n // (16 * mt) * chunks * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(rows, n // 2 if glu else n)],
         output_dtypes=[x.dtype],
@@ -478,10 +482,12 @@ def warm(dtype, products) -> None:
 
     outs = []
     for gs, k, n_rows, residual, glu in sorted(set(products)):
-        mt = m_tiles(n_rows)
-        n = 16 * mt
+        if glu and residual:
+            raise ValueError("gpu_mma: glu and residual together are not a kernel")
         kind = ("q4" if gs else "float") + ("_glu" if glu else "_res" if residual else "")
-        for m in (2, 9, 17):
+        tiles = {(_n_tiles(m), m_tiles(n_rows, m)) for m in (2, 9, 17, 33, 65, 97)}
+        for nt, mt in sorted(tiles):
+            m, n = {1: 2, 2: 9, 4: 17}[nt], 16 * mt
             x = mx.zeros((m, k), dtype=dtype)
             r = [mx.zeros((m, n), dtype=dtype)] if residual else []
             if gs:

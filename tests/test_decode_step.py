@@ -174,9 +174,9 @@ def test_gpu_matmul_plan_parsing():
     plan = parse_plan("8:wxt, 1:xwt", FLOAT_FORMS)
     assert [plan.form(n) for n in (1, 7, 8, 128)] == ["xwt", "xwt", "wxt", "wxt"]
     plan = parse_plan(gpu_linear.DEFAULT_QUANT_PLAN, gpu_linear.QUANT_FORMS)
-    assert [plan.form(n) for n in (1, 2, 8, 32, 33)] == ["qmma", "qmma", "qmma", "qmma", "qmm"]
+    assert [plan.form(n) for n in (1, 2, 8, 32, 33, 128)] == ["qmma"] * 6
     plan = parse_plan(gpu_linear.DEFAULT_FLOAT_PLAN, gpu_linear.FLOAT_FORMS)
-    assert [plan.form(n) for n in (1, 2, 32, 33)] == ["mma", "mma", "mma", "xwt"]
+    assert [plan.form(n) for n in (1, 2, 32, 33)] == ["xwt", "mma", "mma", "xwt"]
     gpu_linear.set_plans(float_text="1:wxt")
     try:
         assert gpu_linear.float_plan().form(5) == "wxt" and gpu_linear.uses("wxt")
@@ -196,6 +196,8 @@ def test_gpu_mma_m_tiles_rule():
     assert [gpu_mma.m_tiles(n) for n in (28672, 16384, 6144, 4096, 3072, 2048, 4112)] == [
         4, 4, 2, 2, 1, 1, 1,
     ]  # fmt: skip
+    assert gpu_mma.m_tiles(28672, rows=16) == 1  # up to 16 rows: one m-tile (measured)
+    assert gpu_mma.m_tiles(2048, rows=128) == 4  # 4 row chunks: 4x the blocks
     try:
         gpu_mma.set_max_m_tiles(1)
         assert gpu_mma.m_tiles(28672) == 1

@@ -100,7 +100,7 @@ def test_warm_compiles_without_error():
 
 @pytest.mark.parametrize("cap", [2, 4])
 @pytest.mark.parametrize("quantized", [False, True])
-@pytest.mark.parametrize("m", [1, 9, 32])
+@pytest.mark.parametrize("m", [1, 9, 32, 70])
 def test_several_m_tiles_a_block(cap, quantized, m, monkeypatch):
     """Blocks of 2 and 4 m-tiles (32/64 weight rows; the SwiGLU's gate and up halves
     interleaved per m-tile) give the same products, residual adds and SwiGLU: small
@@ -108,7 +108,7 @@ def test_several_m_tiles_a_block(cap, quantized, m, monkeypatch):
     monkeypatch.setattr(gpu_mma, "MIN_BLOCKS", 1)
     monkeypatch.setattr(gpu_mma, "_max_m_tiles", lambda: cap)
     n, k = 192 if cap == 2 else 256, 512
-    assert gpu_mma.m_tiles(n) == cap
+    assert gpu_mma.m_tiles(n, m) == (cap if m > 16 else 1)
     rng = np.random.default_rng(m + 10 * cap + 100 * quantized)
     dtype = mx.bfloat16
     w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(dtype)
@@ -139,7 +139,7 @@ def test_several_m_tiles_a_block(cap, quantized, m, monkeypatch):
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-@pytest.mark.parametrize("m", [1, 5, 8, 12, 32, 40])
+@pytest.mark.parametrize("m", [1, 5, 8, 12, 32, 40, 100])
 def test_residual_and_glu(quantized, m):
     """The o_proj form (``residual``) and the gate_up form (w = [gate; up], ``glu``:
     silu(gate) * up) equal the same math in float32."""
