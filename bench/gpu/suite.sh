@@ -10,6 +10,9 @@
 #   bash bench/gpu/suite.sh kernel-test profile                               (session 5: attention kernel)
 #   bash bench/gpu/suite.sh engine-table first-request save-ptx               (session 5: the table)
 #   PROFILE_VARIANTS=default,mma,mmaall bash bench/gpu/suite.sh mma-test profile  (session 6)
+#   PROFILE_VARIANTS=default,s6-mt1,mma PROFILE_CONFIGS="8b:q4 1b:bf16 8b:bf16" \
+#       PROFILE_BATCHES=1,8,32 bash bench/gpu/suite.sh profile                    (session 7)
+#   TABLE_CONFIGS="8b:q4 1b:q4 8b:bf16" bash bench/gpu/suite.sh engine-table      (session 7)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
