@@ -99,6 +99,10 @@ class FusedDecodeStep:
         # the residual adds and the SwiGLU inside the products (engine/gpu_mma.py) where
         # the plan sends a step's rows there (MARKBASE_GPU_FOLD=0: separate ops, for A/B)
         self.fold = os.environ.get("MARKBASE_GPU_FOLD", "1") != "0"
+        # with fold, also the RMSNorms before qkv and gate_up inside those products
+        # (engine/gpu_mma.py's _norm forms): 2 nodes a layer fewer; off until measured
+        # on a GPU (MARKBASE_GPU_NORM_FOLD=1 turns it on)
+        self.fold_norm = os.environ.get("MARKBASE_GPU_NORM_FOLD", "0") == "1"
         # the hidden state as [B, D] between attentions (default: with gpu_plans,
         # i.e. on a GPU; the CPU's compiled step keeps [B, 1, D] as it was measured)
         self.flat = gpu_plans if flat is None else flat
@@ -124,17 +128,21 @@ class FusedDecodeStep:
                 # x: [B, L, D], or [B, D] for the 2-D step (one position per row)
                 b = x.shape[0]
                 length = x.shape[1] if x.ndim == 3 else 1
-                h = layer.input_layernorm(x)
+                norm = layer.input_layernorm
                 if x.ndim == 2 and wqkv is not None and self.joint_rope:
                     # q and k heads side by side through one RoPE call (the rotation is
                     # per head, the offsets per row): one reshape copy and one rope
                     # kernel a layer instead of two each; q and k come back as views
-                    qkv = wqkv(h)
+                    if self._folds_norm(wqkv, norm):
+                        qkv = wqkv.fused(x, norm=norm)
+                    else:
+                        qkv = wqkv(norm(x))
                     hq, hkv = attn.n_heads, attn.n_kv_heads
                     qk = qkv[:, : nq + nk].reshape(b, hq + hkv, 1, -1)
                     qk = attn.rope(qk, offset=offset)
                     v = qkv[:, nq + nk :].reshape(b, hkv, 1, -1)
                     return qk[:, :hq], qk[:, hq:], v
+                h = norm(x)
                 if wqkv is not None:
                     q, k, v = mx.split(wqkv(h), [nq, nq + nk], axis=-1)
                 else:
@@ -160,8 +168,12 @@ class FusedDecodeStep:
                     # silu(gate) * up inside gate_up's (engine/gpu_mma.py): 7 graph
                     # nodes a layer fewer when the plan sends these rows there
                     h = o_proj.fused(o.reshape(b, -1), residual=x)
-                    z = layer.post_attention_layernorm(h)
-                    return down_proj.fused(wgu.fused(z, glu=True), residual=h)
+                    norm = layer.post_attention_layernorm
+                    if self._folds_norm(wgu, norm):
+                        z = wgu.fused(h, glu=True, norm=norm)
+                    else:
+                        z = wgu.fused(norm(h), glu=True)
+                    return down_proj.fused(z, residual=h)
                 if x.ndim == 2:  # o [B, H, 1, hd] -> [B, H*hd]
                     h = x + o_proj(o.reshape(b, -1))
                 else:
@@ -173,8 +185,9 @@ class FusedDecodeStep:
                     g, u = mlp.gate_proj(z), mlp.up_proj(z)
                 return h + down_proj(nn.silu(g) * u)
 
-            self._products += [(wqkv, False, False), (wgu, False, True)]
-            self._products += [(o_proj, True, False), (down_proj, True, False)]
+            # (product, residual, glu, an RMSNorm before it)
+            self._products += [(wqkv, False, False, True), (wgu, False, True, True)]
+            self._products += [(o_proj, True, False, False), (down_proj, True, False, False)]
             self._pre.append(wrap(pre))
             self._post.append(wrap(post))
 
@@ -193,6 +206,18 @@ class FusedDecodeStep:
         # GPU: decode attention as engine/gpu_attention.py's kernel (no mask, one or
         # two kernels a layer instead of MLX's masked fallback's seven)
         self.attention_kernel = bool(gpu_plans) and attention_kernel_wanted(model)
+
+    def _folds_norm(self, linear, norm) -> bool:
+        """Whether ``norm`` goes inside ``linear``'s product (``fold_norm``, an
+        ``nn.RMSNorm``, a plan-following product)."""
+        import mlx.nn as nn
+
+        return (
+            self.fold
+            and self.fold_norm
+            and type(norm) is nn.RMSNorm
+            and isinstance(linear, (GpuLinear, GpuQuantizedLinear))
+        )
 
     def warm_up(self) -> None:
         """Compile the custom kernels' variants now (engine/worker.py's warm-up): which
@@ -224,24 +249,25 @@ class FusedDecodeStep:
             gpu_mma.warm(dtype, self._mma_products())
 
     def _mma_products(self) -> set:
-        """(group size or 0, K, N, residual, glu) of every product the step can send to
-        engine/gpu_mma.py (gpu_mma.warm compiles their variants)."""
+        """(group size or 0, K, N, residual, glu, norm) of every product the step can
+        send to engine/gpu_mma.py (gpu_mma.warm compiles their variants)."""
         from engine import gpu_linear, gpu_mma
 
         dtype = self.inner.norm.weight.dtype
         quant, float_ = gpu_linear.uses("qmma"), gpu_linear.uses("mma")
         out = set()
-        for linear, residual, glu in self._products:
+        for linear, residual, glu, normed in self._products:
+            norm = normed and self.fold and self.fold_norm
             if quant and isinstance(linear, GpuQuantizedLinear):
                 n, k = linear.weight.shape[0], linear.scales.shape[-1] * linear.group_size
                 if gpu_mma.quant_supported(
                     dtype, n, k, linear.bits, linear.group_size, linear.mode, linear.biases
                 ):
-                    out.add((linear.group_size, k, n, residual, glu))
+                    out.add((linear.group_size, k, n, residual, glu, norm))
             elif float_ and isinstance(linear, GpuLinear):
                 n, k = linear.weight.shape
                 if gpu_mma.float_supported(dtype, linear.weight.dtype, n, k):
-                    out.add((0, k, n, residual, glu))
+                    out.add((0, k, n, residual, glu, norm))
         return out
 
     def __call__(self, tokens, cache):

@@ -176,16 +176,19 @@ class GpuLinear:
     def __call__(self, x):
         return float_matmul(x, self.weight, self.plan.form(_rows(x)))
 
-    def fused(self, x, residual=None, glu: bool = False):
+    def fused(self, x, residual=None, glu: bool = False, norm=None):
         """``residual + x @ w.T``, or with ``glu`` (w = [gate; up]) ``silu(x @ gate.T) *
-        (x @ up.T)``: one engine/gpu_mma.py call when the plan says ``mma`` for these
-        rows (x [B, K], the 2-D decode step), else the same math as MLX ops."""
+        (x @ up.T)``; ``norm`` (an ``nn.RMSNorm``, not with ``residual``): x goes
+        through it first. One engine/gpu_mma.py call when the plan says ``mma`` for
+        these rows (x [B, K], the 2-D decode step), else the same math as MLX ops."""
         if x.ndim == 2 and self.plan.form(x.shape[0]) == "mma":
             if _float_kernel_ok("mma", x.dtype, self.weight):
                 from engine import gpu_mma
 
-                return gpu_mma.matmul(x, self.weight, residual=residual, glu=glu)
-        return _unfused(self, x, residual, glu)
+                return gpu_mma.matmul(
+                    x, self.weight, residual=residual, glu=glu, norm=_norm_args(norm)
+                )
+        return _unfused(self, x, residual, glu, norm)
 
 
 class GpuQuantizedLinear:
@@ -205,7 +208,7 @@ class GpuQuantizedLinear:
     def plan(self) -> Plan:
         return self._plan or quant_plan()
 
-    def fused(self, x, residual=None, glu: bool = False):
+    def fused(self, x, residual=None, glu: bool = False, norm=None):
         """As ``GpuLinear.fused``, through the 4-bit kernel when the plan says ``qmma``."""
         if (
             x.ndim == 2
@@ -222,8 +225,9 @@ class GpuQuantizedLinear:
                 self.group_size,
                 residual=residual,
                 glu=glu,
+                norm=_norm_args(norm),
             )
-        return _unfused(self, x, residual, glu)
+        return _unfused(self, x, residual, glu, norm)
 
     def _kernel_ok(self, form: str, dtype) -> bool:
         """Whether the custom kernel of ``form`` takes this layer (remembered per dtype)."""
@@ -331,11 +335,16 @@ class GpuQuantizedLinear:
         return float_matmul(x, w, "xwt" if form == "deq" else "wxt")
 
 
-def _unfused(linear, x, residual, glu: bool):
+def _norm_args(norm):
+    """(weight, eps) of an ``nn.RMSNorm`` for engine/gpu_mma.py, or None."""
+    return None if norm is None else (norm.weight, norm.eps)
+
+
+def _unfused(linear, x, residual, glu: bool, norm=None):
     import mlx.core as mx
     import mlx.nn as nn
 
-    y = linear(x)
+    y = linear(x if norm is None else norm(x))
     if glu:
         g, u = mx.split(y, 2, axis=-1)
         y = nn.silu(g) * u

@@ -65,6 +65,36 @@ __device__ __forceinline__ uint4 mb_ldg(const void* p) {
 __device__ __forceinline__ uint32_t mb_word(const uint4& u, int i) {
   return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
 }
+// RMSNorm's prologue on 8 inputs: add their squares to ss, return x * weight
+__device__ __forceinline__ float2 mb_f2(uint32_t v, __nv_bfloat16) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+__device__ __forceinline__ float2 mb_f2(uint32_t v, __half) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+__device__ __forceinline__ uint32_t mb_mul2(uint32_t a, uint32_t b, __nv_bfloat16) {
+  const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t mb_mul2(uint32_t a, uint32_t b, __half) {
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a),
+                            *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+template <typename T>
+__device__ __forceinline__ uint4 mb_norm8(const uint4& x, const uint4& w, float& ss) {
+  const uint32_t xs[4] = {x.x, x.y, x.z, x.w};
+  const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = mb_f2(xs[i], T{});
+    ss += f.x * f.x + f.y * f.y;
+    o[i] = mb_mul2(xs[i], ws[i], T{});
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
 // two 4-bit values (bits 0-3 and 4-7 of v) as a bf16/fp16 pair q*s + b
 __device__ __forceinline__ uint32_t mb_deq2(uint32_t v, uint32_t s2, uint32_t b2, __nv_bfloat16) {
   const uint32_t bits = (v & 0xFu) | ((v & 0xF0u) << 12) | 0x43004300u;
@@ -127,6 +157,14 @@ _HEAD = r"""
       }
     }
   }
+  // NORM: x is RMSNorm's input; each lane sums the squares of the x it loads (its
+  // row j * 8 + g), multiplies x by the norm weight before the MMA, and the epilogue
+  // scales each row by rsqrt(mean square + eps)
+  float ss[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    ss[j] = 0.f;
+  }
   const T* xr[NT];
   bool xv[NT];
 #pragma unroll
@@ -142,6 +180,28 @@ _TAIL = r"""
   // one m-tile at a time through shared memory (all MT at once would need up to
   // 64 KB): the warps' partial sums added, the epilogue applied, y written
   __shared__ float red[WARPS * NT * 128];
+  __shared__ float rs[NT * 8];  // NORM: 1 / rms of each row
+  if constexpr (NORM) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      float v = ss[j];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      if (t == 0) {
+        red[warp * NT * 8 + j * 8 + g] = v;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < NT * 8) {
+      float v = 0.f;
+#pragma unroll
+      for (int w2 = 0; w2 < WARPS; ++w2) {
+        v += red[w2 * NT * 8 + threadIdx.x];
+      }
+      rs[threadIdx.x] = rsqrtf(v / K + eps[0]);
+    }
+    __syncthreads();
+  }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     if (mt > 0) {
@@ -169,6 +229,10 @@ _TAIL = r"""
           us += red[w2 * NT * 128 + (j * 4 + i + 2) * 32 + l];
         }
         const int m = j * 8 + (l & 3) * 2 + i;
+        if constexpr (NORM) {
+          gs *= rs[m];
+          us *= rs[m];
+        }
         if (m < M) {
           y[(int64_t)m * N + nb + (l >> 2)] = static_cast<T>(gs / (1.f + __expf(-gs)) * us);
         }
@@ -185,6 +249,9 @@ _TAIL = r"""
         const int l = e & 31;
         const int n = nb + (l >> 2) + (i >= 2 ? 8 : 0);
         const int m = j * 8 + (l & 3) * 2 + (i & 1);
+        if constexpr (NORM) {
+          v *= rs[m];
+        }
         if (m < M) {
           if constexpr (RES) {
             v += static_cast<float>(r[(int64_t)m * N + n]);
@@ -219,6 +286,13 @@ _F_LOOP = r"""
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         b[j][u] = xv[j] ? mb_ldg(xr[j] + off) : zero;
+      }
+      if constexpr (NORM) {
+        const uint4 gw = mb_ldg(nw + off);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          b[j][u] = mb_norm8<T>(b[j][u], gw, ss[j]);
+        }
       }
     }
 #pragma unroll
@@ -286,6 +360,16 @@ _Q4_LOOP = r"""
           b[j][u][p] = xv[j] ? mb_ldg(xr[j] + (int64_t)ch * 32 + p * 8) : zero;
         }
       }
+      if constexpr (NORM) {
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          const uint4 gw = mb_ldg(nw + (int64_t)ch * 32 + p * 8);
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            b[j][u][p] = mb_norm8<T>(b[j][u][p], gw, ss[j]);
+          }
+        }
+      }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -317,25 +401,39 @@ def _specs() -> dict[str, KernelSpec]:
     """Kinds: ``float``/``q4``, each also with ``_res`` (a residual input ``r`` [M, N]
     added to the output) and ``_glu`` (w = [gate; up]; the output is silu(gate) * up,
     [M, N/2]): the decode step's o_proj and down_proj with the residual adds folded in,
-    and gate_up with the SwiGLU (engine/decode_step.py)."""
+    and gate_up with the SwiGLU (engine/decode_step.py). ``_norm`` (plain and ``_glu``):
+    x is an RMSNorm's input, ``nw`` [K] its weight and ``eps`` [1] (float32) its
+    epsilon: qkv and gate_up with the norm before them folded in."""
     inputs = {
         "float": [("x", "T", 2), ("w", "T", 2)],
         "q4": [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)],
     }
     loops = {"float": _F_LOOP, "q4": _Q4_LOOP}
     names = {"float": "mb_mma_f", "q4": "mb_mma_q4"}
+    forms = (
+        ("", False, False, False),
+        ("_res", False, True, False),
+        ("_glu", True, False, False),
+        ("_norm", False, False, True),
+        ("_glu_norm", True, False, True),
+    )
     out = {}
     for base in ("float", "q4"):
-        for suffix, glu, res in (("", False, False), ("_res", False, True), ("_glu", True, False)):
-            flags = (
-                f"  constexpr bool GLU = {'true' if glu else 'false'};\n"
-                f"  constexpr bool RES = {'true' if res else 'false'};\n"
+        for suffix, glu, res, norm in forms:
+            flags = "".join(
+                f"  constexpr bool {name} = {'true' if on else 'false'};\n"
+                for name, on in (("GLU", glu), ("RES", res), ("NORM", norm))
             )
-            if not res:  # the (discarded) residual branch still names r
+            # the discarded branches still name the inputs a form does not have
+            if not res:
                 flags += "  const T* r = nullptr;\n"
+            if not norm:
+                flags += "  const T* nw = nullptr;\n  const float* eps = nullptr;\n"
+            extra = [("r", "T", 2)] if res else []
+            extra += [("nw", "T", 1), ("eps", "float32", 1)] if norm else []
             out[base + suffix] = KernelSpec(
                 names[base] + suffix,
-                inputs[base] + ([("r", "T", 2)] if res else []),
+                inputs[base] + extra,
                 [("y", "T")],
                 flags + _HEAD + loops[base] + _TAIL,
                 _HEADER,
@@ -428,13 +526,38 @@ def _template(dtype, nt: int, u: int, gs: int, mt: int = 1) -> tuple:
     return out + (("GS", gs),) if gs else out
 
 
-def _call(kind: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bool):
+def _call(kind: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bool, norm=None):
     """``x`` [M, K] times the weight (``n`` rows), one kernel call for any M (blocks
     of 32 rows of x)."""
     if glu and residual is not None:
         raise ValueError("gpu_mma: glu and residual together are not a kernel")
+    if norm is not None and residual is not None:
+        raise ValueError("gpu_mma: norm and residual together are not a kernel")
     kind += "_glu" if glu else "_res" if residual is not None else ""
+    if norm is not None:
+        kind += "_norm"
+        weight, eps = norm
+        inputs = [*inputs, weight, _eps(float(eps))]
     return _one(kind, x, inputs, n, k, gs, residual, glu)
+
+
+_eps_arrays: dict = {}
+
+
+def _eps(eps: float):
+    """RMSNorm's epsilon as a [1] float32 input, made once per value."""
+    arr = _eps_arrays.get(eps)
+    if arr is None:
+        import mlx.core as mx
+
+        arr = _eps_arrays[eps] = mx.array([eps], dtype=mx.float32)
+    return arr
+
+
+def _kind_m_tiles(kind: str, n: int, rows: int) -> int:
+    # 4-bit with the norm at 4 m-tiles needs more than 255 registers (spills): 2
+    mt = m_tiles(n, rows)
+    return min(mt, 2) if kind.startswith("q4") and kind.endswith("_norm") else mt
 
 
 def _n_tiles(rows: int) -> int:
@@ -444,7 +567,7 @@ def _n_tiles(rows: int) -> int:
 def _one(kind: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bool, mt=None):
     rows = x.shape[0]
     nt = _n_tiles(rows)
-    mt = m_tiles(n, rows) if mt is None else mt
+    mt = _kind_m_tiles(kind, n, rows) if mt is None else mt
     u = _float_u(k, mt) if kind.startswith("float") else _quant_u(k, nt, mt)
     chunks = -(-rows // MAX_ROWS)
     return _kernel(kind, _template(x.dtype, nt, u, gs, mt))(
@@ -456,36 +579,42 @@ def _one(kind: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: boo
     )[0]
 
 
-def matmul(x, w, residual=None, glu: bool = False):
+def matmul(x, w, residual=None, glu: bool = False, norm=None):
     """``x @ w.T`` for a bf16/fp16 ``w`` [N, K]; x [M, K] of the same dtype.
     ``residual`` [M, N]: added to the result. ``glu``: w is [gate; up] and the result
-    is ``silu(x @ gate.T) * (x @ up.T)``, [M, N/2]."""
+    is ``silu(x @ gate.T) * (x @ up.T)``, [M, N/2]. ``norm`` = (weight [K], eps): x goes
+    through RMSNorm first (not with ``residual``)."""
     n, k = w.shape
-    return _call("float", x, [w], n, k, 0, residual, glu)
+    return _call("float", x, [w], n, k, 0, residual, glu, norm)
 
 
-def quantized_matmul(x, w, scales, biases, group_size: int, residual=None, glu: bool = False):
+def quantized_matmul(
+    x, w, scales, biases, group_size: int, residual=None, glu: bool = False, norm=None
+):
     """``x @ dequantize(w).T`` for 4-bit affine ``w`` [N, K/8] uint32; x [M, K].
-    ``residual`` and ``glu`` as in ``matmul``."""
+    ``residual``, ``glu`` and ``norm`` as in ``matmul``."""
     n, k = w.shape[0], w.shape[1] * 8
-    return _call("q4", x, [w, scales, biases], n, k, group_size, residual, glu)
+    return _call("q4", x, [w, scales, biases], n, k, group_size, residual, glu, norm)
 
 
 def warm(dtype, products) -> None:
     """Compile now every variant the decode step can call (1, 2 and 4 n-tiles for each
     product kind), so that no request waits on NVRTC (about a second each; MLX keeps
     the PTX on disk, so only a machine's first start pays). ``products``: (group size
-    or 0 for a float weight, K, N, residual, glu) per kind of product the model has;
+    or 0 for a float weight, K, N, residual, glu[, norm]) per kind of product the model has;
     N (the weight's rows) picks the m-tiles, and a small weight with the same m-tiles
     stands in for it."""
     import mlx.core as mx
 
     outs = []
-    for gs, k, n_rows, residual, glu in sorted(set(products)):
-        if glu and residual:
-            raise ValueError("gpu_mma: glu and residual together are not a kernel")
+    for gs, k, n_rows, residual, glu, *rest in sorted(set(products)):
+        norm = bool(rest and rest[0])
+        if residual and (glu or norm):
+            other = "glu" if glu else "norm"
+            raise ValueError(f"gpu_mma: {other} and residual together are not a kernel")
         kind = ("q4" if gs else "float") + ("_glu" if glu else "_res" if residual else "")
-        tiles = {(_n_tiles(m), m_tiles(n_rows, m)) for m in (2, 9, 17, 33, 65, 97)}
+        kind += "_norm" if norm else ""
+        tiles = {(_n_tiles(m), _kind_m_tiles(kind, n_rows, m)) for m in (2, 9, 17, 33, 65, 97)}
         for nt, mt in sorted(tiles):
             m, n = {1: 2, 2: 9, 4: 17}[nt], 16 * mt
             x = mx.zeros((m, k), dtype=dtype)
@@ -495,6 +624,8 @@ def warm(dtype, products) -> None:
                 ins = [mx.zeros((n, k // 8), dtype=mx.uint32), s, s]
             else:
                 ins = [mx.zeros((n, k), dtype=dtype)]
+            if norm:
+                ins += [mx.ones((k,), dtype=dtype), _eps(1e-5)]
             outs.append(_one(kind, x, ins, n, k, gs, r[0] if r else None, glu, mt=mt))
     mx.eval(outs)
 

@@ -225,8 +225,10 @@ def test_gpu_step_rope_variants(variant, joint):
 
 def test_gpu_fold_switch_routes_the_products(monkeypatch):
     """``fold`` (MARKBASE_GPU_FOLD) decides whether the 2-D step's o_proj, gate_up and
-    down_proj go through ``fused`` (residual adds and SwiGLU inside the products); both
-    ways the step equals the model (on the CPU ``fused`` computes with MLX ops)."""
+    down_proj go through ``fused`` (residual adds and SwiGLU inside the products), and
+    ``fold_norm`` (MARKBASE_GPU_NORM_FOLD) whether qkv and gate_up also take their
+    RMSNorm; every way the step equals the model (on the CPU ``fused`` computes with
+    MLX ops)."""
     from engine import gpu_linear
 
     calls = []
@@ -240,9 +242,13 @@ def test_gpu_fold_switch_routes_the_products(monkeypatch):
     model = build_random_model("llama", {**TINY, "tie_word_embeddings": False}, seed=5).model
     step = FusedDecodeStep(model, compile=False, gpu_plans=True)
     layers = len(model.model.layers)
-    for fold, want in ((False, 0), (True, 3 * layers * 3)):  # 3 products, 3 steps
-        step.fold = fold
+    # 3 steps: o_proj, gate_up and down_proj folded; with fold_norm qkv too
+    for fold, fold_norm, want in ((False, True, 0), (True, False, 9 * layers), (True, True, 12 * layers)):  # fmt: skip
+        step.fold, step.fold_norm = fold, fold_norm
         calls.clear()
         _check_against_model(model, step, atol=2e-4)
         assert len(calls) == want
+        normed = [c for c in calls if c.get("norm") is not None]
+        assert len(normed) == (6 * layers if fold and fold_norm else 0)  # qkv, gate_up
     assert any(c.get("glu") for c in calls) and any("residual" in c for c in calls)
+    assert all(c.get("norm") is None for c in calls if "residual" in c)

@@ -94,8 +94,13 @@ def test_warm_compiles_without_error():
         [(0, 256, 64, False, False), (64, 512, 28672, False, True), (32, 384, 4096, True, False)],
     )
     gpu_mma.warm(mx.float16, [(128, 1024, 4096, False, False), (0, 96, 32, False, True)])
+    gpu_mma.warm(
+        mx.bfloat16, [(64, 512, 28672, False, True, True), (0, 256, 64, False, False, True)]
+    )
     with pytest.raises(ValueError, match="glu and residual"):
         gpu_mma.warm(mx.float16, [(0, 96, 32, True, True)])
+    with pytest.raises(ValueError, match="norm and residual"):
+        gpu_mma.warm(mx.float16, [(0, 96, 32, True, False, True)])
 
 
 @pytest.mark.parametrize("cap", [2, 4])
@@ -172,7 +177,38 @@ def test_residual_and_glu(quantized, m):
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-def test_gpu_decode_step_with_the_kernels_matches_the_model(quantized):
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("m", [1, 9, 32, 70])
+def test_norm_folded(quantized, glu, m):
+    """The ``_norm`` forms (qkv and gate_up with the RMSNorm before them inside the
+    product) equal RMSNorm in float32 followed by the product."""
+    rng = np.random.default_rng(m + 10 * glu + 100 * quantized)
+    n, k, eps = 4096, 512, 1e-5
+    dtype = mx.bfloat16
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(dtype)
+    g = mx.array(1 + rng.standard_normal(k).astype(np.float32) / 4).astype(dtype)
+    x = mx.array(3 * rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
+    if quantized:
+        wq, s, b = mx.quantize(w, group_size=64, bits=4)
+        wf = mx.dequantize(wq, s, b, group_size=64, bits=4).astype(mx.float32)
+        got = gpu_mma.quantized_matmul(x, wq, s, b, 64, glu=glu, norm=(g, eps))
+    else:
+        wf = w.astype(mx.float32)
+        got = gpu_mma.matmul(x, w, glu=glu, norm=(g, eps))
+    x32 = x.astype(mx.float32)
+    xn = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps) * g.astype(mx.float32)
+    if glu:
+        gate, up = xn @ wf[: n // 2].T, xn @ wf[n // 2 :].T
+        _close(got, gate * mx.sigmoid(gate) * up)
+    else:
+        _close(got, xn @ wf.T)
+    with pytest.raises(ValueError, match="norm and residual"):
+        gpu_mma.matmul(x, w, residual=x, norm=(g, eps))
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("fold_norm", [False, True])
+def test_gpu_decode_step_with_the_kernels_matches_the_model(quantized, fold_norm):
     """The GPU decode step with every product of 2-32 rows on these kernels (residual adds
     folded into o_proj/down_proj, the SwiGLU into gate_up) equals the model's own call,
     ragged rows."""
@@ -190,6 +226,7 @@ def test_gpu_decode_step_with_the_kernels_matches_the_model(quantized):
     try:
         gpu_linear.set_plans("1:xwt,2:mma,33:xwt", "1:qmm,2:qmma")
         step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
+        step.fold_norm = fold_norm
         step.warm_up()
         prompts = ([5, 6, 7, 8, 9, 10], [11, 12, 13], [1, 2, 3, 4], [9] * 9)
         mine, theirs = prefilled_batch(model, prompts), prefilled_batch(model, prompts)

@@ -46,13 +46,15 @@ def tiles(NW, MT, GLU):
             yield blk, mt, blk * (8 if GLU else 16) * MT + mt * (8 if GLU else 16)
 
 
-def run_float(x, w, NT, U, WARPS, GLU, r=None, MT=1):
+def run_float(x, w, NT, U, WARPS, GLU, r=None, MT=1, norm=None):
+    """``norm`` = (weight [K], eps): the NORM form (x through RMSNorm first)."""
     M, K = x.shape
     NW = w.shape[0]
     N = NW // 2 if GLU else NW
     y = np.zeros((M, N))
     for _blk, _mt, n0 in tiles(NW, MT, GLU):
         red = np.zeros((WARPS, NT, 4, 32))
+        ss = np.zeros((WARPS, NT, 32))  # each lane's sum of squares of its row's x
         for warp in range(WARPS):
             c = np.zeros((NT, 32, 4))
             chunks = K // 8
@@ -69,7 +71,11 @@ def run_float(x, w, NT, U, WARPS, GLU, r=None, MT=1):
                         A.append((words(w[row0, off : off + 8]), words(w[row1, off : off + 8])))
                         for j in range(NT):
                             m = j * 8 + g
-                            Bs[j].append(words(x[m, off : off + 8] if m < M else np.zeros(8)))
+                            xs = x[m, off : off + 8] if m < M else np.zeros(8)
+                            if norm is not None:
+                                ss[warp, j, lane] += (xs * xs).sum()
+                                xs = xs * norm[0][off : off + 8]
+                            Bs[j].append(words(xs))
                     for j in range(NT):
                         for h in range(2):
                             Ar = [
@@ -88,12 +94,17 @@ def run_float(x, w, NT, U, WARPS, GLU, r=None, MT=1):
                 for i in range(4):
                     red[warp, j, i] = c[j, :, i]
         flat = red.reshape(WARPS, NT * 128)  # index (j*4+i)*32 + l
+        rs = np.ones(NT * 8)
+        if norm is not None:  # quad shuffles (lanes 4g..4g+3), then the warps
+            quad = ss.reshape(WARPS, NT, 8, 4).sum(axis=3)  # [warp, j, g]
+            rs = 1 / np.sqrt(quad.sum(axis=0).reshape(NT * 8) / K + norm[1])
         if GLU:
             for e in range(NT * 64):
                 j, i, ln = e >> 6, (e >> 5) & 1, e & 31
                 gs = flat[:, (j * 4 + i) * 32 + ln].sum()
                 us = flat[:, (j * 4 + i + 2) * 32 + ln].sum()
                 m = j * 8 + (ln & 3) * 2 + i
+                gs, us = gs * rs[m], us * rs[m]
                 if m < M:
                     y[m, n0 + (ln >> 2)] = gs / (1 + np.exp(-gs)) * us
         else:
@@ -102,6 +113,7 @@ def run_float(x, w, NT, U, WARPS, GLU, r=None, MT=1):
                 j, i, ln = e >> 7, (e >> 5) & 3, e & 31
                 n = n0 + (ln >> 2) + (8 if i >= 2 else 0)
                 m = j * 8 + (ln & 3) * 2 + (i & 1)
+                v *= rs[m]
                 if m < M:
                     y[m, n] = v + (r[m, n] if r is not None else 0)
     return y
@@ -193,10 +205,17 @@ def main() -> None:
         gate, up = x @ w[: nw // 2].T, x @ w[nw // 2 :].T
         glu = run_float(x, w, nt, u, warps, True, MT=mt)
         err_g = np.abs(glu - gate / (1 + np.exp(-gate)) * up).max()
+        g_w, eps = rng.standard_normal(k), 1e-5
+        xn = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps) * g_w
+        err_n = np.abs(run_float(x, w, nt, u, warps, False, MT=mt, norm=(g_w, eps)) - xn @ w.T)
+        gate, up = xn @ w[: nw // 2].T, xn @ w[nw // 2 :].T
+        glu_n = run_float(x, w, nt, u, warps, True, MT=mt, norm=(g_w, eps))
+        err_gn = np.abs(glu_n - gate / (1 + np.exp(-gate)) * up).max()
         print(
             f"float m={m:2d} nt={nt} u={u} mt={mt}: plain {err:.1e}  residual {err_r:.1e}"
-            f"  glu {err_g:.1e}"
+            f"  glu {err_g:.1e}  norm {err_n.max():.1e}  glu+norm {err_gn:.1e}"
         )
+        worst = max(worst, err_n.max(), err_gn)
         worst = max(worst, err, err_r, err_g)
     for m, n, k, nt, u, warps, gs, mt in [(3, 16, 256, 1, 2, 1, 64, 1),
                                           (10, 32, 256, 2, 1, 2, 32, 1),

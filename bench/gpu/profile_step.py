@@ -49,7 +49,8 @@ now = time.perf_counter
 # name -> (attention kernel, float plan, quantized plan)
 # suffixes: "-nojoint" = q and k through two RoPE calls (FusedDecodeStep.joint_rope
 # off); "-mt1"/"-mt2" = engine/gpu_mma.py's blocks capped at 1/2 m-tiles (session 6
-# had 1)
+# had 1); "-norm" = the RMSNorms inside qkv's and gate_up's products
+# (FusedDecodeStep.fold_norm, off by default until measured)
 VARIANTS = {
     "default": (True, None, None),  # what the engine does (engine/gpu_linear.py defaults)
     "mlx": (False, "1:xwt", "1:qmm"),
@@ -65,6 +66,8 @@ VARIANTS = {
     "s6": (True, "1:xwt,2:mma,33:xwt", "1:qmm,2:qmma,33:qmm"),  # session 6's defaults
     # 4-bit products of 33-128 rows as 32-row calls of the tensor-core kernel too
     "qmma128": (True, "1:mma,33:xwt", "1:qmma"),
+    # bf16 products of 33-128 rows on the kernel too (one call; the folding at B=128)
+    "mma128": (True, "1:xwt,2:mma", None),
 }
 
 
@@ -185,11 +188,11 @@ def main() -> None:
                 step.attention_kernel = attn_kernel and kernel_ok
                 if hasattr(step, "joint_rope"):
                     step.joint_rope = "-nojoint" not in v
+                if hasattr(step, "fold_norm"):
+                    step.fold_norm = "-norm" in v
                 from engine import gpu_mma
 
-                gpu_mma.set_max_m_tiles(
-                    1 if "-mt1" in v else 2 if "-mt2" in v else None
-                )
+                gpu_mma.set_max_m_tiles(1 if "-mt1" in v else 2 if "-mt2" in v else None)
                 gpu_linear.reset_plans()
                 gpu_linear.set_plans(float_text, quant_text)
                 try:
