@@ -81,6 +81,8 @@ def parse_plan(text: str, forms: tuple[str, ...]) -> Plan:
 
 
 _current: dict[str, Plan] = {}
+# bumped whenever the plans change: the layers' cached routes (_Routes) follow
+_generation = [0]
 
 
 def float_plan() -> Plan:
@@ -104,11 +106,13 @@ def set_plans(float_text: str | None = None, quant_text: str | None = None) -> N
         _current["float"] = parse_plan(float_text, FLOAT_FORMS)
     if quant_text is not None:
         _current["quant"] = parse_plan(quant_text, QUANT_FORMS)
+    _generation[0] += 1
 
 
 def reset_plans() -> None:
     """Forget set_plans() and read the environment again at the next call."""
     _current.clear()
+    _generation[0] += 1
 
 
 def uses(form: str) -> bool:
@@ -162,36 +166,92 @@ def float_matmul(x, w, form: str):
     return y.reshape(*lead, w.shape[0])
 
 
-class GpuLinear:
+class _Routes:
+    """How this layer's 2-D products run, worked out once per (rows, dtype, form)
+    and kept: the plan lookup, the kernel's support check, its template and launch
+    geometry cost ~5 us of Python a call on this repo's CPU, more than MLX's own op
+    (bench/gpu/wrapper_cost.py), and a decode step makes 4 products a layer."""
+
+    _routes: dict
+    _generation: int = -1
+
+    def _route(self, x, residual: bool, glu: bool, norm: bool):
+        if self._generation != _generation[0]:  # the plans changed (benchmarks)
+            self._routes, self._generation = {}, _generation[0]
+        key = (x.shape[0], x.dtype, residual, glu, norm)
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = self._make_route(x, residual, glu, norm)
+        return route
+
+    def __call__(self, x):
+        if x.ndim == 2:
+            return self._route(x, False, False, False)(x, None, None)
+        return self._call_form(x, self.plan.form(_rows(x)))
+
+    def fused(self, x, residual=None, glu: bool = False, norm=None):
+        """``residual + x @ w.T``, or with ``glu`` (w = [gate; up]) ``silu(x @ gate.T) *
+        (x @ up.T)``; ``norm`` (an ``nn.RMSNorm``, not with ``residual``): x goes
+        through it first. One engine/gpu_mma.py call when the plan sends these rows
+        there (x [B, K], the 2-D decode step), else the same math as MLX ops."""
+        if x.ndim == 2:
+            route = self._route(x, residual is not None, glu, norm is not None)
+            return route(x, residual, norm)
+        return _unfused(self, x, residual, glu, norm)
+
+    def _make_route(self, x, residual: bool, glu: bool, norm: bool):
+        """``route(x, residual, norm)`` for these rows: the kernel when the plan says
+        so and it takes the shape, else MLX ops."""
+        rows = x.shape[0]
+        launch = self._launcher(x.dtype, rows, residual, glu, norm)
+        if launch is None:
+            if residual or glu or norm:
+                return lambda x, r, nm: _unfused(self, x, r, glu, nm)
+            form = self.plan.form(rows)
+            return lambda x, r, nm: self._call_form(x, form)
+        arrays = self._kernel_arrays()
+
+        def route(x, r, nm):
+            inputs = [x, *arrays]
+            if r is not None:
+                inputs.append(r)
+            if nm is not None:
+                from engine import gpu_mma
+
+                inputs += [nm.weight, gpu_mma.eps_array(float(nm.eps))]
+            return launch(inputs)
+
+        return route
+
+
+class GpuLinear(_Routes):
     """A float linear layer (no bias) that follows the float plan per call."""
 
     def __init__(self, weight, plan: Plan | None = None) -> None:
         self.weight = weight
         self._plan = plan
+        self._routes = {}
 
     @property
     def plan(self) -> Plan:
         return self._plan or float_plan()
 
-    def __call__(self, x):
-        return float_matmul(x, self.weight, self.plan.form(_rows(x)))
+    def _call_form(self, x, form: str):
+        return float_matmul(x, self.weight, form)
 
-    def fused(self, x, residual=None, glu: bool = False, norm=None):
-        """``residual + x @ w.T``, or with ``glu`` (w = [gate; up]) ``silu(x @ gate.T) *
-        (x @ up.T)``; ``norm`` (an ``nn.RMSNorm``, not with ``residual``): x goes
-        through it first. One engine/gpu_mma.py call when the plan says ``mma`` for
-        these rows (x [B, K], the 2-D decode step), else the same math as MLX ops."""
-        if x.ndim == 2 and self.plan.form(x.shape[0]) == "mma":
-            if _float_kernel_ok("mma", x.dtype, self.weight):
-                from engine import gpu_mma
+    def _kernel_arrays(self) -> list:
+        return [self.weight]
 
-                return gpu_mma.matmul(
-                    x, self.weight, residual=residual, glu=glu, norm=_norm_args(norm)
-                )
-        return _unfused(self, x, residual, glu, norm)
+    def _launcher(self, dtype, rows: int, residual: bool, glu: bool, norm: bool):
+        if self.plan.form(rows) != "mma" or not _float_kernel_ok("mma", dtype, self.weight):
+            return None
+        from engine import gpu_mma
+
+        n, k = self.weight.shape
+        return gpu_mma.launcher("float", dtype, rows, n, k, 0, residual, glu, norm)
 
 
-class GpuQuantizedLinear:
+class GpuQuantizedLinear(_Routes):
     """A quantized linear layer (no bias) that follows the quantized plan per call."""
 
     def __init__(self, weight, scales, biases, group_size, bits, mode, plan=None) -> None:
@@ -200,6 +260,7 @@ class GpuQuantizedLinear:
         self._plan = plan
         self._parts: dict[int, list] = {}
         self._ok: dict = {}
+        self._routes = {}
         for _, form in self.plan.steps:
             if form.startswith("qmmk"):
                 self._split(int(form[4:]))
@@ -208,26 +269,16 @@ class GpuQuantizedLinear:
     def plan(self) -> Plan:
         return self._plan or quant_plan()
 
-    def fused(self, x, residual=None, glu: bool = False, norm=None):
-        """As ``GpuLinear.fused``, through the 4-bit kernel when the plan says ``qmma``."""
-        if (
-            x.ndim == 2
-            and self.plan.form(x.shape[0]) == "qmma"
-            and self._kernel_ok("qmma", x.dtype)
-        ):
-            from engine import gpu_mma
+    def _kernel_arrays(self) -> list:
+        return [self.weight, self.scales, self.biases]
 
-            return gpu_mma.quantized_matmul(
-                x,
-                self.weight,
-                self.scales,
-                self.biases,
-                self.group_size,
-                residual=residual,
-                glu=glu,
-                norm=_norm_args(norm),
-            )
-        return _unfused(self, x, residual, glu, norm)
+    def _launcher(self, dtype, rows: int, residual: bool, glu: bool, norm: bool):
+        if self.plan.form(rows) != "qmma" or not self._kernel_ok("qmma", dtype):
+            return None
+        from engine import gpu_mma
+
+        n, k = self.weight.shape[0], self.scales.shape[-1] * self.group_size
+        return gpu_mma.launcher("q4", dtype, rows, n, k, self.group_size, residual, glu, norm)
 
     def _kernel_ok(self, form: str, dtype) -> bool:
         """Whether the custom kernel of ``form`` takes this layer (remembered per dtype)."""
@@ -270,10 +321,9 @@ class GpuQuantizedLinear:
         assert k == parts[-1][1]
         return parts
 
-    def __call__(self, x):
+    def _call_form(self, x, form: str):
         import mlx.core as mx
 
-        form = self.plan.form(_rows(x))
         if form in ("qmma", "qgemv"):
             from engine import gpu_gemv, gpu_mma
 
@@ -333,11 +383,6 @@ class GpuQuantizedLinear:
             dtype=x.dtype,
         )
         return float_matmul(x, w, "xwt" if form == "deq" else "wxt")
-
-
-def _norm_args(norm):
-    """(weight, eps) of an ``nn.RMSNorm`` for engine/gpu_mma.py, or None."""
-    return None if norm is None else (norm.weight, norm.eps)
 
 
 def _unfused(linear, x, residual, glu: bool, norm=None):

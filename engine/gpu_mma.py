@@ -526,25 +526,64 @@ def _template(dtype, nt: int, u: int, gs: int, mt: int = 1) -> tuple:
     return out + (("GS", gs),) if gs else out
 
 
-def _call(kind: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bool, norm=None):
-    """``x`` [M, K] times the weight (``n`` rows), one kernel call for any M (blocks
-    of 32 rows of x)."""
-    if glu and residual is not None:
+def launcher(
+    base: str,
+    dtype,
+    rows: int,
+    n: int,
+    k: int,
+    gs: int = 0,
+    residual: bool = False,
+    glu: bool = False,
+    norm: bool = False,
+    mt: int | None = None,
+):
+    """``call(inputs) -> y`` for products of ``rows`` rows of x [rows, K] and a weight
+    of ``n`` rows (``base`` "float", or "q4" with group size ``gs``), in ``dtype``.
+    ``inputs``: x, the weight's arrays, then the residual (``residual``) or the norm's
+    weight and ``eps_array(eps)`` (``norm``). Everything but the inputs is worked out
+    here once: engine/gpu_linear.py keeps one per layer and row count, because doing
+    it on every call cost more host time than MLX's own op (bench/gpu/wrapper_cost.py)."""
+    if glu and residual:
         raise ValueError("gpu_mma: glu and residual together are not a kernel")
-    if norm is not None and residual is not None:
+    if norm and residual:
         raise ValueError("gpu_mma: norm and residual together are not a kernel")
-    kind += "_glu" if glu else "_res" if residual is not None else ""
+    kind = base + ("_glu" if glu else "_res" if residual else "") + ("_norm" if norm else "")
+    nt = _n_tiles(rows)
+    mt = _kind_m_tiles(kind, n, rows) if mt is None else mt
+    u = _float_u(k, mt) if base == "float" else _quant_u(k, nt, mt)
+    fn = _kernel(kind, _template(dtype, nt, u, gs, mt))
+    grid = (n // (16 * mt) * -(-rows // MAX_ROWS) * WARPS * 32, 1, 1)
+    threadgroup = (WARPS * 32, 1, 1)
+    shapes = [(rows, n // 2 if glu else n)]
+    dtypes = [dtype]
+
+    def call(inputs):
+        return fn(
+            inputs=inputs,
+            grid=grid,
+            threadgroup=threadgroup,
+            output_shapes=shapes,
+            output_dtypes=dtypes,
+        )[0]
+
+    return call
+
+
+def _call(base: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bool, norm):
+    inputs = [x, *inputs]
+    if residual is not None:
+        inputs.append(residual)
     if norm is not None:
-        kind += "_norm"
-        weight, eps = norm
-        inputs = [*inputs, weight, _eps(float(eps))]
-    return _one(kind, x, inputs, n, k, gs, residual, glu)
+        inputs += [norm[0], eps_array(float(norm[1]))]
+    run = launcher(base, x.dtype, x.shape[0], n, k, gs, residual is not None, glu, norm is not None)
+    return run(inputs)
 
 
 _eps_arrays: dict = {}
 
 
-def _eps(eps: float):
+def eps_array(eps: float):
     """RMSNorm's epsilon as a [1] float32 input, made once per value."""
     arr = _eps_arrays.get(eps)
     if arr is None:
@@ -562,21 +601,6 @@ def _kind_m_tiles(kind: str, n: int, rows: int) -> int:
 
 def _n_tiles(rows: int) -> int:
     return 1 if rows <= 8 else 2 if rows <= 16 else 4
-
-
-def _one(kind: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bool, mt=None):
-    rows = x.shape[0]
-    nt = _n_tiles(rows)
-    mt = _kind_m_tiles(kind, n, rows) if mt is None else mt
-    u = _float_u(k, mt) if kind.startswith("float") else _quant_u(k, nt, mt)
-    chunks = -(-rows // MAX_ROWS)
-    return _kernel(kind, _template(x.dtype, nt, u, gs, mt))(
-        inputs=[x, *inputs] if residual is None else [x, *inputs, residual],
-        grid=(n // (16 * mt) * chunks * WARPS * 32, 1, 1),
-        threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(rows, n // 2 if glu else n)],
-        output_dtypes=[x.dtype],
-    )[0]
 
 
 def matmul(x, w, residual=None, glu: bool = False, norm=None):
@@ -609,24 +633,23 @@ def warm(dtype, products) -> None:
     outs = []
     for gs, k, n_rows, residual, glu, *rest in sorted(set(products)):
         norm = bool(rest and rest[0])
-        if residual and (glu or norm):
-            other = "glu" if glu else "norm"
-            raise ValueError(f"gpu_mma: {other} and residual together are not a kernel")
-        kind = ("q4" if gs else "float") + ("_glu" if glu else "_res" if residual else "")
-        kind += "_norm" if norm else ""
+        base = "q4" if gs else "float"
+        kind = base + ("_glu" if glu else "_res" if residual else "") + ("_norm" if norm else "")
         tiles = {(_n_tiles(m), _kind_m_tiles(kind, n_rows, m)) for m in (2, 9, 17, 33, 65, 97)}
         for nt, mt in sorted(tiles):
             m, n = {1: 2, 2: 9, 4: 17}[nt], 16 * mt
-            x = mx.zeros((m, k), dtype=dtype)
-            r = [mx.zeros((m, n), dtype=dtype)] if residual else []
+            ins = [mx.zeros((m, k), dtype=dtype)]
             if gs:
                 s = mx.ones((n, k // gs), dtype=dtype)
-                ins = [mx.zeros((n, k // 8), dtype=mx.uint32), s, s]
+                ins += [mx.zeros((n, k // 8), dtype=mx.uint32), s, s]
             else:
-                ins = [mx.zeros((n, k), dtype=dtype)]
+                ins += [mx.zeros((n, k), dtype=dtype)]
+            if residual:
+                ins += [mx.zeros((m, n), dtype=dtype)]
             if norm:
-                ins += [mx.ones((k,), dtype=dtype), _eps(1e-5)]
-            outs.append(_one(kind, x, ins, n, k, gs, r[0] if r else None, glu, mt=mt))
+                ins += [mx.ones((k,), dtype=dtype), eps_array(1e-5)]
+            run = launcher(base, dtype, m, n, k, gs, bool(residual), glu, norm, mt=mt)
+            outs.append(run(ins))
     mx.eval(outs)
 
 

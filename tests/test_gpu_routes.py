@@ -1,0 +1,109 @@
+"""engine/gpu_linear.py's per-layer routes (runs on the CPU): a product's kernel,
+template and launch geometry are worked out once per (rows, dtype, form) and reused;
+changing the plans rebuilds them; the kernel receives exactly x, the weight's arrays,
+then the residual or the norm's weight and epsilon. The CUDA launch is replaced by a
+recorder here (the kernels themselves are tests/test_gpu_mma.py's, on a GPU)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import gpu_linear, gpu_mma
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every kernel object made ([(kind, template)]) and every launch ([kwargs])."""
+    made, launches = [], []
+
+    class Recorder:
+        def __call__(self, kind, template):
+            made.append((kind, dict(template)))
+
+            def launch(**kw):
+                launches.append(kw)
+                return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
+
+            return launch
+
+    monkeypatch.setattr(gpu_mma, "_kernel", Recorder())
+    monkeypatch.setattr(gpu_linear, "_float_kernel_ok", lambda *a: True)
+    monkeypatch.setattr(gpu_linear.GpuQuantizedLinear, "_kernel_ok", lambda s, f, d: True)
+    gpu_linear.set_plans("1:mma", "1:qmma")
+    yield made, launches
+    gpu_linear.reset_plans()
+
+
+def test_a_route_is_built_once_and_gets_the_right_inputs(recorded):
+    made, launches = recorded
+    w = mx.zeros((256, 512), dtype=mx.bfloat16)
+    x = mx.ones((8, 512), dtype=mx.bfloat16)
+    r = mx.ones((8, 256), dtype=mx.bfloat16)
+    lin = gpu_linear.GpuLinear(w)
+    for _ in range(3):
+        y = lin.fused(x, residual=r)
+    assert y.shape == (8, 256)
+    assert [m[0] for m in made] == ["float_res"]  # one kernel object for three calls
+    assert made[0][1]["NT"] == 1 and made[0][1]["MT"] == 1 and made[0][1]["T"] == mx.bfloat16
+    assert len(launches) == 3
+    kw = launches[-1]
+    assert [a is b for a, b in zip(kw["inputs"], [x, w, r])] == [True] * 3
+    assert kw["grid"] == (256 // 16 * gpu_mma.WARPS * 32, 1, 1)
+    assert kw["output_shapes"] == [(8, 256)] and kw["output_dtypes"] == [mx.bfloat16]
+
+    lin.fused(x, glu=True)  # another form: its own route
+    assert made[-1][0] == "float_glu" and launches[-1]["output_shapes"] == [(8, 128)]
+    lin(x)  # the plain product
+    assert made[-1][0] == "float" and len(made) == 3
+    lin(x.astype(mx.float16))  # another dtype: another kernel, never a bf16 one
+    assert made[-1][0] == "float" and made[-1][1]["T"] == mx.float16
+
+
+def test_rows_pick_tiles_and_chunks(recorded):
+    made, launches = recorded
+    w = mx.zeros((28672, 256), dtype=mx.bfloat16)
+    lin = gpu_linear.GpuLinear(w)
+    for rows, nt, mt in ((1, 1, 1), (9, 2, 1), (17, 4, 4), (100, 4, 4)):
+        lin(mx.zeros((rows, 256), dtype=mx.bfloat16))
+        assert (made[-1][1]["NT"], made[-1][1]["MT"]) == (nt, mt)
+        chunks = -(-rows // 32)
+        assert launches[-1]["grid"][0] == 28672 // (16 * mt) * chunks * gpu_mma.WARPS * 32
+
+
+def test_plan_changes_rebuild_the_routes(recorded):
+    made, _ = recorded
+    rng = np.random.default_rng(0)
+    w = mx.array(rng.standard_normal((64, 128)).astype(np.float32))
+    x = mx.array(rng.standard_normal((4, 128)).astype(np.float32))
+    lin = gpu_linear.GpuLinear(w)
+    lin(x)
+    assert len(made) == 1
+    gpu_linear.set_plans("1:xwt", None)  # MLX's own product now: real numbers
+    np.testing.assert_allclose(np.array(lin(x)), np.array(x @ w.T), rtol=1e-5, atol=1e-5)
+    assert len(made) == 1
+    r = mx.ones((4, 64))
+    np.testing.assert_allclose(
+        np.array(lin.fused(x, residual=r)), np.array(r + x @ w.T), rtol=1e-5, atol=1e-5
+    )
+    gpu_linear.set_plans("1:mma", None)
+    lin(x)
+    assert len(made) == 2
+
+
+def test_quantized_and_norm_inputs(recorded):
+    import mlx.nn as nn
+
+    made, launches = recorded
+    wq, s, b = mx.quantize(mx.zeros((128, 256), dtype=mx.bfloat16), group_size=64, bits=4)
+    q = gpu_linear.GpuQuantizedLinear(wq, s, b, 64, 4, "affine")
+    norm = nn.RMSNorm(256, eps=1e-6)
+    x = mx.ones((3, 256), dtype=mx.bfloat16)
+    y = q.fused(x, glu=True, norm=norm)
+    assert y.shape == (3, 64) and made[-1][0] == "q4_glu_norm" and made[-1][1]["GS"] == 64
+    ins = launches[-1]["inputs"]
+    assert [a is c for a, c in zip(ins, [x, wq, s, b, norm.weight])] == [True] * 5
+    assert ins[5] is gpu_mma.eps_array(1e-6) and ins[5].dtype == mx.float32
+    with pytest.raises(ValueError, match="norm and residual"):
+        q.fused(x, residual=mx.ones((3, 128), dtype=mx.bfloat16), norm=norm)
