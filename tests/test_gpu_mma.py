@@ -103,18 +103,10 @@ def test_warm_compiles_without_error():
         gpu_mma.warm(mx.float16, [(0, 96, 32, True, False, True)])
 
 
-@pytest.mark.parametrize("cap", [2, 4])
-@pytest.mark.parametrize("quantized", [False, True])
-@pytest.mark.parametrize("m", [1, 9, 32, 70])
-def test_several_m_tiles_a_block(cap, quantized, m, monkeypatch):
-    """Blocks of 2 and 4 m-tiles (32/64 weight rows; the SwiGLU's gate and up halves
-    interleaved per m-tile) give the same products, residual adds and SwiGLU: small
-    weights forced onto them (MIN_BLOCKS 1)."""
-    monkeypatch.setattr(gpu_mma, "MIN_BLOCKS", 1)
-    monkeypatch.setattr(gpu_mma, "_max_m_tiles", lambda: cap)
-    n, k = 192 if cap == 2 else 256, 512
-    assert gpu_mma.m_tiles(n, m) == (cap if m > 16 else 1)
-    rng = np.random.default_rng(m + 10 * cap + 100 * quantized)
+def _check_forms(n: int, k: int, m: int, quantized: bool, seed: int) -> None:
+    """The plain product, the o_proj form (``residual``) and the gate_up form (w =
+    [gate; up], ``glu``: silu(gate) * up) against the same math in float32."""
+    rng = np.random.default_rng(seed)
     dtype = mx.bfloat16
     w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(dtype)
     r = mx.array(rng.standard_normal((m, n)).astype(np.float32)).astype(dtype)
@@ -135,45 +127,39 @@ def test_several_m_tiles_a_block(cap, quantized, m, monkeypatch):
     _close(run(x), x32 @ wf.T)
     _close(run(x, residual=r), r.astype(mx.float32) + x32 @ wf.T)
     gate, up = x32 @ wf[: n // 2].T, x32 @ wf[n // 2 :].T
-    _close(run(x, glu=True), gate * mx.sigmoid(gate) * up)
+    got = run(x, glu=True)
+    assert got.shape == (m, n // 2)
+    _close(got, gate * mx.sigmoid(gate) * up)
+
+
+@pytest.mark.parametrize("cap", [2, 4])
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("m", [1, 9, 32, 70])
+def test_several_m_tiles_a_block(cap, quantized, m, monkeypatch):
+    """Blocks of 2 and 4 m-tiles (32/64 weight rows; the SwiGLU's gate and up halves
+    interleaved per m-tile) give the same products, residual adds and SwiGLU: small
+    weights forced onto them (MIN_BLOCKS 1)."""
+    monkeypatch.setattr(gpu_mma, "MIN_BLOCKS", 1)
+    monkeypatch.setattr(gpu_mma, "_max_m_tiles", lambda: cap)
+    n, k = 192 if cap == 2 else 256, 512
+    assert gpu_mma.m_tiles(n, m) == (cap if m > 16 else 1)
+    _check_forms(n, k, m, quantized, seed=m + 10 * cap + 100 * quantized)
     if not quantized:  # exact on small integers: no layout error hides in the tolerance
+        rng = np.random.default_rng(m)
         wi = rng.integers(-3, 4, (n, k)).astype(np.float32)
         xi = rng.integers(-3, 4, (m, k)).astype(np.float32)
-        got = gpu_mma.matmul(mx.array(xi).astype(dtype), mx.array(wi).astype(dtype))
+        bf16 = mx.bfloat16
+        got = gpu_mma.matmul(mx.array(xi).astype(bf16), mx.array(wi).astype(bf16))
         # the float32 sums are exact; sums past 256 round once, to bf16, like this
-        want = mx.array(xi @ wi.T).astype(dtype).astype(mx.float32)
+        want = mx.array(xi @ wi.T).astype(bf16).astype(mx.float32)
         np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(want))
 
 
 @pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("m", [1, 5, 8, 12, 32, 40, 100])
 def test_residual_and_glu(quantized, m):
-    """The o_proj form (``residual``) and the gate_up form (w = [gate; up], ``glu``:
-    silu(gate) * up) equal the same math in float32."""
-    rng = np.random.default_rng(m + 100 * quantized)
-    n, k = 256, 512
-    dtype = mx.bfloat16
-    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(dtype)
-    r = mx.array(rng.standard_normal((m, n)).astype(np.float32)).astype(dtype)
-    x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
-    if quantized:
-        wq, s, b = mx.quantize(w, group_size=64, bits=4)
-        wf = mx.dequantize(wq, s, b, group_size=64, bits=4).astype(mx.float32)
-
-        def run(inp, **kw):
-            return gpu_mma.quantized_matmul(inp, wq, s, b, 64, **kw)
-    else:
-        wf = w.astype(mx.float32)
-
-        def run(inp, **kw):
-            return gpu_mma.matmul(inp, w, **kw)
-
-    x32 = x.astype(mx.float32)
-    _close(run(x, residual=r), r.astype(mx.float32) + x32 @ wf.T)
-    gate, up = x32 @ wf[: n // 2].T, x32 @ wf[n // 2 :].T
-    got = run(x, glu=True)
-    assert got.shape == (m, n // 2)
-    _close(got, gate * mx.sigmoid(gate) * up)
+    """The o_proj and gate_up forms at every n-tile count and past 32 rows."""
+    _check_forms(256, 512, m, quantized, seed=m + 100 * quantized)
 
 
 @pytest.mark.parametrize("quantized", [False, True])
