@@ -31,9 +31,9 @@ def _close(got, want):
     np.testing.assert_allclose(got, want, atol=2e-2 * scale, rtol=2e-2)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-def test_quantized_gemv(shape, dtype):
+def check_quantized_product(product, shape, dtype):
+    """``product(x, w, scales, biases, group_size)`` equals x @ dequantize(w).T in
+    float32 for group sizes 64, 32 and 128 (also tests/test_gpu_mma.py's)."""
     m, n, k = shape
     rng = np.random.default_rng(m * 7 + n)
     for gs in (64, 32, 128):
@@ -42,9 +42,15 @@ def test_quantized_gemv(shape, dtype):
         x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
         deq = mx.dequantize(wq, s, b, group_size=gs, bits=4).astype(mx.float32)
         want = x.astype(mx.float32) @ deq.T
-        got = gpu_gemv.quantized_gemv(x, wq, s, b, gs)
+        got = product(x, wq, s, b, gs)
         assert got.shape == (m, n) and got.dtype == dtype
         _close(got, want)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_quantized_gemv(shape, dtype):
+    check_quantized_product(gpu_gemv.quantized_gemv, shape, dtype)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

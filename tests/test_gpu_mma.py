@@ -17,7 +17,7 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from test_gpu_gemv import _close  # noqa: E402  (the same tolerance as the gemv kernels)
+from test_gpu_gemv import _close, check_quantized_product  # noqa: E402  (shared with the gemv kernels)
 
 from engine import gpu_linear, gpu_mma  # noqa: E402
 
@@ -45,17 +45,7 @@ def test_float_mma(shape, dtype):
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] % 128 == 0])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_quantized_mma(shape, dtype):
-    m, n, k = shape
-    rng = np.random.default_rng(m * 7 + n)
-    for gs in (64, 32, 128):
-        w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(dtype)
-        wq, s, b = mx.quantize(w, group_size=gs, bits=4)
-        x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
-        deq = mx.dequantize(wq, s, b, group_size=gs, bits=4).astype(mx.float32)
-        want = x.astype(mx.float32) @ deq.T
-        got = gpu_mma.quantized_matmul(x, wq, s, b, gs)
-        assert got.shape == (m, n) and got.dtype == dtype
-        _close(got, want)
+    check_quantized_product(gpu_mma.quantized_matmul, shape, dtype)
 
 
 def test_exact_on_small_integers():
