@@ -40,7 +40,7 @@ from functools import cache
 from engine.cuda_kernels import Baked, KernelSpec
 
 WARPS = 8
-MAX_ROWS = 32
+BLOCK_ROWS = 32  # rows of x a block takes (4 n-tiles of 8); more rows, more blocks
 
 _HEADER = r"""
 __device__ __forceinline__ void mb_mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
@@ -445,12 +445,12 @@ def _specs() -> dict[str, KernelSpec]:
 _kernel = Baked(_specs, ensure_row_contiguous=True)
 
 
-def _float_u(k: int, mt: int = 1) -> int:
+def _float_u(k: int, mt: int) -> int:
     # about 128 bytes of weight in flight per lane whatever MT (registers)
     return min(4 if k % 128 == 0 else 2 if k % 64 == 0 else 1, max(1, 4 // mt))
 
 
-def _quant_u(k: int, nt: int, mt: int = 1) -> int:
+def _quant_u(k: int, nt: int, mt: int) -> int:
     return 2 if nt <= 2 and mt == 1 and k % 256 == 0 else 1
 
 
@@ -486,7 +486,7 @@ def m_tiles(n_weight_rows: int, rows: int = 32) -> int:
     and ``rows`` rows of x."""
     if rows <= 16:
         return 1
-    chunks = -(-rows // MAX_ROWS)
+    chunks = -(-rows // BLOCK_ROWS)
     for mt in (4, 2):
         if (
             mt <= _max_m_tiles()
@@ -521,7 +521,7 @@ def quant_supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: s
 
 
 @cache
-def _template(dtype, nt: int, u: int, gs: int, mt: int = 1) -> tuple:
+def _template(dtype, nt: int, u: int, gs: int, mt: int) -> tuple:
     out = (("T", dtype), ("NT", nt), ("U", u), ("WARPS", WARPS), ("MT", mt))
     return out + (("GS", gs),) if gs else out
 
@@ -553,7 +553,7 @@ def launcher(
     mt = _kind_m_tiles(kind, n, rows) if mt is None else mt
     u = _float_u(k, mt) if base == "float" else _quant_u(k, nt, mt)
     fn = _kernel(kind, _template(dtype, nt, u, gs, mt))
-    grid = (n // (16 * mt) * -(-rows // MAX_ROWS) * WARPS * 32, 1, 1)
+    grid = (n // (16 * mt) * -(-rows // BLOCK_ROWS) * WARPS * 32, 1, 1)
     threadgroup = (WARPS * 32, 1, 1)
     shapes = [(rows, n // 2 if glu else n)]
     dtypes = [dtype]

@@ -56,12 +56,17 @@ def test_quantized_gemv(shape, dtype):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_float_gemv(shape, dtype):
+    check_float_product(gpu_gemv.gemv, shape, dtype)
+
+
+def check_float_product(product, shape, dtype):
+    """``product(x, w)`` equals x @ w.T in float32 (also tests/test_gpu_mma.py's)."""
     m, n, k = shape
     rng = np.random.default_rng(m * 11 + n)
     w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(dtype)
     x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
     want = x.astype(mx.float32) @ w.astype(mx.float32).T
-    got = gpu_gemv.gemv(x, w)
+    got = product(x, w)
     assert got.shape == (m, n) and got.dtype == dtype
     _close(got, want)
 

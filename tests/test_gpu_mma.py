@@ -17,7 +17,11 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from test_gpu_gemv import _close, check_quantized_product  # noqa: E402  (shared with the gemv kernels)
+from test_gpu_gemv import (  # noqa: E402  (the checks shared with the gemv kernels)
+    _close,
+    check_float_product,
+    check_quantized_product,
+)
 
 from engine import gpu_linear, gpu_mma  # noqa: E402
 
@@ -32,14 +36,7 @@ SHAPES = [(1, 4096, 4096), (2, 64, 256), (3, 128, 1024), (7, 16, 96), (8, 6144, 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_float_mma(shape, dtype):
-    m, n, k = shape
-    rng = np.random.default_rng(m * 11 + n)
-    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(dtype)
-    x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
-    want = x.astype(mx.float32) @ w.astype(mx.float32).T
-    got = gpu_mma.matmul(x, w)
-    assert got.shape == (m, n) and got.dtype == dtype
-    _close(got, want)
+    check_float_product(gpu_mma.matmul, shape, dtype)
 
 
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] % 128 == 0])
