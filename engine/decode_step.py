@@ -107,7 +107,7 @@ class FusedDecodeStep:
         # i.e. on a GPU; the CPU's compiled step keeps [B, 1, D] as it was measured)
         self.flat = gpu_plans if flat is None else flat
         wrap = mx.compile if compile else (lambda f: f)
-        self._pre, self._post = [], []
+        self._pre, self._post, self._qkv = [], [], []
         self._products: list = []  # (linear, residual, glu): what warm_up compiles for
         self.fused_groups = 0  # how many of the 2 per layer got one matmul
         for layer in self.inner.layers:
@@ -125,7 +125,26 @@ class FusedDecodeStep:
             nk = attn.n_kv_heads * attn.head_dim
             hq, hkv = attn.n_heads, attn.n_kv_heads
 
-            def pre(x, offset, layer=layer, attn=attn, wqkv=wqkv, nq=nq, nk=nk, hq=hq, hkv=hkv):
+            def qkv_of(x, layer=layer, wqkv=wqkv):
+                # the fused q/k/v product of the [B, D] step, its RMSNorm inside when
+                # fold_norm says so
+                norm = layer.input_layernorm
+                if self._folds_norm(wqkv, norm):
+                    return wqkv.fused(x, norm=norm)
+                return wqkv(norm(x))
+
+            def pre(
+                x,
+                offset,
+                layer=layer,
+                attn=attn,
+                wqkv=wqkv,
+                nq=nq,
+                nk=nk,
+                hq=hq,
+                hkv=hkv,
+                qkv_of=qkv_of,
+            ):
                 # x: [B, L, D], or [B, D] for the 2-D step (one position per row)
                 b = x.shape[0]
                 length = x.shape[1] if x.ndim == 3 else 1
@@ -134,10 +153,7 @@ class FusedDecodeStep:
                     # q and k heads side by side through one RoPE call (the rotation is
                     # per head, the offsets per row): one reshape copy and one rope
                     # kernel a layer instead of two each; q and k come back as views
-                    if self._folds_norm(wqkv, norm):
-                        qkv = wqkv.fused(x, norm=norm)
-                    else:
-                        qkv = wqkv(norm(x))
+                    qkv = qkv_of(x)
                     # (views; one split call costs less Python than two slices)
                     qk, v = mx.split(qkv, [nq + nk], axis=1)
                     qk = attn.rope(qk.reshape(b, hq + hkv, 1, -1), offset=offset)
@@ -190,6 +206,7 @@ class FusedDecodeStep:
             self._products += [(wqkv, False, False, True), (wgu, False, True, True)]
             self._products += [(o_proj, True, False, False), (down_proj, True, False, False)]
             self._pre.append(wrap(pre))
+            self._qkv.append(wrap(qkv_of) if wqkv is not None else None)
             self._post.append(wrap(post))
 
         tied = getattr(getattr(model, "args", None), "tie_word_embeddings", True)
@@ -207,6 +224,13 @@ class FusedDecodeStep:
         # GPU: decode attention as engine/gpu_attention.py's kernel (no mask, one or
         # two kernels a layer instead of MLX's masked fallback's seven)
         self.attention_kernel = bool(gpu_plans) and attention_kernel_wanted(model)
+        # ... and with RoPE and the KV write inside it, from the fused q/k/v product
+        # (3 nodes a layer fewer; MARKBASE_GPU_ROPE_APPEND=0: RoPE and the cache's
+        # slice updates as separate ops, for A/B runs)
+        self.rope = None
+        if self.attention_kernel and all(f is not None for f in self._qkv) and self.flat:
+            if os.environ.get("MARKBASE_GPU_ROPE_APPEND", "1") != "0":
+                self.rope = rope_for_kernel(self.inner.layers)
 
     def _folds_norm(self, linear, norm) -> bool:
         """Whether ``norm`` goes inside ``linear``'s product (``fold_norm``, an
@@ -231,7 +255,9 @@ class FusedDecodeStep:
         dtype = self.inner.norm.weight.dtype
         if self.attention_kernel:
             attn = self.inner.layers[0].self_attn
-            gpu_attention.warm(attn.n_heads, attn.n_kv_heads, attn.head_dim, dtype, attn.scale)
+            gpu_attention.warm(
+                attn.n_heads, attn.n_kv_heads, attn.head_dim, dtype, attn.scale, self.rope
+            )
         if not (self.gpu_plans and mx.cuda.is_available() and dtype in (mx.bfloat16, mx.float16)):
             return
         groups = tuple(
@@ -291,15 +317,35 @@ class FusedDecodeStep:
             # makes MLX's CUDA quantized matmul run B one-row products, each reading
             # the whole weight: bench/gpu/NOTES.md, session 3)
             x = x.reshape(x.shape[0], -1)
-        for layer, pre, post, c in zip(self.inner.layers, self._pre, self._post, cache):
+        append = self.rope is not None and start is not None and x.ndim == 2 and offset.ndim == 1
+        for i, (layer, pre, post, c) in enumerate(
+            zip(self.inner.layers, self._pre, self._post, cache)
+        ):
+            attn = layer.self_attn
+            if append and hasattr(c, "reserve"):
+                # RoPE, the KV write and the attention in one kernel (gpu_attention)
+                keys, values = c.reserve(1)
+                o = gpu_attention.decode_attention_append(
+                    self._qkv[i](x),
+                    keys,
+                    values,
+                    start,
+                    offset,
+                    self.rope,
+                    attn.scale,
+                    attn.n_heads,
+                    slot=i,
+                )
+                x = post(x, o)
+                continue
             q, k, v = pre(x, offset)
             keys, values = c.update_and_fetch(k, v)
             # L == 1: grouped-query matmuls on the CPU and under an array mask on a
             # GPU, MLX's fused kernel on a GPU without one (engine/attention.py)
             if start is not None:
-                o = gpu_attention.decode_attention(q, keys, values, start, layer.self_attn.scale)
+                o = gpu_attention.decode_attention(q, keys, values, start, attn.scale, slot=i)
             else:
-                o = scaled_dot_product_attention(q, keys, values, c, layer.self_attn.scale, mask)
+                o = scaled_dot_product_attention(q, keys, values, c, attn.scale, mask)
             x = post(x, o)
         return self._head(x)
 
@@ -400,6 +446,28 @@ def attention_kernel_wanted(model) -> bool:
     if why:
         log.info("decode attention kernel not used: %s", why)
     return why is None
+
+
+def rope_for_kernel(layers):
+    """The attention kernel's RoPE table when every layer has the same RoPE module
+    settings and the kernel can apply it (engine/gpu_attention.rope_table), else None."""
+    from engine import gpu_attention
+
+    attn = layers[0].self_attn
+    table = gpu_attention.rope_table(attn.rope, attn.head_dim)
+    if table is None:
+        log.info("RoPE stays a separate op: %s", type(attn.rope).__name__)
+        return None
+
+    def settings(rope):
+        return (
+            type(rope),
+            *(getattr(rope, a, None) for a in ("dims", "traditional", "base", "scale")),
+        )
+
+    if any(settings(layer.self_attn.rope) != settings(attn.rope) for layer in layers):
+        return None
+    return table
 
 
 def on_gpu() -> bool:

@@ -1,4 +1,4 @@
-"""Decode attention over the running batch's KV as one CUDA kernel (two for long rows).
+"""Decode attention over the running batch's KV as one CUDA kernel.
 
 Why: MLX's fused CUDA attention (cuDNN or its vector kernel) refuses an array mask in
 a decode step, and the running batch needs one as soon as its rows differ in length
@@ -13,7 +13,12 @@ Layout: one block per (time split, KV head, row); each warp walks its share of t
 positions four at a time (loads first, so several are in flight), keeping an online
 softmax per query head; the block's warps are merged in shared memory. When rows are
 few, the time axis is split over several blocks (``splits``) so that enough blocks
-run, and a second small kernel merges the splits.
+run, and the last block of each (row, KV head) to finish merges the splits (before
+session 8 a second small kernel did; ``MARKBASE_GPU_ATTN_TWO_PASS=1`` brings it back).
+
+The append form (``decode_attention_append``) takes the fused q/k/v product before
+RoPE, applies RoPE itself and writes the new position's k and v into the cache: RoPE
+and the cache's two slice updates are then not separate graph nodes (3 a layer).
 
 Inputs are MLX arrays as the decode step has them: ``q`` [B, Hq, 1, D] (any strides
 with a contiguous last dim), ``keys``/``values`` [B, Hkv, T, D] views of the cache
@@ -24,11 +29,13 @@ one.
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from functools import cache
 
 from engine.cuda_kernels import Baked, KernelSpec
 
-_PARTIAL_BODY = r"""
+_SETUP = r"""
   constexpr int PER = HD / 32;
   constexpr int U = 4;
   const int split = blockIdx.x;
@@ -48,8 +55,12 @@ _PARTIAL_BODY = r"""
   const T* vb = values + b * values_strides[0] + hkv * values_strides[1] + lane * PER;
   const int64_t ts_k = keys_strides[2];
   const int64_t ts_v = values_strides[2];
-
   float qr[G][PER];
+"""
+
+# q as the decode step hands it (RoPE'd, [B, Hq, 1, D]); every position from the cache
+_Q_LOAD = r"""
+  const int t_end = t1;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     const T* qp = q + b * q_strides[0] + (hkv * G + g) * q_strides[1] + lane * PER;
@@ -58,6 +69,82 @@ _PARTIAL_BODY = r"""
       qr[g][i] = static_cast<float>(qp[i]) * MB_SCALE;
     }
   }
+"""
+
+# The append form: q, k and v of the new position (t_len - 1) come straight from the
+# row's qkv product and get their RoPE here (MLX's formula: angle = scale * position *
+# inv_freq, rounded to T as MLX's rope writes it). The block whose time range holds
+# the new position writes its k and v into the cache buffer behind keys/values (an
+# input: MLX orders it by the stream, see decode_attention_append) and takes that
+# position into the softmax from registers, so no block reads the slot being written.
+_Q_ROPE = r"""
+  const int t_new = t_len - 1;
+  const int t_end = min(t1, t_new);
+  const bool owner = t0 <= t_new && t_new < t1;
+  const int nq = n_kv * G * HD;
+  const T* xb = qkv + b * qkv_strides[0];
+  const float pos_f = MB_ROPE_SCALE * static_cast<float>(pos[b]);
+  float cs[PER];
+  float sn[PER];
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int d = lane * PER + i;
+    const float th = pos_f * inv_freq[TRAD ? d / 2 : d % (HD / 2)];
+    cs[i] = cosf(th);
+    sn[i] = sinf(th);
+  }
+  auto rope = [&](const T* src, float* out) {
+    float x[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      x[i] = static_cast<float>(src[lane * PER + i]);
+    }
+    if (TRAD) {
+#pragma unroll
+      for (int i = 0; i + 1 < PER; i += 2) {
+        out[i] = x[i] * cs[i] - x[i + 1] * sn[i];
+        out[i + 1] = x[i] * sn[i] + x[i + 1] * cs[i];
+      }
+    } else {
+      // dims d and d + HD/2 pair up: lanes l and l ^ 16
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const float p = __shfl_xor_sync(0xffffffff, x[i], 16);
+        out[i] = lane < 16 ? x[i] * cs[i] - p * sn[i] : p * sn[i] + x[i] * cs[i];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      out[i] = static_cast<float>(static_cast<T>(out[i]));
+    }
+  };
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    rope(xb + (hkv * G + g) * HD, qr[g]);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      qr[g][i] *= MB_SCALE;
+    }
+  }
+  float kn[PER];
+  float vn[PER];
+  rope(xb + nq + hkv * HD, kn);
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    vn[i] = static_cast<float>(xb[nq + n_kv * HD + hkv * HD + lane * PER + i]);
+  }
+  if (owner && warp == 0) {
+    T* kw = const_cast<T*>(kb) + t_new * ts_k;
+    T* vw = const_cast<T*>(vb) + t_new * ts_v;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      kw[i] = static_cast<T>(kn[i]);
+      vw[i] = static_cast<T>(vn[i]);
+    }
+  }
+"""
+
+_SOFTMAX_INIT = r"""
   float m[G];
   float l[G];
   float acc[G][PER];
@@ -71,7 +158,10 @@ _PARTIAL_BODY = r"""
     }
   }
 
-  for (int base = t0 + warp; base < t1; base += WARPS * U) {
+"""
+
+_LOOP = r"""
+  for (int base = t0 + warp; base < t_end; base += WARPS * U) {
     float kr[U][PER];
     float vr[U][PER];
 #pragma unroll
@@ -79,8 +169,8 @@ _PARTIAL_BODY = r"""
       const int t = base + j * WARPS;
 #pragma unroll
       for (int i = 0; i < PER; ++i) {
-        kr[j][i] = t < t1 ? static_cast<float>(kb[t * ts_k + i]) : 0.f;
-        vr[j][i] = t < t1 ? static_cast<float>(vb[t * ts_v + i]) : 0.f;
+        kr[j][i] = t < t_end ? static_cast<float>(kb[t * ts_k + i]) : 0.f;
+        vr[j][i] = t < t_end ? static_cast<float>(vb[t * ts_v + i]) : 0.f;
       }
     }
 #pragma unroll
@@ -105,7 +195,7 @@ _PARTIAL_BODY = r"""
       float mx = m[g];
 #pragma unroll
       for (int j = 0; j < U; ++j) {
-        if (base + j * WARPS < t1) {
+        if (base + j * WARPS < t_end) {
           mx = fmaxf(mx, s[j]);
         }
       }
@@ -118,7 +208,7 @@ _PARTIAL_BODY = r"""
       }
 #pragma unroll
       for (int j = 0; j < U; ++j) {
-        if (base + j * WARPS < t1) {
+        if (base + j * WARPS < t_end) {
           const float p = expf(s[j] - mx);
           lsum += p;
 #pragma unroll
@@ -135,7 +225,37 @@ _PARTIAL_BODY = r"""
       }
     }
   }
+"""
 
+# the append form's new position, by one warp of the block that owns it (the block's
+# warps are merged next, so any warp may take it)
+_NEW_POSITION = r"""
+  if (owner && warp == WARPS - 1) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float d = 0.f;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        d += qr[g][i] * kn[i];
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        d += __shfl_xor_sync(0xffffffff, d, off);
+      }
+      const float mx = fmaxf(m[g], d);
+      const float corr = expf(m[g] - mx);
+      const float p = expf(d - mx);
+      l[g] = l[g] * corr + p;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        acc[g][i] = acc[g][i] * corr + p * vn[i];
+      }
+      m[g] = mx;
+    }
+  }
+"""
+
+_MERGE = r"""
   __shared__ float sm_m[WARPS][G];
   __shared__ float sm_l[WARPS][G];
   __shared__ float sm_acc[WARPS][G][HD];
@@ -185,6 +305,50 @@ _WRITE_PARTS = r"""
   }
 """
 
+# The split forms in one kernel: after writing its partial softmax, each block counts
+# itself done on its (row, KV head)'s counter; the last one merges the splits (the
+# merge kernel's work) and sets the counter back to 0 for the next launch. The counter
+# array is an input that stays zero between launches (``_counters``); the partials are
+# read through L2 (``__ldcg``: another block's writes, made visible by its fence).
+_MERGE_LAST = r"""
+  __shared__ bool mb_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* cnt = const_cast<int*>(counter) + b * n_kv + hkv;
+    const bool last = atomicAdd(cnt, 1) == nsplit - 1;
+    if (last) {
+      *cnt = 0;
+    }
+    mb_last = last;
+  }
+  __syncthreads();
+  if (!mb_last) {
+    return;
+  }
+  __threadfence();
+  for (int idx = threadIdx.x; idx < G * HD; idx += WARPS * 32) {
+    const int g = idx / HD;
+    const int d = idx % HD;
+    const int64_t r0 = (static_cast<int64_t>(b) * n_kv * G + hkv * G + g) * nsplit;
+    float M = -INFINITY;
+    for (int s = 0; s < nsplit; ++s) {
+      M = fmaxf(M, __ldcg(pm + r0 + s));
+    }
+    float L = 0.f;
+    float A = 0.f;
+    for (int s = 0; s < nsplit; ++s) {
+      const float mw = __ldcg(pm + r0 + s);
+      if (mw != -INFINITY) {
+        const float e = expf(mw - M);
+        L += __ldcg(pl + r0 + s) * e;
+        A += __ldcg(pacc + (r0 + s) * HD + d) * e;
+      }
+    }
+    out[(r0 / nsplit) * HD + d] = static_cast<T>(A / L);
+  }
+"""
+
 _COMBINE_BODY = r"""
   const int64_t bh = blockIdx.x;
   const int d = threadIdx.x;
@@ -210,22 +374,42 @@ SMS = 132  # H100/H200; only sets how finely short batches split the time axis
 POSITIONS_PER_BLOCK = 128  # each of 8 warps walks ~16 positions (4 rounds of 4 loads)
 
 
-def _header(scale: float) -> str:
-    return f"#define MB_SCALE {float(scale)!r}f\n"
+def _header(scale: float, rope_scale: float = 1.0) -> str:
+    return f"#define MB_SCALE {float(scale)!r}f\n#define MB_ROPE_SCALE {float(rope_scale)!r}f\n"
 
 
-def _specs(scale: float) -> dict[str, KernelSpec]:
-    header = _header(scale)
-    inputs = [("q", "T", 4), ("keys", "T", 4), ("values", "T", 4), ("start", "int32", 1)]
+_READ = _SETUP + _Q_LOAD + _SOFTMAX_INIT + _LOOP + _MERGE
+_APPEND = _SETUP + _Q_ROPE + _SOFTMAX_INIT + _LOOP + _NEW_POSITION + _MERGE
+_PARTS_OUT = [("pm", "float32"), ("pl", "float32"), ("pacc", "float32")]
+_SPLIT_OUT = [("out", "T"), *_PARTS_OUT]
+_SPLIT_BODY = _WRITE_PARTS + _MERGE_LAST
+_COUNTER = ("counter", "int32", 1)
+
+
+def _specs(scale: float, rope_scale: float = 1.0) -> dict[str, KernelSpec]:
+    header = _header(scale, rope_scale)
+    cache = [("keys", "T", 4), ("values", "T", 4), ("start", "int32", 1)]
+    inputs = [("q", "T", 4), *cache]
+    append = [("qkv", "T", 2), *cache, ("pos", "int32", 1), ("inv_freq", "float32", 1)]
     return {
-        "single": KernelSpec(
-            "mb_decode_attn", inputs, [("out", "T")], _PARTIAL_BODY + _WRITE_OUT, header
-        ),
+        "single": KernelSpec("mb_decode_attn", inputs, [("out", "T")], _READ + _WRITE_OUT, header),
         "parts": KernelSpec(
-            "mb_decode_attn_parts",
-            inputs,
-            [("pm", "float32"), ("pl", "float32"), ("pacc", "float32")],
-            _PARTIAL_BODY + _WRITE_PARTS,
+            "mb_decode_attn_parts", inputs, _PARTS_OUT, _READ + _WRITE_PARTS, header
+        ),
+        "append": KernelSpec(
+            "mb_decode_attn_app", append, [("out", "T")], _APPEND + _WRITE_OUT, header
+        ),
+        "append_parts": KernelSpec(
+            "mb_decode_attn_app_parts", append, _PARTS_OUT, _APPEND + _WRITE_PARTS, header
+        ),
+        "split": KernelSpec(
+            "mb_decode_attn_split", [*inputs, _COUNTER], _SPLIT_OUT, _READ + _SPLIT_BODY, header
+        ),
+        "append_split": KernelSpec(
+            "mb_decode_attn_app_split",
+            [*append, _COUNTER],
+            _SPLIT_OUT,
+            _APPEND + _SPLIT_BODY,
             header,
         ),
         "combine": KernelSpec(
@@ -238,10 +422,10 @@ def _specs(scale: float) -> dict[str, KernelSpec]:
 
 
 @cache
-def _kernels(scale: float) -> Baked:
+def _kernels(scale: float, rope_scale: float = 1.0) -> Baked:
     """One kernel object per template values (engine/cuda_kernels.py: less host time a
-    call), per softmax scale."""
-    return Baked(lambda: _specs(scale), ensure_row_contiguous=False)
+    call), per softmax scale and RoPE position scale."""
+    return Baked(lambda: _specs(scale, rope_scale), ensure_row_contiguous=False)
 
 
 def warps_for(group: int, head_dim: int) -> int:
@@ -272,33 +456,143 @@ def splits(batch: int, n_kv_heads: int, length: int) -> int:
     return max(1, min(want, -(-length // POSITIONS_PER_BLOCK), 64))
 
 
-def decode_attention(q, keys, values, start, scale: float):
-    """softmax(q k^T * scale) v over each row's positions ``[start[b], T)``; [B, Hq, 1, D]."""
+def decode_attention(q, keys, values, start, scale: float, slot: int = 0):
+    """softmax(q k^T * scale) v over each row's positions ``[start[b], T)``; [B, Hq, 1, D].
+    ``slot``: which counters the one-kernel split form uses (``_counters``)."""
     b, hq, _, d = q.shape
+    kern = _kernels(float(scale))
+    forms = ("single", "split", "parts")
+    return _launch(kern, forms, [q, keys, values, start], b, hq, d, keys, q.dtype, slot=slot)
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """A RoPE module as the append kernel applies it: angle = scale * position *
+    inv_freq[i], the pairs (i, i + D/2), or (2i, 2i + 1) when ``traditional``."""
+
+    inv_freq: object  # mx.array [D/2] float32
+    scale: float
+    traditional: bool
+
+
+def rope_table(rope, head_dim: int) -> RopeTable | None:
+    """The table for mlx-lm's plain ``nn.RoPE`` or ``Llama3RoPE`` over the whole head,
+    computed as MLX's rope kernel computes it (``exp2(-i/(D/2) * log2(base))``, or
+    ``1/freqs``); None for any other module (YaRN's and SuScaled's input scales,
+    partial rotary dims), which keeps the separate RoPE op."""
+    import math
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+
+    dims = getattr(rope, "dims", None)
+    traditional = getattr(rope, "traditional", None)
+    if dims != head_dim or not isinstance(traditional, bool):
+        return None
+    if traditional and head_dim < 64:  # a lane's values must hold whole pairs
+        return None
+    half = head_dim // 2
+    if type(rope) is nn.RoPE:
+        d = np.arange(half, dtype=np.float32) / np.float32(half)
+        inv = np.exp2(-d * np.float32(math.log2(rope.base))).astype(np.float32)
+        return RopeTable(mx.array(inv), float(rope.scale), traditional)
+    if type(rope).__name__ == "Llama3RoPE" and getattr(rope, "_freqs", None) is not None:
+        freqs = np.array(rope._freqs.astype(mx.float32))
+        if freqs.shape != (half,):
+            return None
+        return RopeTable(
+            mx.array((1.0 / freqs.astype(np.float64)).astype(np.float32)), 1.0, traditional
+        )
+    return None
+
+
+def decode_attention_append(
+    qkv, keys, values, start, pos, rope: RopeTable, scale: float, n_heads: int, slot: int = 0
+):
+    """One decode step's attention from the fused QKV product, with RoPE and the KV
+    append inside: ``qkv`` [B, Hq*D + 2*Hkv*D] (the rows' q, k, v before RoPE),
+    ``keys``/``values`` [B, Hkv, T, D] views of the cache buffers whose last slot
+    (T - 1) is the new position, not yet written (``BatchKV.reserve``), ``start`` [B]
+    each row's first valid slot, ``pos`` [B] each row's RoPE position. Returns the
+    attention output [B, Hq, 1, D]; the new k (RoPE'd) and v are in the buffers after.
+
+    The write goes through an input array, which MLX does not know about. It is safe
+    for how the decode step uses it: MLX runs a stream's work in order and ends each
+    evaluation's CUDA graph at the end of the evaluation, no other node of a step reads
+    that layer's cache, and everything that reads the cache later (the next step,
+    ``BatchKV.keep``/``row_kv``) is evaluated after. 3 nodes a layer fewer than RoPE +
+    two slice updates + attention (the step is host-bound up to ~32 rows)."""
+    b = qkv.shape[0]
+    d = keys.shape[3]
+    kern = _kernels(float(scale), float(rope.scale))
+    inputs = [qkv, keys, values, start, pos, rope.inv_freq]
+    forms = ("append", "append_split", "append_parts")
+    return _launch(kern, forms, inputs, b, n_heads, d, keys, qkv.dtype, rope.traditional, slot)
+
+
+def _counters(n: int, slot: int):
+    """A zeroed int32 array of at least ``n`` counters for the one-kernel split forms
+    (each launch leaves it zero again), one per ``slot`` and size class: launches that
+    may run at the same time (MLX's CUDA graphs run nodes without a data dependency
+    side by side) must use different slots; the decode step uses one per layer."""
+    import mlx.core as mx
+
+    size = max(1024, 1 << (n - 1).bit_length())
+    arr = _COUNTERS.get((slot, size))
+    if arr is None:
+        arr = mx.zeros((size,), dtype=mx.int32)
+        mx.eval(arr)
+        _COUNTERS[(slot, size)] = arr
+    return arr
+
+
+_COUNTERS: dict = {}
+
+
+def one_pass() -> bool:
+    """Split forms merge in the last block of each (row, KV head) (one kernel), unless
+    ``MARKBASE_GPU_ATTN_TWO_PASS=1`` (a second merge kernel, as before; for A/B runs)."""
+    return os.environ.get("MARKBASE_GPU_ATTN_TWO_PASS", "0") != "1"
+
+
+def _launch(kern, forms, inputs, b, hq, d, keys, dtype, traditional=None, slot=0):
+    """Run a form unsplit, or split over time (merged in the kernel's last block per
+    row and KV head, or by the merge kernel)."""
+    import mlx.core as mx
+
     hkv, t = keys.shape[1], keys.shape[2]
     g = hq // hkv
     warps = warps_for(g, d)
     n = splits(b, hkv, t)
-    kern = _kernels(float(scale))
-    template = (("T", q.dtype), ("HD", d), ("G", g), ("WARPS", warps))
-    inputs = [q, keys, values, start]
+    template = (("T", dtype), ("HD", d), ("G", g), ("WARPS", warps))
+    if traditional is not None:
+        template += (("TRAD", traditional),)
     grid = (n * warps * 32, hkv, b)
     block = (warps * 32, 1, 1)
+    single, split, parts = forms
     if n == 1:
-        return kern("single", template)(
+        return kern(single, template)(
             inputs=inputs,
             grid=grid,
             threadgroup=block,
             output_shapes=[(b, hq, 1, d)],
-            output_dtypes=[q.dtype],
+            output_dtypes=[dtype],
         )[0]
-    import mlx.core as mx
-
-    pm, pl, pacc = kern("parts", template)(
+    part_shapes = [(b, hq, n), (b, hq, n), (b, hq, n, d)]
+    if one_pass():
+        return kern(split, template)(
+            inputs=[*inputs, _counters(b * hkv, slot)],
+            grid=grid,
+            threadgroup=block,
+            output_shapes=[(b, hq, 1, d), *part_shapes],
+            output_dtypes=[dtype, mx.float32, mx.float32, mx.float32],
+        )[0]
+    pm, pl, pacc = kern(parts, template)(
         inputs=inputs,
         grid=grid,
         threadgroup=block,
-        output_shapes=[(b, hq, n), (b, hq, n), (b, hq, n, d)],
+        output_shapes=part_shapes,
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
     return kern("combine", template[:2])(
@@ -306,19 +600,26 @@ def decode_attention(q, keys, values, start, scale: float):
         grid=(b * hq * d, 1, 1),
         threadgroup=(d, 1, 1),
         output_shapes=[(b, hq, 1, d)],
-        output_dtypes=[q.dtype],
+        output_dtypes=[dtype],
     )[0]
 
 
-def warm(n_heads: int, n_kv_heads: int, head_dim: int, dtype, scale: float) -> None:
-    """Compile both forms (unsplit; split + merge) for this shape now, so that no request
-    waits on NVRTC: which form a step takes depends on its rows and length."""
+def warm(n_heads: int, n_kv_heads: int, head_dim: int, dtype, scale: float, rope=None) -> None:
+    """Compile every form (unsplit; split + merge; with ``rope``, a ``RopeTable``, the
+    append forms too) for this shape now, so that no request waits on NVRTC: which
+    form a step takes depends on its rows and length."""
     import mlx.core as mx
 
+    start = mx.zeros((1,), dtype=mx.int32)
+    width = (n_heads + 2 * n_kv_heads) * head_dim
     for t in (1, 4 * POSITIONS_PER_BLOCK):
         q = mx.zeros((1, n_heads, 1, head_dim), dtype=dtype)
         kv = mx.zeros((1, n_kv_heads, t, head_dim), dtype=dtype)
-        mx.eval(decode_attention(q, kv, kv, mx.zeros((1,), dtype=mx.int32), scale))
+        mx.eval(decode_attention(q, kv, kv, start, scale))
+        if rope is not None:
+            k, v = mx.zeros_like(kv), mx.zeros_like(kv)
+            qkv = mx.zeros((1, width), dtype=dtype)
+            mx.eval(decode_attention_append(qkv, k, v, start, start, rope, scale, n_heads))
 
 
 def kernel_specs_for_check() -> list[KernelSpec]:
@@ -331,6 +632,8 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                 tmpl = [("T", dtype), ("HD", hd)]
                 if kind != "combine":
                     tmpl += [("G", g), ("WARPS", w)]
+                if kind.startswith("append"):
+                    tmpl += [("TRAD", hd >= 64 and g == 4)]
                 ins = [(n, dtype if t == "T" else t, nd) for n, t, nd in spec.inputs]
                 outs = [(n, dtype if t == "T" else t) for n, t in spec.outputs]
                 name = f"{spec.name}_{dtype}_{hd}_{g}_{w}"

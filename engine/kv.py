@@ -101,6 +101,20 @@ class BatchKV:
         self._offset = None
         return self.keys[:, :, : self.length, :], self.values[:, :, : self.length, :]
 
+    def reserve(self, n: int = 1) -> tuple[mx.array, mx.array]:
+        """Room for ``n`` more time steps, counted as written, for a kernel that
+        writes them itself (engine/gpu_attention.py's append form: RoPE, the KV
+        write and the attention in one kernel); returns the views
+        ``update_and_fetch`` would, the new slots last."""
+        if self.keys is None or self.values is None:
+            raise ValueError("reserve() needs a cache that already holds the batch")
+        start = self.length
+        self.keys = _grow(self.keys, start, start + n, self.keys)
+        self.values = _grow(self.values, start, start + n, self.values)
+        self.length = start + n
+        self._offset = None
+        return self.keys[:, :, : self.length, :], self.values[:, :, : self.length, :]
+
     @property
     def offset(self) -> mx.array:
         """Per-row RoPE position of the next token ([B] int32). Made from host

@@ -74,7 +74,10 @@ CASES = [
 @cuda
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_kernel_equals_grouped_attention(case, dtype):
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_kernel_equals_grouped_attention(case, dtype, two_pass, monkeypatch):
+    """Split rows merged by their last block (default) or by the merge kernel."""
+    monkeypatch.setenv("MARKBASE_GPU_ATTN_TWO_PASS", "1" if two_pass else "0")
     b, hq, hkv, t, d, starts = case
     got, want = _case(b, hq, hkv, t, d, dtype, starts, capacity=t + 64)
     tol = 1e-5 if dtype == mx.float32 else 2e-2
@@ -99,3 +102,178 @@ def test_decode_step_with_kernel_equals_model():
     assert step.attention_kernel
     got = step(tokens, prefilled_batch(model, prompts))
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-3, rtol=1e-3)
+
+
+def _ropes():
+    import mlx.nn as nn
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}  # fmt: skip
+    return {
+        "plain": lambda d: nn.RoPE(d, base=10000.0),
+        "traditional": lambda d: nn.RoPE(d, traditional=True, base=500000.0),
+        "scaled": lambda d: nn.RoPE(d, base=10000.0, scale=0.25),
+        "llama3": lambda d: Llama3RoPE(d, base=500000.0, scaling_config=llama3),
+    }
+
+
+def _rotate(x, table, pos):
+    """The kernel's RoPE in numpy: x [B, H, D] float64, pos [B]."""
+    inv = np.array(table.inv_freq)
+    # the angle in float32 as the kernel (and MLX's rope) forms it
+    p = (np.float32(table.scale) * pos.astype(np.float32))[:, None, None]
+    ang = (p * inv[None, None, :]).astype(np.float64)  # [B, 1, D/2]
+    c, s = np.cos(ang), np.sin(ang)
+    if table.traditional:
+        a, b = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
+        return out
+    h = x.shape[-1] // 2
+    a, b = x[..., :h], x[..., h:]
+    return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
+
+
+@pytest.mark.parametrize("kind", ["plain", "traditional", "scaled", "llama3"])
+def test_rope_table_is_the_modules_rope(kind):
+    """The table the append kernel uses rotates like the module itself (runs on any
+    backend: the kernel's arithmetic in numpy against mx.fast.rope)."""
+    d = 128
+    rope = _ropes()[kind](d)
+    table = gpu_attention.rope_table(rope, d)
+    assert table is not None and table.traditional == (kind == "traditional")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 3, d)).astype(np.float32)
+    pos = np.array([0, 7, 1000, 30000])
+    want = rope(mx.array(x)[:, :, None, :], offset=mx.array(pos, dtype=mx.int32))[:, :, 0, :]
+    got = _rotate(x.astype(np.float64), table, pos)
+    # exact up to how the float32 angle rounds (~1e-7 of it: ~3e-3 rad at 30,000)
+    np.testing.assert_allclose(got[:2], np.array(want)[:2], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, np.array(want), atol=1e-2, rtol=0)
+
+
+def test_rope_table_refuses_what_the_kernel_cannot_apply():
+    import mlx.nn as nn
+
+    assert gpu_attention.rope_table(nn.RoPE(64), 128) is None  # partial rotary
+    assert gpu_attention.rope_table(nn.RoPE(32, traditional=True), 32) is None
+    assert gpu_attention.rope_table(object(), 128) is None
+
+
+APPEND_CASES = [
+    # (B, Hq, Hkv, T already cached, D, starts): unsplit and split, ragged rows, a row
+    # whose only valid position is the new one
+    (1, 32, 8, 600, 128, [0]),
+    (3, 32, 8, 300, 64, [0, 17, 300]),
+    (8, 16, 4, 1000, 128, [0, 1, 2, 500, 900, 998, 1000, 3]),
+    (40, 32, 8, 200, 64, [i * 4 for i in range(40)]),
+    (2, 8, 8, 0, 64, [0, 0]),
+]
+
+
+@cuda
+@pytest.mark.parametrize("case", APPEND_CASES)
+@pytest.mark.parametrize("kind", ["plain", "traditional", "llama3"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_append_kernel_equals_rope_write_and_attention(case, kind, dtype):
+    """decode_attention_append == RoPE on q and k, k and v written at slot T, then the
+    attention over [start, T]; and the cache buffers hold the new k and v after."""
+    b, hq, hkv, t, d, starts = case
+    rng = np.random.default_rng(3)
+    cap = t + 40
+
+    def arr(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+    qkv = arr(b, (hq + 2 * hkv) * d)
+    kbuf, vbuf = arr(b, hkv, cap, d), arr(b, hkv, cap, d)
+    start = mx.array(starts, dtype=mx.int32)
+    pos = mx.array([t - s + 5 for s in starts], dtype=mx.int32)  # any positions
+    rope = _ropes()[kind](d)
+    table = gpu_attention.rope_table(rope, d)
+    scale = d**-0.5
+
+    q, k, v = mx.split(qkv, [hq * d, (hq + hkv) * d], axis=1)
+    q = rope(q.reshape(b, hq, 1, d), offset=pos)
+    k = rope(k.reshape(b, hkv, 1, d), offset=pos)
+    v = v.reshape(b, hkv, 1, d)
+    kref = mx.concatenate([kbuf[:, :, :t], k], axis=2)
+    vref = mx.concatenate([vbuf[:, :, :t], v], axis=2)
+    mask = (mx.arange(t + 1)[None, :] >= start[:, None])[:, None, None, :]
+    want = grouped_decode_attention(q, kref, vref, scale, mask)
+
+    kmine, vmine = mx.array(kbuf), mx.array(vbuf)  # copies: the kernel writes slot t
+    mx.eval(kmine, vmine)
+    got = gpu_attention.decode_attention_append(
+        qkv, kmine[:, :, : t + 1], vmine[:, :, : t + 1], start, pos, table, scale, hq
+    )
+    mx.eval(got)
+    tol = 1e-4 if dtype == mx.float32 else 2e-2
+
+    def f32(a):
+        return np.array(a.astype(mx.float32))
+
+    np.testing.assert_allclose(f32(got), f32(want), atol=tol, rtol=tol)
+    np.testing.assert_allclose(f32(kmine[:, :, t : t + 1]), f32(k), atol=tol, rtol=tol)
+    np.testing.assert_array_equal(f32(vmine[:, :, t : t + 1]), f32(v))
+    # the split form's counters are back to zero for the next launch
+    assert all(int(c.sum().item()) == 0 for c in gpu_attention._COUNTERS.values())
+    # nothing else in the buffers changed
+    np.testing.assert_array_equal(f32(kmine[:, :, :t]), f32(kbuf[:, :, :t]))
+    np.testing.assert_array_equal(f32(kmine[:, :, t + 1 :]), f32(kbuf[:, :, t + 1 :]))
+    np.testing.assert_array_equal(f32(vmine[:, :, t + 1 :]), f32(vbuf[:, :, t + 1 :]))
+
+
+@cuda
+@pytest.mark.parametrize("variant", ["default", "traditional", "llama3", "linear", "mha"])
+def test_decode_step_append_form_equals_model(variant):
+    """The GPU decode step with RoPE and the KV write inside the attention kernel gives
+    the model's own logits over several steps (each step reads the slots the previous
+    ones wrote), ragged rows, for every RoPE variant mlx-lm's llama takes; and the
+    cache the kernel filled equals the one the model filled."""
+    from conftest_loading import RAGGED_PROMPTS, prefilled_batch
+    from test_cpu_step import ROPES
+
+    from engine.decode_step import make_decode_step
+    from engine.loading import build_random_model
+
+    cfg = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+               vocab_size=512, tie_word_embeddings=False)  # fmt: skip
+    model = build_random_model("llama", {**cfg, **ROPES[variant]}, seed=4).model
+    step = make_decode_step(model)
+    assert step.attention_kernel and step.rope is not None
+    mine, theirs = prefilled_batch(model, RAGGED_PROMPTS), prefilled_batch(model, RAGGED_PROMPTS)
+    tokens = mx.array([[11], [12], [13]], dtype=mx.int32)
+    for _ in range(4):
+        got = step(tokens, mine)
+        want = model(tokens, cache=theirs)[:, -1, :]
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-3, rtol=1e-3)
+        tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
+    for a, b in zip(mine, theirs):
+        assert a.length == b.length
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            np.testing.assert_allclose(
+                np.array(x[:, :, : a.length]), np.array(y[:, :, : b.length]), atol=1e-3, rtol=1e-3
+            )
+
+
+def test_batch_kv_reserve_counts_the_slot_and_keeps_the_rows():
+    """BatchKV.reserve: the append kernel's slot is counted (length, per-row offsets),
+    the buffer grows when full and keeps what it held, the views end at the new slot."""
+    from engine.kv import BatchKV
+
+    kv = BatchKV()
+    k = mx.arange(2 * 1 * 3 * 4, dtype=mx.float32).reshape(2, 1, 3, 4)
+    kv.add(k[:1], k[:1] + 100)
+    kv.add(k[1:, :, :2], k[1:, :, :2] + 100)  # a shorter row: left-padded by one
+    assert kv.length == 3 and kv.offset.tolist() == [3, 2]
+    cap = kv.keys.shape[2]
+    for n in range(1, cap + 2):  # past the capacity: one grow
+        keys, values = kv.reserve(1)
+        assert kv.length == 3 + n and keys.shape == (2, 1, 3 + n, 4) == values.shape
+        assert kv.offset.tolist() == [3 + n, 2 + n]
+    assert kv.keys.shape[2] > cap
+    np.testing.assert_array_equal(np.array(kv.keys[:1, :, :3]), np.array(k[:1]))
+    np.testing.assert_array_equal(np.array(kv.values[1:, :, 1:3]), np.array(k[1:, :, :2] + 100))

@@ -50,7 +50,9 @@ now = time.perf_counter
 # suffixes: "-nojoint" = q and k through two RoPE calls (FusedDecodeStep.joint_rope
 # off); "-mt1"/"-mt2" = engine/gpu_mma.py's blocks capped at 1/2 m-tiles (session 6
 # had 1); "-norm" = the RMSNorms inside qkv's and gate_up's products
-# (FusedDecodeStep.fold_norm, off by default until measured)
+# (FusedDecodeStep.fold_norm, off by default until measured); "-noapp" = RoPE and the
+# KV write as separate ops again (FusedDecodeStep.rope off: session 8's append form);
+# "-2pass" = split attention merged by a second kernel (MARKBASE_GPU_ATTN_TWO_PASS)
 VARIANTS = {
     "default": (True, None, None),  # what the engine does (engine/gpu_linear.py defaults)
     "mlx": (False, "1:xwt", "1:qmm"),
@@ -171,6 +173,7 @@ def main() -> None:
     from engine import gpu_linear
 
     kernel_ok = bool(getattr(step, "attention_kernel", False))
+    rope_table = getattr(step, "rope", None)  # the append form, when the step has one
     variants = [v for v in args.variants.split(",") if v]
     if not kernel_ok:  # no CUDA (a CPU dry run) or a shape the kernel does not take
         variants = [v for v in variants if not VARIANTS[v.split("-")[0]][0]] or variants[:1]
@@ -190,6 +193,9 @@ def main() -> None:
                     step.joint_rope = "-nojoint" not in v
                 if hasattr(step, "fold_norm"):
                     step.fold_norm = "-norm" in v
+                if hasattr(step, "rope"):
+                    step.rope = None if "-noapp" in v else rope_table
+                os.environ["MARKBASE_GPU_ATTN_TWO_PASS"] = "1" if "-2pass" in v else "0"
                 from engine import gpu_mma
 
                 gpu_mma.set_max_m_tiles(1 if "-mt1" in v else 2 if "-mt2" in v else None)
