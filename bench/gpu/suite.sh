@@ -37,6 +37,11 @@ snapshot_caches() {
         cp -r "$nv"/. "/tmp/nv-$w/" 2>/dev/null || true
     done
 }
+# TABLE_PIN=1: the table's processes on one logical CPU per physical core (cpu_pin.sh)
+PIN=""
+if [ "${TABLE_PIN:-0}" = 1 ]; then
+    PIN="taskset -c $(python3 -c 'import glob; print(",".join(sorted({open(p).read().strip().split(",")[0].split("-")[0] for p in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/topology/thread_siblings_list")}, key=int)))')"
+fi
 for stage in "$@"; do
     echo "=== $stage ($(date +%T))"
     case "$stage" in
@@ -96,9 +101,9 @@ for stage in "$@"; do
         for mq in ${TABLE_CONFIGS:-1b:bf16 1b:q4 8b:bf16 8b:q4}; do
             m=${mq%%:*} q=${mq##*:} steps=128
             [ "$q" = q4 ] && [ "$m" = 8b ] && steps=48  # ~100+ ms steps
-            timeout ${TABLE_TIMEOUT:-150} $B --models "$m" --quants "$q" --batches 1 --variants worker \
+            timeout ${TABLE_TIMEOUT:-150} $PIN $B --models "$m" --quants "$q" --batches 1 --variants worker \
                 --variant-batches "${TABLE_BATCHES:-1,8,32,128}" --steps $steps --chunk 0 \
-                --budget-s $(( ${TABLE_TIMEOUT:-150} - 20 )) --out "$OUT/table-$m-$q.json"
+                --budget-s $(( ${TABLE_TIMEOUT:-150} - 20 )) --out "$OUT/table-$m-$q${PIN:+-pinned}.json"
         done
         ;;
     engine-ab)  # session 4: the fused step with the hidden state [B, 1, D] (before) vs [B, D]
