@@ -63,7 +63,9 @@ def build_source(spec) -> str:
 ARCH = b"--gpu-architecture=sm_90a"
 
 
-def compile_source(root: Path, source: str, name: str) -> tuple[bool, str]:
+def compile_source(root: Path, source: str, name: str, ptx: Path | None = None) -> tuple[bool, str]:
+    """Compile for sm_90a (the log has ptxas' registers and spills); with ``ptx``, for
+    compute_90a instead, and the PTX goes to ``ptx/<name>.ptx`` (to read the loads)."""
     site = root / "site"
     lib = ctypes.CDLL(str(site / "nvidia/cu13/lib/libnvrtc.so.13"))
     prog = ctypes.c_void_p()
@@ -73,13 +75,13 @@ def compile_source(root: Path, source: str, name: str) -> tuple[bool, str]:
     assert rc == 0, rc
     opts = [
         b"--device-as-default-execution-space",
-        ARCH,
+        b"--gpu-architecture=compute_90a" if ptx else ARCH,
         f"--include-path={root / 'mlxdev'}".encode(),
         f"--include-path={site / 'mlx/include'}".encode(),
         f"--include-path={site / 'mlx/include/cccl'}".encode(),
         f"--include-path={site / 'nvidia/cu13/include'}".encode(),
         b"-std=c++17",
-        b"--ptxas-options=-v",
+        *([] if ptx else [b"--ptxas-options=-v"]),
     ]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
@@ -87,6 +89,12 @@ def compile_source(root: Path, source: str, name: str) -> tuple[bool, str]:
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     buf = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetProgramLog(prog, buf)
+    if ptx and rc == 0:
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        code = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetPTX(prog, code)
+        ptx.mkdir(parents=True, exist_ok=True)
+        (ptx / f"{name}.ptx").write_bytes(code.value)
     return rc == 0, buf.value.decode(errors="replace")
 
 
@@ -95,6 +103,7 @@ def main() -> None:
     ap.add_argument("--root", default="/tmp/nvrtc")
     ap.add_argument("--show", action="store_true", help="print the generated sources")
     ap.add_argument("--only", default="", help="only kernels whose name contains this")
+    ap.add_argument("--ptx", default="", help="write PTX (compute_90a) to this folder")
     args = ap.parse_args()
     from engine import gpu_attention, gpu_gemv, gpu_mma
 
@@ -110,7 +119,9 @@ def main() -> None:
         src = build_source(spec)
         if args.show:
             print(src)
-        ok, log = compile_source(Path(args.root), src, spec.name)
+        ok, log = compile_source(
+            Path(args.root), src, spec.name, Path(args.ptx) if args.ptx else None
+        )
         print(f"{spec.name}: {'ok' if ok else 'FAILED'}")
         if log.strip():
             print(log)
