@@ -167,15 +167,10 @@ _LOOP = r"""
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       const int t = base + j * WARPS;
-      if (t < t_end) {
-        mb_load<PER>(kb + t * ts_k, kr[j]);
-        mb_load<PER>(vb + t * ts_v, vr[j]);
-      } else {
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-          kr[j][i] = 0.f;
-          vr[j][i] = 0.f;
-        }
+      for (int i = 0; i < PER; ++i) {
+        kr[j][i] = t < t_end ? static_cast<float>(kb[t * ts_k + i]) : 0.f;
+        vr[j][i] = t < t_end ? static_cast<float>(vb[t * ts_v + i]) : 0.f;
       }
     }
 #pragma unroll
@@ -376,48 +371,11 @@ _COMBINE_BODY = r"""
 """
 
 SMS = 132  # H100/H200; only sets how finely short batches split the time axis
-# each of 8 warps walks ~4 positions (one round of 4 loads): a step over few rows is
-# latency-bound, and since the last block merges the splits (one kernel) more splits
-# cost little (session 8: 128 before, 5 blocks a head for 1 row of 640 positions)
-POSITIONS_PER_BLOCK = 32
-
-
-# A lane's PER values of one position as one 4/8/16-byte load (PER 2-byte values were
-# PER scalar loads: the kernel was load-instruction bound at 128 rows). Needs the
-# position's row aligned to the load, true for views [:, :, :T] of the cache buffers.
-_LOAD = r"""
-template <int N, typename TT>
-__device__ __forceinline__ void mb_load(const TT* p, float* out) {
-  constexpr int BYTES = N * static_cast<int>(sizeof(TT));
-  alignas(16) TT tmp[N];
-  if constexpr (BYTES % 16 == 0) {
-#pragma unroll
-    for (int j = 0; j < BYTES / 16; ++j) {
-      reinterpret_cast<uint4*>(tmp)[j] = __ldg(reinterpret_cast<const uint4*>(p) + j);
-    }
-  } else if constexpr (BYTES == 8) {
-    *reinterpret_cast<uint2*>(tmp) = __ldg(reinterpret_cast<const uint2*>(p));
-  } else if constexpr (BYTES == 4) {
-    *reinterpret_cast<unsigned int*>(tmp) = __ldg(reinterpret_cast<const unsigned int*>(p));
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      tmp[i] = p[i];
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    out[i] = static_cast<float>(tmp[i]);
-  }
-}
-"""
+POSITIONS_PER_BLOCK = 128  # each of 8 warps walks ~16 positions (4 rounds of 4 loads)
 
 
 def _header(scale: float, rope_scale: float = 1.0) -> str:
-    return (
-        f"#define MB_SCALE {float(scale)!r}f\n#define MB_ROPE_SCALE {float(rope_scale)!r}f\n"
-        + _LOAD
-    )
+    return f"#define MB_SCALE {float(scale)!r}f\n#define MB_ROPE_SCALE {float(rope_scale)!r}f\n"
 
 
 _READ = _SETUP + _Q_LOAD + _SOFTMAX_INIT + _LOOP + _MERGE
@@ -493,7 +451,7 @@ def supported(n_heads: int, n_kv_heads: int, head_dim: int, dtype) -> str | None
 
 def splits(batch: int, n_kv_heads: int, length: int) -> int:
     """Blocks per (row, KV head) along time: enough blocks for the GPU (~2 per SM) but
-    no fewer than ~32 positions per block."""
+    no fewer than ~128 positions per block."""
     want = -(-2 * SMS // (batch * n_kv_heads))
     return max(1, min(want, -(-length // POSITIONS_PER_BLOCK), 64))
 
