@@ -20,6 +20,9 @@ CPU). ``make_decode_step`` picks the configuration per backend:
   bench/gpu/NOTES.md measured on the H200 for 1b bf16 ("fused", +11% at B=1 alone,
   +57% together with a pipelined loop that the engine does not have yet). A
   per-layer compiled step was not measured there; ``compile=True`` asks for it.
+  With engine/gpu_attention.py's kernel and a cache that has ``reserve`` (``BatchKV``),
+  RoPE and the KV write happen inside the attention kernel, from the q/k/v product as
+  it comes out (``rope``: the RoPE table; None keeps them separate ops).
 
 Prefill keeps using the model's own modules (which read the same weights).
 """
@@ -100,8 +103,9 @@ class FusedDecodeStep:
         # the plan sends a step's rows there (MARKBASE_GPU_FOLD=0: separate ops, for A/B)
         self.fold = os.environ.get("MARKBASE_GPU_FOLD", "1") != "0"
         # with fold, also the RMSNorms before qkv and gate_up inside those products
-        # (engine/gpu_mma.py's _norm forms): 2 nodes a layer fewer; off until measured
-        # on a GPU (MARKBASE_GPU_NORM_FOLD=1 turns it on)
+        # (engine/gpu_mma.py's _norm forms): 2 nodes a layer fewer, but on the H200 the
+        # step's GPU time went up 45-60% (bench/gpu/NOTES.md, session 8), so off unless
+        # MARKBASE_GPU_NORM_FOLD=1
         self.fold_norm = os.environ.get("MARKBASE_GPU_NORM_FOLD", "0") == "1"
         # the hidden state as [B, D] between attentions (default: with gpu_plans,
         # i.e. on a GPU; the CPU's compiled step keeps [B, 1, D] as it was measured)
@@ -221,8 +225,8 @@ class FusedDecodeStep:
             return lm_head(x)
 
         self._head = wrap(head)
-        # GPU: decode attention as engine/gpu_attention.py's kernel (no mask, one or
-        # two kernels a layer instead of MLX's masked fallback's seven)
+        # GPU: decode attention as engine/gpu_attention.py's kernel (no mask, one
+        # kernel a layer instead of MLX's masked fallback's seven)
         self.attention_kernel = bool(gpu_plans) and attention_kernel_wanted(model)
         # ... and with RoPE and the KV write inside it, from the fused q/k/v product
         # (3 nodes a layer fewer; MARKBASE_GPU_ROPE_APPEND=0: RoPE and the cache's

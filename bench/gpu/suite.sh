@@ -13,6 +13,10 @@
 #   PROFILE_VARIANTS=default,s6-mt1,mma PROFILE_CONFIGS="8b:q4 1b:bf16 8b:bf16" \
 #       PROFILE_BATCHES=1,8,32 bash bench/gpu/suite.sh profile                    (session 7)
 #   TABLE_CONFIGS="8b:q4 1b:q4 8b:bf16" bash bench/gpu/suite.sh engine-table      (session 7)
+#   PROFILE_VARIANTS=default,default-noapp-2pass,default-norm PROFILE_CONFIGS="8b:q4 1b:bf16" \
+#       PROFILE_BATCHES=1,8,32 bash bench/gpu/suite.sh profile                    (session 8)
+#   bash bench/gpu/cpu_pin.sh 1b bf16 1,8; ENGINE_MODEL=8b ENGINE_QUANT=q4 \
+#       bash bench/gpu/suite.sh first-request engine-table                        (session 8)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
