@@ -201,13 +201,16 @@ for stage in "$@"; do
     *) echo "unknown stage $stage" ;;
     esac
 done
-# one file for all stages (a call brings back at most 8 files)
+# one file for all stages (a call brings back at most 8 files); a later suite.sh in the
+# same call adds to it (session 8 lost two profiles when the second one overwrote it)
 python3 - "$OUT" <<'PY'
 import glob, json, os, sys
 out = sys.argv[1]
 files = sorted(f for f in glob.glob(f"{out}/*.json") if not f.endswith("/all.json"))
-docs = [dict(json.load(open(f)), stage=os.path.basename(f)[:-5]) for f in files]
-json.dump(docs, open(f"{out}/all.json", "w"), indent=1)
+path = f"{out}/all.json"
+docs = json.load(open(path)) if os.path.exists(path) else []
+docs += [dict(json.load(open(f)), stage=os.path.basename(f)[:-5]) for f in files]
+json.dump(docs, open(path, "w"), indent=1)
 for f in files:
     os.remove(f)
 PY
