@@ -37,7 +37,6 @@ from engine.cuda_kernels import Baked, KernelSpec
 
 _SETUP = r"""
   constexpr int PER = HD / 32;
-  constexpr int U = 4;
   const int split = blockIdx.x;
   const int hkv = blockIdx.y;
   const int b = blockIdx.z;
@@ -167,10 +166,23 @@ _LOOP = r"""
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       const int t = base + j * WARPS;
+      if constexpr (VEC) {
+        if (t < t_end) {
+          mb_load<PER>(kb + t * ts_k, kr[j]);
+          mb_load<PER>(vb + t * ts_v, vr[j]);
+        } else {
 #pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        kr[j][i] = t < t_end ? static_cast<float>(kb[t * ts_k + i]) : 0.f;
-        vr[j][i] = t < t_end ? static_cast<float>(vb[t * ts_v + i]) : 0.f;
+          for (int i = 0; i < PER; ++i) {
+            kr[j][i] = 0.f;
+            vr[j][i] = 0.f;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          kr[j][i] = t < t_end ? static_cast<float>(kb[t * ts_k + i]) : 0.f;
+          vr[j][i] = t < t_end ? static_cast<float>(vb[t * ts_v + i]) : 0.f;
+        }
       }
     }
 #pragma unroll
@@ -374,8 +386,53 @@ SMS = 132  # H100/H200; only sets how finely short batches split the time axis
 POSITIONS_PER_BLOCK = 128  # each of 8 warps walks ~16 positions (4 rounds of 4 loads)
 
 
+# VEC (MARKBASE_GPU_ATTN_VEC=1, off): a lane's PER values of one position as one
+# 4/8/16-byte plain load instead of PER scalar loads. Session 8 measured the same with
+# ld.global.nc (__ldg) and splits of ~32 positions together: attention 30-50% slower,
+# not understood; this form (plain ld.global, default splits) is there to separate the
+# two. Needs each position's row aligned to the load: true for views [:, :, :T] of the
+# cache buffers.
+_LOAD = r"""
+template <int N, typename TT>
+__device__ __forceinline__ void mb_load(const TT* p, float* out) {
+  constexpr int BYTES = N * static_cast<int>(sizeof(TT));
+  alignas(16) TT tmp[N];
+  if constexpr (BYTES % 16 == 0) {
+#pragma unroll
+    for (int j = 0; j < BYTES / 16; ++j) {
+      reinterpret_cast<uint4*>(tmp)[j] = reinterpret_cast<const uint4*>(p)[j];
+    }
+  } else if constexpr (BYTES == 8) {
+    *reinterpret_cast<uint2*>(tmp) = *reinterpret_cast<const uint2*>(p);
+  } else if constexpr (BYTES == 4) {
+    *reinterpret_cast<unsigned int*>(tmp) = *reinterpret_cast<const unsigned int*>(p);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      tmp[i] = p[i];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    out[i] = static_cast<float>(tmp[i]);
+  }
+}
+"""
+
+
 def _header(scale: float, rope_scale: float = 1.0) -> str:
-    return f"#define MB_SCALE {float(scale)!r}f\n#define MB_ROPE_SCALE {float(rope_scale)!r}f\n"
+    head = f"#define MB_SCALE {float(scale)!r}f\n#define MB_ROPE_SCALE {float(rope_scale)!r}f\n"
+    return head + _LOAD
+
+
+def loop_shape() -> tuple[int, bool]:
+    """(U, VEC): positions a warp loads before it computes (``MARKBASE_GPU_ATTN_U``,
+    default 4) and whether as vector loads (``MARKBASE_GPU_ATTN_VEC=1``, default off);
+    knobs for A/B runs on the GPU (bench/gpu/profile_step.py's ``-u2``/``-u8``/``-vec``)."""
+    u = int(os.environ.get("MARKBASE_GPU_ATTN_U", "4"))
+    if u not in (1, 2, 4, 8):
+        raise ValueError(f"MARKBASE_GPU_ATTN_U={u}: 1, 2, 4 or 8")
+    return u, os.environ.get("MARKBASE_GPU_ATTN_VEC", "0") == "1"
 
 
 _READ = _SETUP + _Q_LOAD + _SOFTMAX_INIT + _LOOP + _MERGE
@@ -565,7 +622,8 @@ def _launch(kern, forms, inputs, b, hq, d, keys, dtype, traditional=None, slot=0
     g = hq // hkv
     warps = warps_for(g, d)
     n = splits(b, hkv, t)
-    template = (("T", dtype), ("HD", d), ("G", g), ("WARPS", warps))
+    u, vec = loop_shape()
+    template = (("T", dtype), ("HD", d), ("G", g), ("WARPS", warps), ("U", u), ("VEC", vec))
     if traditional is not None:
         template += (("TRAD", traditional),)
     grid = (n * warps * 32, hkv, b)
@@ -631,7 +689,7 @@ def kernel_specs_for_check() -> list[KernelSpec]:
             for kind, spec in _specs(0.125).items():
                 tmpl = [("T", dtype), ("HD", hd)]
                 if kind != "combine":
-                    tmpl += [("G", g), ("WARPS", w)]
+                    tmpl += [("G", g), ("WARPS", w), ("U", 8 if hd == 64 else 4), ("VEC", g == 4)]
                 if kind.startswith("append"):
                     tmpl += [("TRAD", hd >= 64 and g == 4)]
                 ins = [(n, dtype if t == "T" else t, nd) for n, t, nd in spec.inputs]

@@ -153,6 +153,33 @@ def test_rope_table_is_the_modules_rope(kind):
     np.testing.assert_allclose(got, np.array(want), atol=1e-2, rtol=0)
 
 
+@cuda
+@pytest.mark.parametrize("u, vec", [(2, False), (8, False), (4, True), (8, True)])
+@pytest.mark.parametrize("case", [CASES[2], CASES[3]])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_loop_shapes_give_the_same_attention(u, vec, case, dtype, monkeypatch):
+    """The A/B knobs of the attention loop (positions in flight a warp, vector loads)
+    compute the same attention, split and unsplit, ragged rows."""
+    monkeypatch.setenv("MARKBASE_GPU_ATTN_U", str(u))
+    monkeypatch.setenv("MARKBASE_GPU_ATTN_VEC", "1" if vec else "0")
+    b, hq, hkv, t, d, starts = case
+    got, want = _case(b, hq, hkv, t, d, dtype, starts, capacity=t + 64)
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
+def test_loop_shape_knobs(monkeypatch):
+    monkeypatch.delenv("MARKBASE_GPU_ATTN_U", raising=False)
+    monkeypatch.delenv("MARKBASE_GPU_ATTN_VEC", raising=False)
+    assert gpu_attention.loop_shape() == (4, False)
+    monkeypatch.setenv("MARKBASE_GPU_ATTN_U", "8")
+    monkeypatch.setenv("MARKBASE_GPU_ATTN_VEC", "1")
+    assert gpu_attention.loop_shape() == (8, True)
+    monkeypatch.setenv("MARKBASE_GPU_ATTN_U", "3")
+    with pytest.raises(ValueError, match="1, 2, 4 or 8"):
+        gpu_attention.loop_shape()
+
+
 def test_rope_table_refuses_what_the_kernel_cannot_apply():
     import mlx.nn as nn
 

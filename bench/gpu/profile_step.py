@@ -52,7 +52,9 @@ now = time.perf_counter
 # had 1); "-norm" = the RMSNorms inside qkv's and gate_up's products
 # (FusedDecodeStep.fold_norm, off by default until measured); "-noapp" = RoPE and the
 # KV write as separate ops again (FusedDecodeStep.rope off: session 8's append form);
-# "-2pass" = split attention merged by a second kernel (MARKBASE_GPU_ATTN_TWO_PASS)
+# "-2pass" = split attention merged by a second kernel (MARKBASE_GPU_ATTN_TWO_PASS);
+# "-u2"/"-u8" = positions a warp loads at a time in the attention kernel (default 4),
+# "-vec" = those loads as one vector load a lane (MARKBASE_GPU_ATTN_U / _VEC)
 VARIANTS = {
     "default": (True, None, None),  # what the engine does (engine/gpu_linear.py defaults)
     "mlx": (False, "1:xwt", "1:qmm"),
@@ -196,6 +198,10 @@ def main() -> None:
                 if hasattr(step, "rope"):
                     step.rope = None if "-noapp" in v else rope_table
                 os.environ["MARKBASE_GPU_ATTN_TWO_PASS"] = "1" if "-2pass" in v else "0"
+                os.environ["MARKBASE_GPU_ATTN_U"] = (
+                    "2" if "-u2" in v else "8" if "-u8" in v else "4"
+                )
+                os.environ["MARKBASE_GPU_ATTN_VEC"] = "1" if "-vec" in v else "0"
                 from engine import gpu_mma
 
                 gpu_mma.set_max_m_tiles(1 if "-mt1" in v else 2 if "-mt2" in v else None)
