@@ -342,44 +342,15 @@ _MERGE_LAST = r"""
   for (int idx = threadIdx.x; idx < G * HD; idx += WARPS * 32) {
     const int g = idx / HD;
     const int d = idx % HD;
-    const int64_t r0 = (static_cast<int64_t>(b) * n_kv * G + hkv * G + g) * nsplit;
-    float M = -INFINITY;
-    for (int s = 0; s < nsplit; ++s) {
-      M = fmaxf(M, __ldcg(pm + r0 + s));
-    }
-    float L = 0.f;
-    float A = 0.f;
-    for (int s = 0; s < nsplit; ++s) {
-      const float mw = __ldcg(pm + r0 + s);
-      if (mw != -INFINITY) {
-        const float e = expf(mw - M);
-        L += __ldcg(pl + r0 + s) * e;
-        A += __ldcg(pacc + (r0 + s) * HD + d) * e;
-      }
-    }
-    out[(r0 / nsplit) * HD + d] = static_cast<T>(A / L);
+    const int64_t row = static_cast<int64_t>(b) * n_kv * G + hkv * G + g;
+    out[row * HD + d] = static_cast<T>(mb_merge_splits<HD>(pm, pl, pacc, row, nsplit, d));
   }
 """
 
 _COMBINE_BODY = r"""
   const int64_t bh = blockIdx.x;
   const int d = threadIdx.x;
-  const int S = pm_shape[2];
-  float M = -INFINITY;
-  for (int s = 0; s < S; ++s) {
-    M = fmaxf(M, pm[bh * S + s]);
-  }
-  float L = 0.f;
-  float A = 0.f;
-  for (int s = 0; s < S; ++s) {
-    const float mw = pm[bh * S + s];
-    if (mw != -INFINITY) {
-      const float e = expf(mw - M);
-      L += pl[bh * S + s] * e;
-      A += pacc[(bh * S + s) * HD + d] * e;
-    }
-  }
-  out[bh * HD + d] = static_cast<T>(A / L);
+  out[bh * HD + d] = static_cast<T>(mb_merge_splits<HD>(pm, pl, pacc, bh, pm_shape[2], d));
 """
 
 SMS = 132  # H100/H200; only sets how finely short batches split the time axis
@@ -420,9 +391,36 @@ __device__ __forceinline__ void mb_load(const TT* p, float* out) {
 """
 
 
+# The splits' partial softmaxes of one (row, query head) merged, for dim d: by the merge
+# kernel (two-pass) and by the last block of a split (one-pass). Read through L2
+# (``__ldcg``): in the one-pass form the partials are other blocks' writes.
+_MERGE_SPLITS = r"""
+template <int HD>
+__device__ __forceinline__ float mb_merge_splits(
+    const float* pm, const float* pl, const float* pacc, int64_t row, int S, int d) {
+  const int64_t r0 = row * S;
+  float M = -INFINITY;
+  for (int s = 0; s < S; ++s) {
+    M = fmaxf(M, __ldcg(pm + r0 + s));
+  }
+  float L = 0.f;
+  float A = 0.f;
+  for (int s = 0; s < S; ++s) {
+    const float mw = __ldcg(pm + r0 + s);
+    if (mw != -INFINITY) {
+      const float e = expf(mw - M);
+      L += __ldcg(pl + r0 + s) * e;
+      A += __ldcg(pacc + (r0 + s) * HD + d) * e;
+    }
+  }
+  return A / L;
+}
+"""
+
+
 def _header(scale: float, rope_scale: float = 1.0) -> str:
     head = f"#define MB_SCALE {float(scale)!r}f\n#define MB_ROPE_SCALE {float(rope_scale)!r}f\n"
-    return head + _LOAD
+    return head + _LOAD + _MERGE_SPLITS
 
 
 def loop_shape() -> tuple[int, bool]:
@@ -474,6 +472,7 @@ def _specs(scale: float, rope_scale: float = 1.0) -> dict[str, KernelSpec]:
             [("pm", "float32", 3), ("pl", "float32", 3), ("pacc", "float32", 4)],
             [("out", "T")],
             _COMBINE_BODY,
+            _MERGE_SPLITS,
         ),
     }
 
