@@ -36,7 +36,9 @@ from functools import cache
 from engine.cuda_kernels import Baked, KernelSpec
 
 _SETUP = r"""
-  constexpr int PER = HD / 32;
+  constexpr int PER = HD / LP;  // a lane's values of one position
+  constexpr int PW = 32 / LP;  // positions a warp loads at once (one per LP lanes)
+  constexpr int WORDS = (PER * static_cast<int>(sizeof(T)) + 3) / 4;
   const int split = blockIdx.x;
   const int hkv = blockIdx.y;
   const int b = blockIdx.z;
@@ -44,14 +46,16 @@ _SETUP = r"""
   const int n_kv = gridDim.y;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  const int sub = lane / LP;  // which of the warp's PW positions this lane reads
+  const int sl = lane % LP;   // which PER values of it
   const int t_len = keys_shape[2];
   const int row0 = start[b];
   const int valid = t_len - row0;
   const int chunk = (valid + nsplit - 1) / nsplit;
   const int t0 = row0 + split * chunk;
   const int t1 = min(t_len, t0 + chunk);
-  const T* kb = keys + b * keys_strides[0] + hkv * keys_strides[1] + lane * PER;
-  const T* vb = values + b * values_strides[0] + hkv * values_strides[1] + lane * PER;
+  const T* kb = keys + b * keys_strides[0] + hkv * keys_strides[1] + sl * PER;
+  const T* vb = values + b * values_strides[0] + hkv * values_strides[1] + sl * PER;
   const int64_t ts_k = keys_strides[2];
   const int64_t ts_v = values_strides[2];
   float qr[G][PER];
@@ -62,7 +66,7 @@ _Q_LOAD = r"""
   const int t_end = t1;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    const T* qp = q + b * q_strides[0] + (hkv * G + g) * q_strides[1] + lane * PER;
+    const T* qp = q + b * q_strides[0] + (hkv * G + g) * q_strides[1] + sl * PER;
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
       qr[g][i] = static_cast<float>(qp[i]) * MB_SCALE;
@@ -87,7 +91,7 @@ _Q_ROPE = r"""
   float sn[PER];
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
-    const int d = lane * PER + i;
+    const int d = sl * PER + i;
     const float th = pos_f * inv_freq[TRAD ? d / 2 : d % (HD / 2)];
     cs[i] = cosf(th);
     sn[i] = sinf(th);
@@ -96,7 +100,7 @@ _Q_ROPE = r"""
     float x[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
-      x[i] = static_cast<float>(src[lane * PER + i]);
+      x[i] = static_cast<float>(src[sl * PER + i]);
     }
     if (TRAD) {
 #pragma unroll
@@ -105,11 +109,11 @@ _Q_ROPE = r"""
         out[i + 1] = x[i] * sn[i] + x[i + 1] * cs[i];
       }
     } else {
-      // dims d and d + HD/2 pair up: lanes l and l ^ 16
+      // dims d and d + HD/2 pair up: lanes sl and sl + LP/2 of the same position
 #pragma unroll
       for (int i = 0; i < PER; ++i) {
-        const float p = __shfl_xor_sync(0xffffffff, x[i], 16);
-        out[i] = lane < 16 ? x[i] * cs[i] - p * sn[i] : p * sn[i] + x[i] * cs[i];
+        const float p = __shfl_xor_sync(0xffffffff, x[i], LP / 2);
+        out[i] = sl < LP / 2 ? x[i] * cs[i] - p * sn[i] : p * sn[i] + x[i] * cs[i];
       }
     }
 #pragma unroll
@@ -130,9 +134,9 @@ _Q_ROPE = r"""
   rope(xb + nq + hkv * HD, kn);
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
-    vn[i] = static_cast<float>(xb[nq + n_kv * HD + hkv * HD + lane * PER + i]);
+    vn[i] = static_cast<float>(xb[nq + n_kv * HD + hkv * HD + sl * PER + i]);
   }
-  if (owner && warp == 0) {
+  if (owner && warp == 0 && sub == 0) {
     T* kw = const_cast<T*>(kb) + t_new * ts_k;
     T* vw = const_cast<T*>(vb) + t_new * ts_v;
 #pragma unroll
@@ -160,28 +164,32 @@ _SOFTMAX_INIT = r"""
 """
 
 _LOOP = r"""
-  for (int base = t0 + warp; base < t_end; base += WARPS * U) {
+  for (int base = t0 + warp * PW; base < t_end; base += WARPS * PW * U) {
     float kr[U][PER];
     float vr[U][PER];
+    uint32_t kw[U][WORDS];  // VEC: the loaded bytes, converted where used
+    uint32_t vw[U][WORDS];
+    bool ok[U];
 #pragma unroll
     for (int j = 0; j < U; ++j) {
-      const int t = base + j * WARPS;
+      const int t = base + sub + j * WARPS * PW;
+      ok[j] = t < t_end;
       if constexpr (VEC) {
-        if (t < t_end) {
-          mb_load<PER>(kb + t * ts_k, kr[j]);
-          mb_load<PER>(vb + t * ts_v, vr[j]);
+        if (ok[j]) {
+          mb_load_raw<WORDS>(kb + t * ts_k, kw[j]);
+          mb_load_raw<WORDS>(vb + t * ts_v, vw[j]);
         } else {
 #pragma unroll
-          for (int i = 0; i < PER; ++i) {
-            kr[j][i] = 0.f;
-            vr[j][i] = 0.f;
+          for (int w = 0; w < WORDS; ++w) {
+            kw[j][w] = 0u;
+            vw[j][w] = 0u;
           }
         }
       } else {
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
-          kr[j][i] = t < t_end ? static_cast<float>(kb[t * ts_k + i]) : 0.f;
-          vr[j][i] = t < t_end ? static_cast<float>(vb[t * ts_v + i]) : 0.f;
+          kr[j][i] = ok[j] ? static_cast<float>(kb[t * ts_k + i]) : 0.f;
+          vr[j][i] = ok[j] ? static_cast<float>(vb[t * ts_v + i]) : 0.f;
         }
       }
     }
@@ -193,12 +201,18 @@ _LOOP = r"""
         float d = 0.f;
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
-          d += qr[g][i] * kr[j][i];
+          float k;
+          if constexpr (VEC) {
+            k = mb_elem(kw[j], i, T{});
+          } else {
+            k = kr[j][i];
+          }
+          d += qr[g][i] * k;
         }
         s[j] = d;
       }
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
+      for (int off = LP / 2; off > 0; off >>= 1) {
 #pragma unroll
         for (int j = 0; j < U; ++j) {
           s[j] += __shfl_xor_sync(0xffffffff, s[j], off);
@@ -207,7 +221,7 @@ _LOOP = r"""
       float mx = m[g];
 #pragma unroll
       for (int j = 0; j < U; ++j) {
-        if (base + j * WARPS < t_end) {
+        if (ok[j]) {
           mx = fmaxf(mx, s[j]);
         }
       }
@@ -220,12 +234,18 @@ _LOOP = r"""
       }
 #pragma unroll
       for (int j = 0; j < U; ++j) {
-        if (base + j * WARPS < t_end) {
+        if (ok[j]) {
           const float p = expf(s[j] - mx);
           lsum += p;
 #pragma unroll
           for (int i = 0; i < PER; ++i) {
-            a[i] += p * vr[j][i];
+            float v;
+            if constexpr (VEC) {
+              v = mb_elem(vw[j], i, T{});
+            } else {
+              v = vr[j][i];
+            }
+            a[i] += p * v;
           }
         }
       }
@@ -251,8 +271,11 @@ _NEW_POSITION = r"""
         d += qr[g][i] * kn[i];
       }
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
+      for (int off = LP / 2; off > 0; off >>= 1) {
         d += __shfl_xor_sync(0xffffffff, d, off);
+      }
+      if (sub != 0) {
+        continue;  // the warp's other positions take it in when they merge
       }
       const float mx = fmaxf(m[g], d);
       const float corr = expf(m[g] - mx);
@@ -267,6 +290,31 @@ _NEW_POSITION = r"""
   }
 """
 
+# the warp's PW positions-at-once kept separate softmaxes: merged across the lanes that
+# read the same dims (lane ^ LP, ^ 2LP, ...) before the block's warps are merged
+_SUB_MERGE = r"""
+  if constexpr (PW > 1) {
+#pragma unroll
+    for (int off = LP; off < 32; off <<= 1) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float mo = __shfl_xor_sync(0xffffffff, m[g], off);
+        const float lo = __shfl_xor_sync(0xffffffff, l[g], off);
+        const float mx = fmaxf(m[g], mo);
+        const float c1 = mx == -INFINITY ? 0.f : expf(m[g] - mx);
+        const float c2 = mx == -INFINITY ? 0.f : expf(mo - mx);
+        l[g] = l[g] * c1 + lo * c2;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          const float ao = __shfl_xor_sync(0xffffffff, acc[g][i], off);
+          acc[g][i] = acc[g][i] * c1 + ao * c2;
+        }
+        m[g] = mx;
+      }
+    }
+  }
+"""
+
 _MERGE = r"""
   __shared__ float sm_m[WARPS][G];
   __shared__ float sm_l[WARPS][G];
@@ -277,9 +325,11 @@ _MERGE = r"""
       sm_m[warp][g] = m[g];
       sm_l[warp][g] = l[g];
     }
+    if (sub == 0) {
 #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      sm_acc[warp][g][lane * PER + i] = acc[g][i];
+      for (int i = 0; i < PER; ++i) {
+        sm_acc[warp][g][sl * PER + i] = acc[g][i];
+      }
     }
   }
   __syncthreads();
@@ -357,36 +407,42 @@ SMS = 132  # H100/H200; only sets how finely short batches split the time axis
 POSITIONS_PER_BLOCK = 128  # each of 8 warps walks ~16 positions (4 rounds of 4 loads)
 
 
-# VEC (MARKBASE_GPU_ATTN_VEC=1, off): a lane's PER values of one position as one
-# 4/8/16-byte plain load instead of PER scalar loads. Session 8 measured the same with
-# ld.global.nc (__ldg) and splits of ~32 positions together: attention 30-50% slower,
-# not understood; this form (plain ld.global, default splits) is there to separate the
-# two. Needs each position's row aligned to the load: true for views [:, :, :T] of the
-# cache buffers.
+# VEC: a lane's PER values of one position as one 4/8/16-byte load (or two), kept as
+# loaded until used, instead of PER scalar loads converted at once. Session 8 measured
+# vector loads through ld.global.nc converted at once (with splits of ~32 positions):
+# attention 30-50% slower, not understood. Needs each position's row aligned to the
+# load: true for views [:, :, :T] of the cache buffers (head_dim * itemsize bytes a row).
 _LOAD = r"""
-template <int N, typename TT>
-__device__ __forceinline__ void mb_load(const TT* p, float* out) {
-  constexpr int BYTES = N * static_cast<int>(sizeof(TT));
-  alignas(16) TT tmp[N];
-  if constexpr (BYTES % 16 == 0) {
+template <int W, typename TT>
+__device__ __forceinline__ void mb_load_raw(const TT* p, uint32_t* out) {
+  if constexpr (W % 4 == 0) {
 #pragma unroll
-    for (int j = 0; j < BYTES / 16; ++j) {
-      reinterpret_cast<uint4*>(tmp)[j] = reinterpret_cast<const uint4*>(p)[j];
+    for (int j = 0; j < W / 4; ++j) {
+      const uint4 u = reinterpret_cast<const uint4*>(p)[j];
+      out[4 * j] = u.x;
+      out[4 * j + 1] = u.y;
+      out[4 * j + 2] = u.z;
+      out[4 * j + 3] = u.w;
     }
-  } else if constexpr (BYTES == 8) {
-    *reinterpret_cast<uint2*>(tmp) = *reinterpret_cast<const uint2*>(p);
-  } else if constexpr (BYTES == 4) {
-    *reinterpret_cast<unsigned int*>(tmp) = *reinterpret_cast<const unsigned int*>(p);
+  } else if constexpr (W == 2) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    out[0] = u.x;
+    out[1] = u.y;
   } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      tmp[i] = p[i];
-    }
+    out[0] = *reinterpret_cast<const unsigned int*>(p);
   }
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    out[i] = static_cast<float>(tmp[i]);
-  }
+}
+// element i of what mb_load_raw loaded, as float
+__device__ __forceinline__ float mb_elem(const uint32_t* w, int i, float) {
+  return __uint_as_float(w[i]);
+}
+__device__ __forceinline__ float mb_elem(const uint32_t* w, int i, __nv_bfloat16) {
+  const uint32_t x = w[i >> 1];
+  return __uint_as_float((i & 1) ? (x & 0xffff0000u) : (x << 16));
+}
+__device__ __forceinline__ float mb_elem(const uint32_t* w, int i, __half) {
+  const uint32_t x = w[i >> 1];
+  return __half2float(__ushort_as_half(static_cast<unsigned short>((i & 1) ? x >> 16 : x)));
 }
 """
 
@@ -423,18 +479,81 @@ def _header(scale: float, rope_scale: float = 1.0) -> str:
     return head + _LOAD + _MERGE_SPLITS
 
 
-def loop_shape() -> tuple[int, bool]:
-    """(U, VEC): positions a warp loads before it computes (``MARKBASE_GPU_ATTN_U``,
-    default 4) and whether as vector loads (``MARKBASE_GPU_ATTN_VEC=1``, default off);
-    knobs for A/B runs on the GPU (bench/gpu/profile_step.py's ``-u2``/``-u8``/``-vec``)."""
-    u = int(os.environ.get("MARKBASE_GPU_ATTN_U", "4"))
-    if u not in (1, 2, 4, 8):
-        raise ValueError(f"MARKBASE_GPU_ATTN_U={u}: 1, 2, 4 or 8")
-    return u, os.environ.get("MARKBASE_GPU_ATTN_VEC", "0") == "1"
+@dataclass(frozen=True)
+class LoopShape:
+    """How the kernel walks the cache; A/B knobs (bench/gpu/attn_bench.py,
+    profile_step.py's suffixes), the defaults are the measured best."""
+
+    lanes: int = 32  # lanes that share one position: 32/lanes positions a warp load
+    u: int = 4  # positions a lane loads before it computes
+    vec: bool = False  # a lane's values of a position as one vector load
+    ppb: int = POSITIONS_PER_BLOCK  # fewest positions a block when rows split over time
+    warps: int = 8  # warps a block (fewer where the merge buffer needs it: warps_for)
+    two_pass: bool = False  # split rows merged by a second kernel (before session 8)
+
+    def __post_init__(self) -> None:
+        if self.lanes not in (8, 16, 32):
+            raise ValueError(f"attention lanes a position {self.lanes}: 8, 16 or 32")
+        if self.u not in (1, 2, 4, 8):
+            raise ValueError(f"attention positions in flight {self.u}: 1, 2, 4 or 8")
+        if self.ppb < 16:
+            raise ValueError(f"attention positions a block {self.ppb}: at least 16")
+        if self.warps not in (2, 4, 8):
+            raise ValueError(f"attention warps a block {self.warps}: 2, 4 or 8")
+
+    @classmethod
+    def parse(cls, text: str) -> LoopShape:
+        """``"l16u2vp64w4"``: lanes 16, u 2, vector loads, 64 positions a block, 4 warps
+        (letters l/u/p/w with a number, v and t alone; what is left out, the default)."""
+        import re
+
+        fields = {"l": "lanes", "u": "u", "p": "ppb", "w": "warps"}
+        kw: dict = {}
+        for key, num in re.findall(r"([a-z])(\d*)", text):
+            if key in fields and num:
+                kw[fields[key]] = int(num)
+            elif key == "v" and not num:
+                kw["vec"] = True
+            elif key == "t" and not num:
+                kw["two_pass"] = True
+            else:
+                raise ValueError(f"attention loop shape {text!r}: {key}{num}?")
+        return cls(**kw)
+
+    @classmethod
+    def from_env(cls) -> LoopShape:
+        """``MARKBASE_GPU_ATTN_LANES``/``_U``/``_VEC``/``_PPB``/``_WARPS``/``_TWO_PASS``."""
+        env = os.environ.get
+        d = cls()
+        return cls(
+            lanes=int(env("MARKBASE_GPU_ATTN_LANES", d.lanes)),
+            u=int(env("MARKBASE_GPU_ATTN_U", d.u)),
+            vec=env("MARKBASE_GPU_ATTN_VEC", "1" if d.vec else "0") == "1",
+            ppb=int(env("MARKBASE_GPU_ATTN_PPB", d.ppb)),
+            warps=int(env("MARKBASE_GPU_ATTN_WARPS", d.warps)),
+            two_pass=env("MARKBASE_GPU_ATTN_TWO_PASS", "0") == "1",
+        )
 
 
-_READ = _SETUP + _Q_LOAD + _SOFTMAX_INIT + _LOOP + _MERGE
-_APPEND = _SETUP + _Q_ROPE + _SOFTMAX_INIT + _LOOP + _NEW_POSITION + _MERGE
+_shape: list[LoopShape] = []
+
+
+def loop_shape() -> LoopShape:
+    """The loop shape launches use now (read from the environment once)."""
+    if not _shape:
+        _shape.append(LoopShape.from_env())
+    return _shape[0]
+
+
+def set_loop_shape(shape: LoopShape | None) -> None:
+    """Use ``shape`` from the next launch on; None: the environment's again."""
+    _shape.clear()
+    if shape is not None:
+        _shape.append(shape)
+
+
+_READ = _SETUP + _Q_LOAD + _SOFTMAX_INIT + _LOOP + _SUB_MERGE + _MERGE
+_APPEND = _SETUP + _Q_ROPE + _SOFTMAX_INIT + _LOOP + _NEW_POSITION + _SUB_MERGE + _MERGE
 _PARTS_OUT = [("pm", "float32"), ("pl", "float32"), ("pacc", "float32")]
 _SPLIT_OUT = [("out", "T"), *_PARTS_OUT]
 _SPLIT_BODY = _WRITE_PARTS + _MERGE_LAST
@@ -505,11 +624,11 @@ def supported(n_heads: int, n_kv_heads: int, head_dim: int, dtype) -> str | None
     return None
 
 
-def splits(batch: int, n_kv_heads: int, length: int) -> int:
+def splits(batch: int, n_kv_heads: int, length: int, ppb: int = POSITIONS_PER_BLOCK) -> int:
     """Blocks per (row, KV head) along time: enough blocks for the GPU (~2 per SM) but
-    no fewer than ~128 positions per block."""
+    no fewer than ~``ppb`` positions per block."""
     want = -(-2 * SMS // (batch * n_kv_heads))
-    return max(1, min(want, -(-length // POSITIONS_PER_BLOCK), 64))
+    return max(1, min(want, -(-length // ppb), 64))
 
 
 def decode_attention(q, keys, values, start, scale: float, slot: int = 0):
@@ -606,12 +725,6 @@ def _counters(n: int, slot: int):
 _COUNTERS: dict = {}
 
 
-def one_pass() -> bool:
-    """Split forms merge in the last block of each (row, KV head) (one kernel), unless
-    ``MARKBASE_GPU_ATTN_TWO_PASS=1`` (a second merge kernel, as before; for A/B runs)."""
-    return os.environ.get("MARKBASE_GPU_ATTN_TWO_PASS", "0") != "1"
-
-
 def _launch(kern, forms, inputs, b, hq, d, keys, dtype, traditional=None, slot=0):
     """Run a form unsplit, or split over time (merged in the kernel's last block per
     row and KV head, or by the merge kernel)."""
@@ -619,10 +732,13 @@ def _launch(kern, forms, inputs, b, hq, d, keys, dtype, traditional=None, slot=0
 
     hkv, t = keys.shape[1], keys.shape[2]
     g = hq // hkv
-    warps = warps_for(g, d)
-    n = splits(b, hkv, t)
-    u, vec = loop_shape()
-    template = (("T", dtype), ("HD", d), ("G", g), ("WARPS", warps), ("U", u), ("VEC", vec))
+    shape = loop_shape()
+    warps = min(shape.warps, warps_for(g, d))
+    n = splits(b, hkv, t, shape.ppb)
+    lanes = max(shape.lanes, d // 16)  # at most 16 values a lane
+    vec = shape.vec and d // lanes * dtype.size >= 4
+    template = (("T", dtype), ("HD", d), ("G", g), ("WARPS", warps), ("LP", lanes))
+    template += (("U", shape.u), ("VEC", vec))
     if traditional is not None:
         template += (("TRAD", traditional),)
     grid = (n * warps * 32, hkv, b)
@@ -637,7 +753,7 @@ def _launch(kern, forms, inputs, b, hq, d, keys, dtype, traditional=None, slot=0
             output_dtypes=[dtype],
         )[0]
     part_shapes = [(b, hq, n), (b, hq, n), (b, hq, n, d)]
-    if one_pass():
+    if not shape.two_pass:
         return kern(split, template)(
             inputs=[*inputs, _counters(b * hkv, slot)],
             grid=grid,
@@ -682,17 +798,22 @@ def warm(n_heads: int, n_kv_heads: int, head_dim: int, dtype, scale: float, rope
 def kernel_specs_for_check() -> list[KernelSpec]:
     """The sources with concrete template values (bench/gpu/nvrtc_check.py)."""
     out = []
-    for dtype in ("bfloat16", "float32"):
-        for hd, g in ((64, 4), (128, 4), (128, 8), (64, 1), (32, 2)):
+    for dtype, size in (("bfloat16", 2), ("float32", 4)):
+        for hd, g in ((64, 4), (128, 4), (128, 8), (64, 1), (32, 2), (256, 2)):
             w = warps_for(g, hd)
-            for kind, spec in _specs(0.125).items():
-                tmpl = [("T", dtype), ("HD", hd)]
-                if kind != "combine":
-                    tmpl += [("G", g), ("WARPS", w), ("U", 8 if hd == 64 else 4), ("VEC", g == 4)]
-                if kind.startswith("append"):
-                    tmpl += [("TRAD", hd >= 64 and g == 4)]
-                ins = [(n, dtype if t == "T" else t, nd) for n, t, nd in spec.inputs]
-                outs = [(n, dtype if t == "T" else t) for n, t in spec.outputs]
-                name = f"{spec.name}_{dtype}_{hd}_{g}_{w}"
-                out.append(KernelSpec(name, ins, outs, spec.source, spec.header, tmpl))
+            for lanes, u, vec in ((32, 4, False), (16, 4, True), (8, 2, True), (32, 8, True)):
+                lanes = max(lanes, hd // 16)
+                vec = vec and hd // lanes * size >= 4
+                for kind, spec in _specs(0.125).items():
+                    tmpl = [("T", dtype), ("HD", hd)]
+                    if kind == "combine" and (lanes, u) != (32, 4):
+                        continue
+                    if kind != "combine":
+                        tmpl += [("G", g), ("WARPS", w), ("LP", lanes), ("U", u), ("VEC", vec)]
+                    if kind.startswith("append"):
+                        tmpl += [("TRAD", hd >= 64 and g == 4)]
+                    ins = [(n, dtype if t == "T" else t, nd) for n, t, nd in spec.inputs]
+                    outs = [(n, dtype if t == "T" else t) for n, t in spec.outputs]
+                    name = f"{spec.name}_{dtype}_{hd}_{g}_{w}_{lanes}_{u}_{int(vec)}"
+                    out.append(KernelSpec(name, ins, outs, spec.source, spec.header, tmpl))
     return out

@@ -23,6 +23,14 @@ from engine.attention import grouped_decode_attention  # noqa: E402
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
 
 
+@pytest.fixture(autouse=True)
+def default_loop_shape():
+    """Each test starts and ends with the loop shape from the environment."""
+    gpu_attention.set_loop_shape(None)
+    yield
+    gpu_attention.set_loop_shape(None)
+
+
 def test_splits_give_enough_blocks_and_enough_work_per_block():
     # one row of an 8-KV-head model at 600 positions: 5 blocks of ~120 positions per head
     assert gpu_attention.splits(1, 8, 600) == 5
@@ -75,9 +83,9 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("two_pass", [False, True])
-def test_kernel_equals_grouped_attention(case, dtype, two_pass, monkeypatch):
+def test_kernel_equals_grouped_attention(case, dtype, two_pass):
     """Split rows merged by their last block (default) or by the merge kernel."""
-    monkeypatch.setenv("MARKBASE_GPU_ATTN_TWO_PASS", "1" if two_pass else "0")
+    gpu_attention.set_loop_shape(gpu_attention.LoopShape(two_pass=two_pass))
     b, hq, hkv, t, d, starts = case
     got, want = _case(b, hq, hkv, t, d, dtype, starts, capacity=t + 64)
     tol = 1e-5 if dtype == mx.float32 else 2e-2
@@ -153,15 +161,28 @@ def test_rope_table_is_the_modules_rope(kind):
     np.testing.assert_allclose(got, np.array(want), atol=1e-2, rtol=0)
 
 
+# the loop shapes bench/gpu/attn_bench.py compares: lanes a position, positions in flight,
+# vector loads, positions a block, warps a block
+SHAPES = [
+    "l32u2",
+    "l32u8",
+    "l32u4v",
+    "l32u8v",
+    "l16u2v",
+    "l16u4",
+    "l8u2vp32",
+    "l16u4vw4",
+    "l32u4p16w2",
+]
+
+
 @cuda
-@pytest.mark.parametrize("u, vec", [(2, False), (8, False), (4, True), (8, True)])
-@pytest.mark.parametrize("case", [CASES[2], CASES[3]])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3], CASES[5]])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_loop_shapes_give_the_same_attention(u, vec, case, dtype, monkeypatch):
-    """The A/B knobs of the attention loop (positions in flight a warp, vector loads)
-    compute the same attention, split and unsplit, ragged rows."""
-    monkeypatch.setenv("MARKBASE_GPU_ATTN_U", str(u))
-    monkeypatch.setenv("MARKBASE_GPU_ATTN_VEC", "1" if vec else "0")
+def test_loop_shapes_give_the_same_attention(shape, case, dtype):
+    """Every loop shape computes the same attention, split and unsplit, ragged rows."""
+    gpu_attention.set_loop_shape(gpu_attention.LoopShape.parse(shape))
     b, hq, hkv, t, d, starts = case
     got, want = _case(b, hq, hkv, t, d, dtype, starts, capacity=t + 64)
     tol = 1e-5 if dtype == mx.float32 else 2e-2
@@ -169,15 +190,23 @@ def test_loop_shapes_give_the_same_attention(u, vec, case, dtype, monkeypatch):
 
 
 def test_loop_shape_knobs(monkeypatch):
-    monkeypatch.delenv("MARKBASE_GPU_ATTN_U", raising=False)
-    monkeypatch.delenv("MARKBASE_GPU_ATTN_VEC", raising=False)
-    assert gpu_attention.loop_shape() == (4, False)
+    for name in ("U", "VEC", "LANES", "PPB", "WARPS", "TWO_PASS"):
+        monkeypatch.delenv(f"MARKBASE_GPU_ATTN_{name}", raising=False)
+    assert gpu_attention.loop_shape() == gpu_attention.LoopShape()
     monkeypatch.setenv("MARKBASE_GPU_ATTN_U", "8")
     monkeypatch.setenv("MARKBASE_GPU_ATTN_VEC", "1")
-    assert gpu_attention.loop_shape() == (8, True)
+    monkeypatch.setenv("MARKBASE_GPU_ATTN_LANES", "16")
+    gpu_attention.set_loop_shape(None)
+    assert gpu_attention.loop_shape() == gpu_attention.LoopShape(lanes=16, u=8, vec=True)
+    assert gpu_attention.LoopShape.parse("l16u8v") == gpu_attention.loop_shape()
+    want = gpu_attention.LoopShape(lanes=8, u=2, ppb=64, warps=4, two_pass=True)
+    assert gpu_attention.LoopShape.parse("l8u2p64w4t") == want
     monkeypatch.setenv("MARKBASE_GPU_ATTN_U", "3")
+    gpu_attention.set_loop_shape(None)
     with pytest.raises(ValueError, match="1, 2, 4 or 8"):
         gpu_attention.loop_shape()
+    with pytest.raises(ValueError, match="x3"):
+        gpu_attention.LoopShape.parse("l16x3")
 
 
 def test_rope_table_refuses_what_the_kernel_cannot_apply():
@@ -203,9 +232,13 @@ APPEND_CASES = [
 @pytest.mark.parametrize("case", APPEND_CASES)
 @pytest.mark.parametrize("kind", ["plain", "traditional", "llama3"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_append_kernel_equals_rope_write_and_attention(case, kind, dtype):
+@pytest.mark.parametrize("shape", ["", "l16u2v", "l8u4vp32"])
+def test_append_kernel_equals_rope_write_and_attention(case, kind, dtype, shape):
     """decode_attention_append == RoPE on q and k, k and v written at slot T, then the
-    attention over [start, T]; and the cache buffers hold the new k and v after."""
+    attention over [start, T]; and the cache buffers hold the new k and v after. Also
+    for loop shapes where several positions share a warp (RoPE's pairs, the new
+    position and the merge of a warp's positions then differ)."""
+    gpu_attention.set_loop_shape(gpu_attention.LoopShape.parse(shape))
     b, hq, hkv, t, d, starts = case
     rng = np.random.default_rng(3)
     cap = t + 40

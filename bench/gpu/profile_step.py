@@ -26,8 +26,10 @@ the host is.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -41,6 +43,7 @@ import mlx.core as mx  # noqa: E402
 from bench_decode import build_batch, build_model, prefill_row, ragged_lengths  # noqa: E402
 from shapes import CONFIGS  # noqa: E402
 
+from engine import gpu_attention  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 from engine.sampler import sample_batch  # noqa: E402
 
@@ -53,8 +56,8 @@ now = time.perf_counter
 # (FusedDecodeStep.fold_norm, off by default until measured); "-noapp" = RoPE and the
 # KV write as separate ops again (FusedDecodeStep.rope off: session 8's append form);
 # "-2pass" = split attention merged by a second kernel (MARKBASE_GPU_ATTN_TWO_PASS);
-# "-u2"/"-u8" = positions a warp loads at a time in the attention kernel (default 4),
-# "-vec" = those loads as one vector load a lane (MARKBASE_GPU_ATTN_U / _VEC)
+# "-at<shape>" = the attention kernel's loop shape (gpu_attention.LoopShape.parse, e.g.
+# "-atl16u2v"; bench/gpu/attn_bench.py times the kernel alone)
 VARIANTS = {
     "default": (True, None, None),  # what the engine does (engine/gpu_linear.py defaults)
     "mlx": (False, "1:xwt", "1:qmm"),
@@ -197,11 +200,11 @@ def main() -> None:
                     step.fold_norm = "-norm" in v
                 if hasattr(step, "rope"):
                     step.rope = None if "-noapp" in v else rope_table
-                os.environ["MARKBASE_GPU_ATTN_TWO_PASS"] = "1" if "-2pass" in v else "0"
-                os.environ["MARKBASE_GPU_ATTN_U"] = (
-                    "2" if "-u2" in v else "8" if "-u8" in v else "4"
-                )
-                os.environ["MARKBASE_GPU_ATTN_VEC"] = "1" if "-vec" in v else "0"
+                at = re.search(r"-at([a-z0-9]+)", v)
+                shape = gpu_attention.LoopShape.parse(at.group(1) if at else "")
+                if "-2pass" in v:
+                    shape = dataclasses.replace(shape, two_pass=True)
+                gpu_attention.set_loop_shape(shape)
                 from engine import gpu_mma
 
                 gpu_mma.set_max_m_tiles(1 if "-mt1" in v else 2 if "-mt2" in v else None)

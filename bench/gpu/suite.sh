@@ -17,6 +17,8 @@
 #       PROFILE_BATCHES=1,8,32 bash bench/gpu/suite.sh profile                    (session 8)
 #   bash bench/gpu/cpu_pin.sh 1b bf16 1,8; ENGINE_MODEL=8b ENGINE_QUANT=q4 \
 #       bash bench/gpu/suite.sh first-request engine-table                        (session 8)
+#   PROFILE_CONFIGS="8b:bf16 8b:q4" PROFILE_BATCHES=1,128 \
+#       bash bench/gpu/suite.sh attn-test attn-bench profile                      (session 9)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -45,6 +47,11 @@ snapshot_caches() {
 PIN=""
 if [ "${TABLE_PIN:-0}" = 1 ]; then
     PIN="taskset -c $(python3 -c 'import glob; print(",".join(sorted({open(p).read().strip().split(",")[0].split("-")[0] for p in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/topology/thread_siblings_list")}, key=int)))')"
+fi
+# attn-bench's winner (MARKBASE_GPU_ATTN_*, ATTN_BEST), for the later stages and for
+# later calls on the same warm machine; ATTN_ENV=0 leaves the code's default shape
+if [ "${ATTN_ENV:-1}" = 1 ] && [ -f /tmp/attn.env ]; then
+    source /tmp/attn.env
 fi
 for stage in "$@"; do
     echo "=== $stage ($(date +%T))"
@@ -166,11 +173,27 @@ for stage in "$@"; do
         fi
         timeout 120 python3 bench/gpu/call_cost.py --out "$OUT/call_cost.json" 2>&1 | tee "$OUT/call_cost.log"
         ;;
+    attn-test)  # session 9: the attention kernel's tests, every loop shape (before attn-bench)
+        timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py 2>&1 \
+            | tee "$OUT/test_attn.log"
+        ;;
+    attn-bench)  # session 9: the attention kernel alone per loop shape (CUPTI); the best
+        # shape over all shapes goes to /tmp/attn.env, which the later stages use
+        to=${ATTN_TIMEOUT:-220}
+        timeout $to python3 bench/gpu/attn_bench.py --budget-s $(( to - 40 )) \
+            ${ATTN_VARIANTS:+--variants $ATTN_VARIANTS} ${ATTN_SHAPES:+--shapes $ATTN_SHAPES} \
+            --out "$OUT/attn.json" --env /tmp/attn.env 2>&1 | tee "$OUT/attn.log"
+        if [ -f /tmp/attn.env ]; then
+            source /tmp/attn.env
+            cat /tmp/attn.env
+        fi
+        ;;
     profile)  # session 5: kernels and GPU busy time per step (CUPTI), attention kernel vs MLX's
         for mq in ${PROFILE_CONFIGS:-8b:q4 1b:bf16 8b:bf16 1b:q4}; do
             m=${mq%%:*} q=${mq##*:} to=${PROFILE_TIMEOUT:-100}
             timeout $to python3 bench/gpu/profile_step.py --model "$m" --quant "$q" \
-                --batches "${PROFILE_BATCHES:-1,8,32,128}" --variants "${PROFILE_VARIANTS:-kernel,mlx}" \
+                --batches "${PROFILE_BATCHES:-1,8,32,128}" \
+                --variants "${PROFILE_VARIANTS:-default${ATTN_BEST:+,default-at$ATTN_BEST}}" \
                 --steps "${PROFILE_STEPS:-48}" --repeat "${PROFILE_REPEAT:-2}" \
                 --budget-s $(( to - 20 )) --out "$OUT/profile-$m-$q.json"
         done
