@@ -174,6 +174,8 @@ _HEAD = r"""
     xr[j] = x + (int64_t)(xv[j] ? m : 0) * K;
   }
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  // 0 at run time (K < 2^31), unknown to the compiler: see PIN in the loops
+  const uint32_t mb_hidden_zero = static_cast<uint32_t>(K) >> 31;
 """
 
 _TAIL = r"""
@@ -295,6 +297,21 @@ _F_LOOP = r"""
         }
       }
     }
+    if constexpr (PIN) {  // every load before the first MMA (see the 4-bit loop)
+      uint32_t dep = 0u;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          dep ^= a0[i][u].w ^ a1[i][u].w;
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          dep ^= b[j][u].w;
+        }
+      }
+      a0[0][0].x ^= dep & mb_hidden_zero;
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll
@@ -370,6 +387,27 @@ _Q4_LOOP = r"""
           }
         }
       }
+    }
+    if constexpr (PIN) {
+      // ptxas otherwise sinks the loads of u >= 1 below the MMAs of u = 0, leaving one
+      // u's loads in flight a lane (SASS of session 8's kernel): the first MMA's
+      // operand now depends on every load, through a zero the compiler cannot see
+      uint32_t dep = 0u;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          dep ^= q0[i][u].w ^ q1[i][u].w ^ sc0[i][u] ^ sc1[i][u] ^ bi0[i][u] ^ bi1[i][u];
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+          for (int p = 0; p < 4; ++p) {
+            dep ^= b[j][u][p].w;
+          }
+        }
+      }
+      q0[0][0].x ^= dep & mb_hidden_zero;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -520,9 +558,41 @@ def quant_supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: s
     )
 
 
+# A/B knobs for 4-bit products of 1-8 rows (one n-tile): chunks a lane loads before it
+# computes and warps a block (bench/gpu/q4_bench.py); empty = the rules above
+_q4_few: dict = {}
+
+
+def set_q4_few_rows(u: int | None = None, warps: int | None = None) -> None:
+    """Launchers made from now on for 4-bit products of 1-8 rows use ``u`` / ``warps``
+    (None: the default rule); a ``u`` that K does not allow falls back to the rule."""
+    _q4_few.clear()
+    _q4_few.update({k: v for k, v in (("u", u), ("warps", warps)) if v is not None})
+
+
+_pin: list[bool] = []
+
+
+def pin_loads() -> bool:
+    """Whether the kernels make their first MMA wait on every load of an iteration
+    (``PIN``; ``MARKBASE_GPU_MMA_PIN=0`` turns it off, for A/B runs)."""
+    if not _pin:
+        import os
+
+        _pin.append(os.environ.get("MARKBASE_GPU_MMA_PIN", "1") != "0")
+    return _pin[0]
+
+
+def set_pin_loads(on: bool | None) -> None:
+    """PIN for launchers made from now on (None: the environment's)."""
+    _pin.clear()
+    if on is not None:
+        _pin.append(on)
+
+
 @cache
-def _template(dtype, nt: int, u: int, gs: int, mt: int) -> tuple:
-    out = (("T", dtype), ("NT", nt), ("U", u), ("WARPS", WARPS), ("MT", mt))
+def _template(dtype, nt: int, u: int, gs: int, mt: int, warps: int = WARPS, pin=True) -> tuple:
+    out = (("T", dtype), ("NT", nt), ("U", u), ("WARPS", warps), ("MT", mt), ("PIN", pin))
     return out + (("GS", gs),) if gs else out
 
 
@@ -552,9 +622,14 @@ def launcher(
     nt = _n_tiles(rows)
     mt = _kind_m_tiles(kind, n, rows) if mt is None else mt
     u = _float_u(k, mt) if base == "float" else _quant_u(k, nt, mt)
-    fn = _kernel(kind, _template(dtype, nt, u, gs, mt))
-    grid = (n // (16 * mt) * -(-rows // BLOCK_ROWS) * WARPS * 32, 1, 1)
-    threadgroup = (WARPS * 32, 1, 1)
+    warps = WARPS
+    if base == "q4" and nt == 1 and _q4_few:
+        warps = _q4_few.get("warps", WARPS)
+        want = _q4_few.get("u", u)
+        u = want if k % (128 * want) == 0 else u
+    fn = _kernel(kind, _template(dtype, nt, u, gs, mt, warps, pin_loads()))
+    grid = (n // (16 * mt) * -(-rows // BLOCK_ROWS) * warps * 32, 1, 1)
+    threadgroup = (warps * 32, 1, 1)
     shapes = [(rows, n // 2 if glu else n)]
     dtypes = [dtype]
 
@@ -664,6 +739,7 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                     else {_quant_u(k, nt, mt) for k in (128, 256)}
                 ):
                     tmpl = [("T", dtype), ("NT", nt), ("U", u), ("WARPS", WARPS), ("MT", mt)]
+                    tmpl.append(("PIN", True))
                     if kind.startswith("q4"):
                         tmpl.append(("GS", 64))
                     ins = [(n, dtype if t == "T" else t, nd) for n, t, nd in spec.inputs]

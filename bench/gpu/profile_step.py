@@ -57,7 +57,8 @@ now = time.perf_counter
 # KV write as separate ops again (FusedDecodeStep.rope off: session 8's append form);
 # "-2pass" = split attention merged by a second kernel (MARKBASE_GPU_ATTN_TWO_PASS);
 # "-at<shape>" = the attention kernel's loop shape (gpu_attention.LoopShape.parse, e.g.
-# "-atl16u2v"; bench/gpu/attn_bench.py times the kernel alone)
+# "-atl16u2v"; bench/gpu/attn_bench.py times the kernel alone); "-nopin" = the product
+# kernels without PIN (gpu_mma.pin_loads: every load of an iteration before its MMAs)
 VARIANTS = {
     "default": (True, None, None),  # what the engine does (engine/gpu_linear.py defaults)
     "mlx": (False, "1:xwt", "1:qmm"),
@@ -208,6 +209,7 @@ def main() -> None:
                 from engine import gpu_mma
 
                 gpu_mma.set_max_m_tiles(1 if "-mt1" in v else 2 if "-mt2" in v else None)
+                gpu_mma.set_pin_loads(False if "-nopin" in v else None)
                 gpu_linear.reset_plans()
                 gpu_linear.set_plans(float_text, quant_text)
                 try:

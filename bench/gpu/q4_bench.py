@@ -1,0 +1,144 @@
+"""4-bit products of one row (the single-stream decode step) on engine/gpu_mma.py's
+kernel, per launch shape: GPU time a call and the weight read rate (ON the GPU
+machine, after bench/gpu/env.sh).
+
+Why: at 8b 4-bit B=1 the products are 2.56 ms of a 3.5 ms step and read their
+weights at ~1.65 TB/s (bench/gpu/NOTES.md, session 8). This times each of a layer's
+products as the decode step calls them (qkv; o_proj and down_proj with the residual;
+gate_up with the SwiGLU) with CUPTI, over distinct weight copies (from HBM, not L2),
+one call after another, for variants of the loads in flight a lane (u), warps a
+block (w) and without PIN (p0: the compiler may sink later loads below earlier MMAs).
+
+    python3 bench/gpu/q4_bench.py --model 8b --variants u2w8,u4w8,u2w16 --out $OUT/q4.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx.core as mx  # noqa: E402
+from shapes import CONFIGS  # noqa: E402
+
+from engine import gpu_mma  # noqa: E402
+
+GS = 64
+
+
+def products(cfg: dict) -> list[tuple[str, int, int, bool, bool]]:
+    """(name, N weight rows, K, residual, glu) of one layer, as the decode step has them."""
+    h, f = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
+    return [
+        ("qkv", h + 2 * kv, h, False, False),
+        ("o", h, h, True, False),
+        ("gate_up", 2 * f, h, False, True),
+        ("down", h, f, True, False),
+    ]
+
+
+def weights(n: int, k: int, copies: int):
+    out = []
+    for _ in range(copies):
+        w = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
+        wq, s, b = mx.quantize(w, group_size=GS, bits=4)
+        mx.eval(wq, s, b)
+        out.append((wq, s, b))
+    return out
+
+
+def run(x, ws, n: int, k: int, residual: bool, glu: bool):
+    """One call per weight copy, each fed by the one before."""
+    outs = []
+    for wq, s, b in ws:
+        call = gpu_mma.launcher("q4", mx.bfloat16, 1, n, k, GS, residual, glu)
+        ins = [x, wq, s, b] + ([x[:, :n]] if residual else [])
+        y = call(ins)
+        outs.append(y)
+        x = x + (y[:, :1] * 0).astype(x.dtype)  # an order between the calls
+    return outs
+
+
+def cupti_us(fn, steps: int) -> list[float]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.init()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            mx.eval(fn())
+        mx.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text()).get("traceEvents", [])
+    return [e["dur"] for e in events if e.get("cat") == "kernel" and "mb_mma_q4" in e["name"]]
+
+
+def parse(name: str) -> tuple[dict, bool]:
+    """``"u2w8"``: u 2, 8 warps; ``p0``: without PIN (every load before the first MMA)."""
+    kw = {}
+    for key, num in re.findall(r"([uw])(\d+)", name):
+        kw["u" if key == "u" else "warps"] = int(num)
+    return kw, "p0" not in name
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="8b")
+    ap.add_argument("--variants", default="u2w8p0,u2w8,u1w8,u4w8,u2w4,u4w4,u2w16,u4w16")
+    ap.add_argument("--copies", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=150)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    cfg = CONFIGS[args.model]
+    t0 = time.perf_counter()
+    rows = []
+    for name, n, k, residual, glu in products(cfg):
+        ws = weights(n, k, args.copies)
+        x = mx.random.normal((1, k)).astype(mx.bfloat16)
+        nbytes = n * k // 2 + n * (k // GS) * 4
+        for v in args.variants.split(","):
+            if time.perf_counter() - t0 > args.budget_s:
+                print(f"{name} {v}: budget spent", flush=True)
+                continue
+            knobs, pin = parse(v)
+            gpu_mma.set_q4_few_rows(**knobs)
+            gpu_mma.set_pin_loads(pin)
+            try:
+                args_ = (x, ws, n, k, residual, glu)
+                mx.eval(run(*args_))
+                us = statistics.median(cupti_us(lambda a=args_: run(*a), args.steps))
+            except Exception as e:  # a variant that does not compile or run: go on
+                print(f"{name} {v}: FAILED {type(e).__name__}: {e}", flush=True)
+                continue
+            r = dict(product=name, variant=v, n=n, k=k, us=us, tb_s=nbytes / us / 1e6)
+            rows.append(r)
+            print(f"{args.model} {name:>8} {v:>6}: {us:7.1f} us ({r['tb_s']:.2f} TB/s)", flush=True)
+        del ws
+        mx.clear_cache()
+    gpu_mma.set_q4_few_rows()
+    gpu_mma.set_pin_loads(None)
+    # per variant: the layer's four products together
+    layer = {}
+    for r in rows:
+        layer.setdefault(r["variant"], []).append(r["us"])
+    for v, us in layer.items():
+        if len(us) == 4:
+            print(f"{args.model} layer {v:>6}: {sum(us):7.1f} us", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(stage="q4_bench", rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
