@@ -225,7 +225,9 @@ _LOOP = r"""
           mx = fmaxf(mx, s[j]);
         }
       }
-      const float corr = expf(m[g] - mx);
+      // a position group with nothing valid yet (PW > 1: a lane's position can be past
+      // the end while another's in the warp is not): m and mx are both -inf
+      const float corr = mx == -INFINITY ? 0.f : expf(m[g] - mx);
       float lsum = l[g] * corr;
       float a[PER];
 #pragma unroll
@@ -521,9 +523,13 @@ class LoopShape:
         return cls(**kw)
 
     @classmethod
-    def from_env(cls) -> LoopShape:
-        """``MARKBASE_GPU_ATTN_LANES``/``_U``/``_VEC``/``_PPB``/``_WARPS``/``_TWO_PASS``."""
+    def from_env(cls) -> LoopShape | None:
+        """``MARKBASE_GPU_ATTN_LANES``/``_U``/``_VEC``/``_PPB``/``_WARPS``/``_TWO_PASS``
+        (unset ones: the class defaults); None when none is set."""
         env = os.environ.get
+        names = ("LANES", "U", "VEC", "PPB", "WARPS", "TWO_PASS")
+        if not any(f"MARKBASE_GPU_ATTN_{n}" in os.environ for n in names):
+            return None
         d = cls()
         return cls(
             lanes=int(env("MARKBASE_GPU_ATTN_LANES", d.lanes)),
@@ -535,21 +541,44 @@ class LoopShape:
         )
 
 
-_shape: list[LoopShape] = []
+_shape: list[LoopShape | None] = []
 
 
-def loop_shape() -> LoopShape:
-    """The loop shape launches use now (read from the environment once)."""
+def fixed_shape() -> LoopShape | None:
+    """The loop shape every launch uses (``set_loop_shape`` or the environment, read
+    once), or None: each launch takes ``auto_shape``'s."""
     if not _shape:
         _shape.append(LoopShape.from_env())
     return _shape[0]
 
 
 def set_loop_shape(shape: LoopShape | None) -> None:
-    """Use ``shape`` from the next launch on; None: the environment's again."""
+    """Every launch uses ``shape`` from now on; None: the environment's again (or the
+    automatic choice when it sets none)."""
     _shape.clear()
     if shape is not None:
         _shape.append(shape)
+
+
+def auto_shape(blocks: int, head_dim: int) -> LoopShape:
+    """The loop shape for a launch of ``blocks`` blocks (splits x KV heads x rows), as
+    measured (bench/gpu/attn_bench.py, NOTES.md session 9; us a call on the H200, 8b
+    shapes, bf16, ~600 positions): fewer blocks than SMs (one row, split over time):
+    8 positions in flight a warp, scalar loads, 8 warps (8b B=1 20.8 us against 21.9
+    for session 8's 4 positions; vector loads and 4 warps 23-31). Many blocks: vector
+    loads, and at head_dim 128 8 positions in flight with 4 warps a block (8b B=128
+    139 us against 163, B=32 48.5 against 53.4, B=8 26.5 against 30.1); at head_dim
+    64, 4 positions (1b B=128 107 us against 125; 8 with 4 warps 119)."""
+    if blocks < SMS:
+        return LoopShape(u=8)
+    if head_dim >= 128:
+        return LoopShape(u=8, vec=True, warps=4)
+    return LoopShape(u=4, vec=True)
+
+
+def auto_shapes(head_dim: int) -> list[LoopShape]:
+    """Every shape ``auto_shape`` gives for this head_dim (what warm-up compiles)."""
+    return list(dict.fromkeys(auto_shape(b, head_dim) for b in (1, SMS)))
 
 
 _READ = _SETUP + _Q_LOAD + _SOFTMAX_INIT + _LOOP + _SUB_MERGE + _MERGE
@@ -631,13 +660,15 @@ def splits(batch: int, n_kv_heads: int, length: int, ppb: int = POSITIONS_PER_BL
     return max(1, min(want, -(-length // ppb), 64))
 
 
-def decode_attention(q, keys, values, start, scale: float, slot: int = 0):
+def decode_attention(q, keys, values, start, scale: float, slot: int = 0, shape=None):
     """softmax(q k^T * scale) v over each row's positions ``[start[b], T)``; [B, Hq, 1, D].
-    ``slot``: which counters the one-kernel split form uses (``_counters``)."""
+    ``slot``: which counters the one-kernel split form uses (``_counters``); ``shape``:
+    a ``LoopShape`` for this call (else the fixed or automatic one)."""
     b, hq, _, d = q.shape
     kern = _kernels(float(scale))
     forms = ("single", "split", "parts")
-    return _launch(kern, forms, [q, keys, values, start], b, hq, d, keys, q.dtype, slot=slot)
+    ins = [q, keys, values, start]
+    return _launch(kern, forms, ins, b, hq, d, keys, q.dtype, slot=slot, shape=shape)
 
 
 @dataclass(frozen=True)
@@ -683,7 +714,16 @@ def rope_table(rope, head_dim: int) -> RopeTable | None:
 
 
 def decode_attention_append(
-    qkv, keys, values, start, pos, rope: RopeTable, scale: float, n_heads: int, slot: int = 0
+    qkv,
+    keys,
+    values,
+    start,
+    pos,
+    rope: RopeTable,
+    scale: float,
+    n_heads: int,
+    slot: int = 0,
+    shape=None,
 ):
     """One decode step's attention from the fused QKV product, with RoPE and the KV
     append inside: ``qkv`` [B, Hq*D + 2*Hkv*D] (the rows' q, k, v before RoPE),
@@ -703,7 +743,9 @@ def decode_attention_append(
     kern = _kernels(float(scale), float(rope.scale))
     inputs = [qkv, keys, values, start, pos, rope.inv_freq]
     forms = ("append", "append_split", "append_parts")
-    return _launch(kern, forms, inputs, b, n_heads, d, keys, qkv.dtype, rope.traditional, slot)
+    return _launch(
+        kern, forms, inputs, b, n_heads, d, keys, qkv.dtype, rope.traditional, slot, shape
+    )
 
 
 def _counters(n: int, slot: int):
@@ -725,16 +767,17 @@ def _counters(n: int, slot: int):
 _COUNTERS: dict = {}
 
 
-def _launch(kern, forms, inputs, b, hq, d, keys, dtype, traditional=None, slot=0):
+def _launch(kern, forms, inputs, b, hq, d, keys, dtype, traditional=None, slot=0, shape=None):
     """Run a form unsplit, or split over time (merged in the kernel's last block per
     row and KV head, or by the merge kernel)."""
     import mlx.core as mx
 
     hkv, t = keys.shape[1], keys.shape[2]
     g = hq // hkv
-    shape = loop_shape()
+    shape = shape or fixed_shape()
+    n = splits(b, hkv, t, shape.ppb if shape else POSITIONS_PER_BLOCK)
+    shape = shape or auto_shape(n * hkv * b, d)
     warps = min(shape.warps, warps_for(g, d))
-    n = splits(b, hkv, t, shape.ppb)
     lanes = max(shape.lanes, d // 16)  # at most 16 values a lane
     vec = shape.vec and d // lanes * dtype.size >= 4
     template = (("T", dtype), ("HD", d), ("G", g), ("WARPS", warps), ("LP", lanes))
@@ -785,14 +828,19 @@ def warm(n_heads: int, n_kv_heads: int, head_dim: int, dtype, scale: float, rope
 
     start = mx.zeros((1,), dtype=mx.int32)
     width = (n_heads + 2 * n_kv_heads) * head_dim
-    for t in (1, 4 * POSITIONS_PER_BLOCK):
-        q = mx.zeros((1, n_heads, 1, head_dim), dtype=dtype)
-        kv = mx.zeros((1, n_kv_heads, t, head_dim), dtype=dtype)
-        mx.eval(decode_attention(q, kv, kv, start, scale))
-        if rope is not None:
-            k, v = mx.zeros_like(kv), mx.zeros_like(kv)
-            qkv = mx.zeros((1, width), dtype=dtype)
-            mx.eval(decode_attention_append(qkv, k, v, start, start, rope, scale, n_heads))
+    fixed = fixed_shape()
+    for shape in [fixed] if fixed else auto_shapes(head_dim):
+        for t in (1, 4 * POSITIONS_PER_BLOCK):
+            q = mx.zeros((1, n_heads, 1, head_dim), dtype=dtype)
+            kv = mx.zeros((1, n_kv_heads, t, head_dim), dtype=dtype)
+            mx.eval(decode_attention(q, kv, kv, start, scale, shape=shape))
+            if rope is not None:
+                k, v = mx.zeros_like(kv), mx.zeros_like(kv)
+                qkv = mx.zeros((1, width), dtype=dtype)
+                out = decode_attention_append(
+                    qkv, k, v, start, start, rope, scale, n_heads, shape=shape
+                )
+                mx.eval(out)
 
 
 def kernel_specs_for_check() -> list[KernelSpec]:

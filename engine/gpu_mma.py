@@ -575,11 +575,14 @@ _pin: list[bool] = []
 
 def pin_loads() -> bool:
     """Whether the kernels make their first MMA wait on every load of an iteration
-    (``PIN``; ``MARKBASE_GPU_MMA_PIN=0`` turns it off, for A/B runs)."""
+    (``PIN``; ``MARKBASE_GPU_MMA_PIN=1``, off by default: measured slower, session 9,
+    bench/gpu/q4_bench.py: 8b 4-bit one row, a layer's products 74.4 -> 79.9 us; with
+    more loads in flight the 1-row products got slower still, so loads in flight a
+    lane are not what limits them)."""
     if not _pin:
         import os
 
-        _pin.append(os.environ.get("MARKBASE_GPU_MMA_PIN", "1") != "0")
+        _pin.append(os.environ.get("MARKBASE_GPU_MMA_PIN", "0") == "1")
     return _pin[0]
 
 
@@ -739,7 +742,7 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                     else {_quant_u(k, nt, mt) for k in (128, 256)}
                 ):
                     tmpl = [("T", dtype), ("NT", nt), ("U", u), ("WARPS", WARPS), ("MT", mt)]
-                    tmpl.append(("PIN", True))
+                    tmpl.append(("PIN", mt == 1))
                     if kind.startswith("q4"):
                         tmpl.append(("GS", 64))
                     ins = [(n, dtype if t == "T" else t, nd) for n, t, nd in spec.inputs]

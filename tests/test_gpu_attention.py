@@ -192,21 +192,46 @@ def test_loop_shapes_give_the_same_attention(shape, case, dtype):
 def test_loop_shape_knobs(monkeypatch):
     for name in ("U", "VEC", "LANES", "PPB", "WARPS", "TWO_PASS"):
         monkeypatch.delenv(f"MARKBASE_GPU_ATTN_{name}", raising=False)
-    assert gpu_attention.loop_shape() == gpu_attention.LoopShape()
+    gpu_attention.set_loop_shape(None)
+    assert gpu_attention.fixed_shape() is None  # each launch: auto_shape
     monkeypatch.setenv("MARKBASE_GPU_ATTN_U", "8")
     monkeypatch.setenv("MARKBASE_GPU_ATTN_VEC", "1")
     monkeypatch.setenv("MARKBASE_GPU_ATTN_LANES", "16")
     gpu_attention.set_loop_shape(None)
-    assert gpu_attention.loop_shape() == gpu_attention.LoopShape(lanes=16, u=8, vec=True)
-    assert gpu_attention.LoopShape.parse("l16u8v") == gpu_attention.loop_shape()
+    want = gpu_attention.LoopShape(lanes=16, u=8, vec=True)
+    assert gpu_attention.fixed_shape() == want == gpu_attention.LoopShape.parse("l16u8v")
     want = gpu_attention.LoopShape(lanes=8, u=2, ppb=64, warps=4, two_pass=True)
     assert gpu_attention.LoopShape.parse("l8u2p64w4t") == want
     monkeypatch.setenv("MARKBASE_GPU_ATTN_U", "3")
     gpu_attention.set_loop_shape(None)
     with pytest.raises(ValueError, match="1, 2, 4 or 8"):
-        gpu_attention.loop_shape()
+        gpu_attention.fixed_shape()
     with pytest.raises(ValueError, match="x3"):
         gpu_attention.LoopShape.parse("l16x3")
+
+
+def test_auto_shape_follows_the_measurements():
+    """Few blocks (one row split over time): 8 positions in flight, scalar loads, 8
+    warps; many: vector loads, with 8 in flight and 4 warps at head_dim 128."""
+    shape = gpu_attention.auto_shape
+    assert shape(40, 128) == gpu_attention.LoopShape(u=8)
+    assert shape(1024, 128) == gpu_attention.LoopShape(u=8, vec=True, warps=4)
+    assert shape(1024, 64) == gpu_attention.LoopShape(u=4, vec=True)
+    assert len(gpu_attention.auto_shapes(128)) == 2
+
+
+@cuda
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_automatic_shapes_give_the_same_attention(case, dtype):
+    """What the engine runs by default: the shape auto_shape picks per launch."""
+    gpu_attention.set_loop_shape(None)
+    if gpu_attention.fixed_shape() is not None:
+        pytest.skip("MARKBASE_GPU_ATTN_* set: the fixed shape is tested elsewhere")
+    b, hq, hkv, t, d, starts = case
+    got, want = _case(b, hq, hkv, t, d, dtype, starts, capacity=t + 64)
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
 def test_rope_table_refuses_what_the_kernel_cannot_apply():
@@ -232,13 +257,13 @@ APPEND_CASES = [
 @pytest.mark.parametrize("case", APPEND_CASES)
 @pytest.mark.parametrize("kind", ["plain", "traditional", "llama3"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("shape", ["", "l16u2v", "l8u4vp32"])
+@pytest.mark.parametrize("shape", ["auto", "l16u2v", "l8u4vp32"])
 def test_append_kernel_equals_rope_write_and_attention(case, kind, dtype, shape):
     """decode_attention_append == RoPE on q and k, k and v written at slot T, then the
     attention over [start, T]; and the cache buffers hold the new k and v after. Also
     for loop shapes where several positions share a warp (RoPE's pairs, the new
     position and the merge of a warp's positions then differ)."""
-    gpu_attention.set_loop_shape(gpu_attention.LoopShape.parse(shape))
+    gpu_attention.set_loop_shape(None if shape == "auto" else gpu_attention.LoopShape.parse(shape))
     b, hq, hkv, t, d, starts = case
     rng = np.random.default_rng(3)
     cap = t + 40

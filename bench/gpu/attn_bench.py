@@ -13,7 +13,9 @@ another as in a step, not side by side).
         --variants l32u4,l32u8v,l16u2v --out $OUT/attn.json
 
 Variants are ``LoopShape.parse`` strings (l = lanes a position, u = positions in
-flight a lane, v = vector loads, p = fewest positions a block, w = warps a block).
+flight a lane, v = vector loads, p = fewest positions a block, w = warps a block), or
+``auto`` (gpu_attention.auto_shape's choice per launch, the default; the environment
+must set no MARKBASE_GPU_ATTN_* for it).
 """
 
 from __future__ import annotations
@@ -108,8 +110,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--variants",
-        default="l32u4,l32u8,l32u4v,l32u8v,l16u2v,l16u4v,l16u2vw4,l16u4vw4,l8u2v,"
-        "l32u4p64,l32u4p32,l16u2vp64,l16u2vp32",
+        default="auto,l32u4,l32u8,l32u4v,l32u8v,l32u8vw4,l16u2v,l16u4v,l16u2vw4,l8u2v",
     )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=5)
@@ -129,7 +130,8 @@ def main() -> None:
             if time.perf_counter() - t0 > args.budget_s:
                 print(f"{shape} {name}: budget spent", flush=True)
                 continue
-            gpu_attention.set_loop_shape(gpu_attention.LoopShape.parse(name))
+            auto = name == "auto"  # auto_shape's choice per launch
+            gpu_attention.set_loop_shape(None if auto else gpu_attention.LoopShape.parse(name))
             try:
                 r = timed(m, length, args.steps)
             except Exception as e:  # a variant that does not compile or run: go on
@@ -150,7 +152,7 @@ def main() -> None:
     if args.out:
         doc = dict(stage="attn_bench", rows=rows, best=best)
         Path(args.out).write_text(json.dumps(doc, indent=1))
-    if best and args.env:
+    if best and args.env and best["variant"] != "auto":
         shape = gpu_attention.LoopShape.parse(best["variant"])
         Path(args.env).write_text(
             f"export ATTN_BEST={best['variant']}\n"

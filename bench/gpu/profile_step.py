@@ -57,8 +57,8 @@ now = time.perf_counter
 # KV write as separate ops again (FusedDecodeStep.rope off: session 8's append form);
 # "-2pass" = split attention merged by a second kernel (MARKBASE_GPU_ATTN_TWO_PASS);
 # "-at<shape>" = the attention kernel's loop shape (gpu_attention.LoopShape.parse, e.g.
-# "-atl16u2v"; bench/gpu/attn_bench.py times the kernel alone); "-nopin" = the product
-# kernels without PIN (gpu_mma.pin_loads: every load of an iteration before its MMAs)
+# "-atl16u2v"; bench/gpu/attn_bench.py times the kernel alone); "-pin" = the product
+# kernels with PIN (gpu_mma.pin_loads: every load of an iteration before its MMAs)
 VARIANTS = {
     "default": (True, None, None),  # what the engine does (engine/gpu_linear.py defaults)
     "mlx": (False, "1:xwt", "1:qmm"),
@@ -201,15 +201,15 @@ def main() -> None:
                     step.fold_norm = "-norm" in v
                 if hasattr(step, "rope"):
                     step.rope = None if "-noapp" in v else rope_table
-                at = re.search(r"-at([a-z0-9]+)", v)
-                shape = gpu_attention.LoopShape.parse(at.group(1) if at else "")
+                at = re.search(r"-at([a-z0-9]+)", v)  # none: the automatic shapes
+                shape = gpu_attention.LoopShape.parse(at.group(1)) if at else None
                 if "-2pass" in v:
-                    shape = dataclasses.replace(shape, two_pass=True)
+                    shape = dataclasses.replace(shape or gpu_attention.LoopShape(), two_pass=True)
                 gpu_attention.set_loop_shape(shape)
                 from engine import gpu_mma
 
                 gpu_mma.set_max_m_tiles(1 if "-mt1" in v else 2 if "-mt2" in v else None)
-                gpu_mma.set_pin_loads(False if "-nopin" in v else None)
+                gpu_mma.set_pin_loads(True if "-pin" in v else None)
                 gpu_linear.reset_plans()
                 gpu_linear.set_plans(float_text, quant_text)
                 try:

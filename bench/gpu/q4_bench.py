@@ -7,7 +7,8 @@ weights at ~1.65 TB/s (bench/gpu/NOTES.md, session 8). This times each of a laye
 products as the decode step calls them (qkv; o_proj and down_proj with the residual;
 gate_up with the SwiGLU) with CUPTI, over distinct weight copies (from HBM, not L2),
 one call after another, for variants of the loads in flight a lane (u), warps a
-block (w) and without PIN (p0: the compiler may sink later loads below earlier MMAs).
+block (w) and with PIN (p1: every load of an iteration before its first MMA; without
+it ptxas sinks later loads below earlier MMAs).
 
     python3 bench/gpu/q4_bench.py --model 8b --variants u2w8,u4w8,u2w16 --out $OUT/q4.json
 """
@@ -85,17 +86,17 @@ def cupti_us(fn, steps: int) -> list[float]:
 
 
 def parse(name: str) -> tuple[dict, bool]:
-    """``"u2w8"``: u 2, 8 warps; ``p0``: without PIN (every load before the first MMA)."""
+    """``"u2w8"``: u 2, 8 warps; ``p1``: with PIN (every load before the first MMA)."""
     kw = {}
     for key, num in re.findall(r"([uw])(\d+)", name):
         kw["u" if key == "u" else "warps"] = int(num)
-    return kw, "p0" not in name
+    return kw, "p1" in name
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="8b")
-    ap.add_argument("--variants", default="u2w8p0,u2w8,u1w8,u4w8,u2w4,u4w4,u2w16,u4w16")
+    ap.add_argument("--variants", default="u2w8,u2w8p1,u1w8,u4w8p1,u2w4,u4w4,u2w16")
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=150)
