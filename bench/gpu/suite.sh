@@ -188,6 +188,12 @@ for stage in "$@"; do
             cat /tmp/attn.env
         fi
         ;;
+    q4-bench)  # session 9: 1-row 4-bit products per launch shape (u = loads in flight a
+        # lane, w = warps a block, p1 = PIN), CUPTI
+        timeout ${Q4_TIMEOUT:-200} python3 bench/gpu/q4_bench.py --model ${Q4_MODEL:-8b} \
+            --budget-s $(( ${Q4_TIMEOUT:-200} - 40 )) ${Q4_VARIANTS:+--variants $Q4_VARIANTS} \
+            --out "$OUT/q4.json" 2>&1 | tee "$OUT/q4.log"
+        ;;
     profile)  # session 5: kernels and GPU busy time per step (CUPTI), attention kernel vs MLX's
         for mq in ${PROFILE_CONFIGS:-8b:q4 1b:bf16 8b:bf16 1b:q4}; do
             m=${mq%%:*} q=${mq##*:} to=${PROFILE_TIMEOUT:-100}
