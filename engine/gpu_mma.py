@@ -370,11 +370,13 @@ _Q4_LOOP = r"""
         bi0[i][u] = hb0 | ((uint32_t)hb0 << 16);
         bi1[i][u] = hb1 | ((uint32_t)hb1 << 16);
       }
+      if constexpr (!XL) {
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
+        for (int j = 0; j < NT; ++j) {
 #pragma unroll
-        for (int p = 0; p < 4; ++p) {
-          b[j][u][p] = xv[j] ? mb_ldg(xr[j] + (int64_t)ch * 32 + p * 8) : zero;
+          for (int p = 0; p < 4; ++p) {
+            b[j][u][p] = xv[j] ? mb_ldg(xr[j] + (int64_t)ch * 32 + p * 8) : zero;
+          }
         }
       }
       if constexpr (NORM) {
@@ -399,11 +401,13 @@ _Q4_LOOP = r"""
         for (int i = 0; i < MT; ++i) {
           dep ^= q0[i][u].w ^ q1[i][u].w ^ sc0[i][u] ^ sc1[i][u] ^ bi0[i][u] ^ bi1[i][u];
         }
+        if constexpr (!XL) {
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
+          for (int j = 0; j < NT; ++j) {
 #pragma unroll
-          for (int p = 0; p < 4; ++p) {
-            dep ^= b[j][u][p].w;
+            for (int p = 0; p < 4; ++p) {
+              dep ^= b[j][u][p].w;
+            }
           }
         }
       }
@@ -411,8 +415,19 @@ _Q4_LOOP = r"""
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+      const int ch = (s * U + u) * 4 + t;
 #pragma unroll
       for (int h = 0; h < 8; ++h) {
+        if constexpr (XL) {
+          // x read where used (from L1: every block reads the same x), not held in
+          // registers from the loads on: 16 registers a u fewer (zeros in 28 of 32 lanes)
+          if ((h & 1) == 0) {
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+              b[j][u][h >> 1] = xv[j] ? mb_ldg(xr[j] + (int64_t)ch * 32 + (h >> 1) * 8) : zero;
+            }
+          }
+        }
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
           const uint32_t v0 = mb_word(q0[i][u], h >> 1) >> ((h & 1) * 16);
@@ -563,11 +578,15 @@ def quant_supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: s
 _q4_few: dict = {}
 
 
-def set_q4_few_rows(u: int | None = None, warps: int | None = None) -> None:
+def set_q4_few_rows(u: int | None = None, warps: int | None = None, xl: bool = False) -> None:
     """Launchers made from now on for 4-bit products of 1-8 rows use ``u`` / ``warps``
-    (None: the default rule); a ``u`` that K does not allow falls back to the rule."""
+    (None: the default rule; a ``u`` that K does not allow falls back to the rule) and,
+    with ``xl``, read x where it is used instead of with the weight (``XL``; not with
+    the RMSNorm folded in, which scales x as it is loaded)."""
     _q4_few.clear()
     _q4_few.update({k: v for k, v in (("u", u), ("warps", warps)) if v is not None})
+    if xl:
+        _q4_few["xl"] = True
 
 
 _pin: list[bool] = []
@@ -594,8 +613,11 @@ def set_pin_loads(on: bool | None) -> None:
 
 
 @cache
-def _template(dtype, nt: int, u: int, gs: int, mt: int, warps: int = WARPS, pin=True) -> tuple:
+def _template(
+    dtype, nt: int, u: int, gs: int, mt: int, warps: int = WARPS, pin=False, xl=False
+) -> tuple:
     out = (("T", dtype), ("NT", nt), ("U", u), ("WARPS", warps), ("MT", mt), ("PIN", pin))
+    out += (("XL", xl),)
     return out + (("GS", gs),) if gs else out
 
 
@@ -625,12 +647,13 @@ def launcher(
     nt = _n_tiles(rows)
     mt = _kind_m_tiles(kind, n, rows) if mt is None else mt
     u = _float_u(k, mt) if base == "float" else _quant_u(k, nt, mt)
-    warps = WARPS
+    warps, xl = WARPS, False
     if base == "q4" and nt == 1 and _q4_few:
         warps = _q4_few.get("warps", WARPS)
         want = _q4_few.get("u", u)
         u = want if k % (128 * want) == 0 else u
-    fn = _kernel(kind, _template(dtype, nt, u, gs, mt, warps, pin_loads()))
+        xl = _q4_few.get("xl", False) and not norm
+    fn = _kernel(kind, _template(dtype, nt, u, gs, mt, warps, pin_loads(), xl))
     grid = (n // (16 * mt) * -(-rows // BLOCK_ROWS) * warps * 32, 1, 1)
     threadgroup = (warps * 32, 1, 1)
     shapes = [(rows, n // 2 if glu else n)]
@@ -742,7 +765,7 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                     else {_quant_u(k, nt, mt) for k in (128, 256)}
                 ):
                     tmpl = [("T", dtype), ("NT", nt), ("U", u), ("WARPS", WARPS), ("MT", mt)]
-                    tmpl.append(("PIN", mt == 1))
+                    tmpl += [("PIN", mt == 1), ("XL", kind == "q4_glu" and nt == 1)]
                     if kind.startswith("q4"):
                         tmpl.append(("GS", 64))
                     ins = [(n, dtype if t == "T" else t, nd) for n, t, nd in spec.inputs]

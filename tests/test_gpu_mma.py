@@ -211,3 +211,24 @@ def test_gpu_decode_step_with_the_kernels_matches_the_model(quantized, fold_norm
             tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
     finally:
         gpu_linear.reset_plans()
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [dict(u=4, xl=True), dict(u=2, warps=4, xl=True), dict(u=1, warps=16), dict(u=4, warps=4)],
+)
+@pytest.mark.parametrize("pin", [False, True])
+def test_few_row_4bit_launch_shapes(knobs, pin):
+    """bench/gpu/q4_bench.py's launch shapes for 1-8 row 4-bit products (loads in
+    flight, warps a block, PIN, x read where used) compute the same products: plain,
+    residual and SwiGLU forms."""
+    gpu_mma.set_q4_few_rows(**knobs)
+    gpu_mma.set_pin_loads(pin)
+    try:
+        for shape in [(1, 4096, 4096), (1, 256, 14336), (5, 128, 1024)]:
+            check_quantized_product(gpu_mma.quantized_matmul, shape, mx.bfloat16)
+        for m in (1, 6):
+            _check_forms(256, 512, m, True, seed=7 + m)
+    finally:
+        gpu_mma.set_q4_few_rows()
+        gpu_mma.set_pin_loads(None)

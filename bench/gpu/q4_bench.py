@@ -7,8 +7,9 @@ weights at ~1.65 TB/s (bench/gpu/NOTES.md, session 8). This times each of a laye
 products as the decode step calls them (qkv; o_proj and down_proj with the residual;
 gate_up with the SwiGLU) with CUPTI, over distinct weight copies (from HBM, not L2),
 one call after another, for variants of the loads in flight a lane (u), warps a
-block (w) and with PIN (p1: every load of an iteration before its first MMA; without
-it ptxas sinks later loads below earlier MMAs).
+block (w), with PIN (p1: every load of an iteration before its first MMA; without
+it ptxas sinks later loads below earlier MMAs) and XL (x1: x read where used, not
+held in registers from the weight's loads on).
 
     python3 bench/gpu/q4_bench.py --model 8b --variants u2w8,u4w8,u2w16 --out $OUT/q4.json
 """
@@ -86,8 +87,9 @@ def cupti_us(fn, steps: int) -> list[float]:
 
 
 def parse(name: str) -> tuple[dict, bool]:
-    """``"u2w8"``: u 2, 8 warps; ``p1``: with PIN (every load before the first MMA)."""
-    kw = {}
+    """``"u2w8"``: u 2, 8 warps; ``p1``: with PIN (every load before the first MMA);
+    ``x1``: x read where used (``XL``)."""
+    kw: dict = {"xl": "x1" in name}
     for key, num in re.findall(r"([uw])(\d+)", name):
         kw["u" if key == "u" else "warps"] = int(num)
     return kw, "p1" in name
@@ -96,7 +98,7 @@ def parse(name: str) -> tuple[dict, bool]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="8b")
-    ap.add_argument("--variants", default="u2w8,u2w8p1,u1w8,u4w8p1,u2w4,u4w4,u2w16")
+    ap.add_argument("--variants", default="u2w8,u2w8x1,u4w8x1,u4w8p1x1,u2w8p1x1,u4w4p1x1,u2w4x1")
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=150)
