@@ -483,8 +483,9 @@ def _header(scale: float, rope_scale: float = 1.0) -> str:
 
 @dataclass(frozen=True)
 class LoopShape:
-    """How the kernel walks the cache; A/B knobs (bench/gpu/attn_bench.py,
-    profile_step.py's suffixes), the defaults are the measured best."""
+    """How the kernel walks the cache (bench/gpu/attn_bench.py, profile_step.py's
+    suffixes). The field defaults are session 8's shape; what the engine runs is
+    ``auto_shape``'s, per launch, unless a shape is fixed."""
 
     lanes: int = 32  # lanes that share one position: 32/lanes positions a warp load
     u: int = 4  # positions a lane loads before it computes
@@ -570,10 +571,14 @@ def auto_shape(blocks: int, head_dim: int) -> LoopShape:
     139 us against 163, B=32 48.5 against 53.4, B=8 26.5 against 30.1); at head_dim
     64, 4 positions (1b B=128 107 us against 125; 8 with 4 warps 119)."""
     if blocks < SMS:
-        return LoopShape(u=8)
-    if head_dim >= 128:
-        return LoopShape(u=8, vec=True, warps=4)
-    return LoopShape(u=4, vec=True)
+        return _FEW_BLOCKS
+    return _MANY_BLOCKS_HD128 if head_dim >= 128 else _MANY_BLOCKS
+
+
+# made once: auto_shape runs on every launch (a layer's attention, every step)
+_FEW_BLOCKS = LoopShape(u=8)
+_MANY_BLOCKS_HD128 = LoopShape(u=8, vec=True, warps=4)
+_MANY_BLOCKS = LoopShape(u=4, vec=True)
 
 
 def auto_shapes(head_dim: int) -> list[LoopShape]:

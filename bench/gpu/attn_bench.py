@@ -24,7 +24,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
+from q4_bench import cupti_us  # noqa: E402
 from shapes import CONFIGS  # noqa: E402
 
 from engine import gpu_attention  # noqa: E402
@@ -71,27 +71,12 @@ def step(m: dict, length: int):
 
 
 def timed(m: dict, length: int, steps: int) -> dict:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
     mx.eval(step(m, length))  # compile, warm
     t = time.perf_counter()
     for _ in range(steps):
         mx.eval(step(m, length))
     wall = (time.perf_counter() - t) / steps
-    torch.cuda.init()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            mx.eval(step(m, length))
-        mx.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.loads(Path(f.name).read_text()).get("traceEvents", [])
-    durs = [
-        e["dur"]
-        for e in events
-        if e.get("cat") == "kernel" and "mb_decode_attn" in e.get("name", "")
-    ]
+    durs = cupti_us(lambda: step(m, length), steps, "mb_decode_attn")
     layers = len(m["k"])
     per_call = statistics.median(durs) if durs else float("nan")
     return dict(

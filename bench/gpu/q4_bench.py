@@ -71,7 +71,10 @@ def run(x, ws, n: int, k: int, residual: bool, glu: bool):
     return outs
 
 
-def cupti_us(fn, steps: int) -> list[float]:
+def cupti_us(fn, steps: int, name_part: str) -> list[float]:
+    """GPU time (us) of each kernel whose name holds ``name_part`` over ``steps``
+    evaluations of ``fn()``, from CUPTI (torch.profiler in this process; also used by
+    attn_bench.py)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -83,7 +86,7 @@ def cupti_us(fn, steps: int) -> list[float]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text()).get("traceEvents", [])
-    return [e["dur"] for e in events if e.get("cat") == "kernel" and "mb_mma_q4" in e["name"]]
+    return [e["dur"] for e in events if e.get("cat") == "kernel" and name_part in e.get("name", "")]
 
 
 def parse(name: str) -> tuple[dict, bool]:
@@ -121,7 +124,7 @@ def main() -> None:
             try:
                 args_ = (x, ws, n, k, residual, glu)
                 mx.eval(run(*args_))
-                us = statistics.median(cupti_us(lambda a=args_: run(*a), args.steps))
+                us = statistics.median(cupti_us(lambda a=args_: run(*a), args.steps, "mb_mma_q4"))
             except Exception as e:  # a variant that does not compile or run: go on
                 print(f"{name} {v}: FAILED {type(e).__name__}: {e}", flush=True)
                 continue
