@@ -225,6 +225,7 @@ class FusedDecodeStep:
             return lm_head(x)
 
         self._head = wrap(head)
+        self._lm_head = lm_head
         # GPU: decode attention as engine/gpu_attention.py's kernel (no mask, one
         # kernel a layer instead of MLX's masked fallback's seven)
         self.attention_kernel = bool(gpu_plans) and attention_kernel_wanted(model)
@@ -276,8 +277,12 @@ class FusedDecodeStep:
         quantized, float_ = gpu_linear.uses("qgemv") and bool(groups), gpu_linear.uses("gemv")
         if quantized or float_:
             gpu_gemv.warm(dtype, groups, quantized=quantized, float_=float_)
-        if gpu_linear.uses("mma") or gpu_linear.uses("qmma"):
+        if gpu_linear.uses("mma") or gpu_linear.uses("qmma") or gpu_linear.uses("qstream"):
             gpu_mma.warm(dtype, self._mma_products())
+        if gpu_linear.uses("qstream"):
+            from engine import gpu_qstream
+
+            gpu_qstream.warm(dtype, self._qstream_products())
 
     def _mma_products(self) -> set:
         """(group size or 0, K, N, residual, glu, norm) of every product the step can
@@ -285,7 +290,8 @@ class FusedDecodeStep:
         from engine import gpu_linear, gpu_mma
 
         dtype = self.inner.norm.weight.dtype
-        quant, float_ = gpu_linear.uses("qmma"), gpu_linear.uses("mma")
+        quant = gpu_linear.uses("qmma") or gpu_linear.uses("qstream")
+        float_ = gpu_linear.uses("mma")
         out = set()
         for linear, residual, glu, normed in self._products:
             norm = normed and self.fold and self.fold_norm
@@ -299,6 +305,28 @@ class FusedDecodeStep:
                 n, k = linear.weight.shape
                 if gpu_mma.float_supported(dtype, linear.weight.dtype, n, k):
                     out.add((0, k, n, residual, glu, norm))
+        return out
+
+    def _qstream_products(self) -> set:
+        """(group size, K, residual, glu) of every 1-row product the step can send to
+        engine/gpu_qstream.py (the lm_head too: it has the qkv's K, so shares its kernel
+        on llama shapes, but a model need not)."""
+        from engine import gpu_qstream
+
+        dtype = self.inner.norm.weight.dtype
+        out = set()
+        for linear, residual, glu, normed in self._products + [
+            (self._lm_head, False, False, False)
+        ]:
+            if not isinstance(linear, GpuQuantizedLinear) or (
+                normed and self.fold and self.fold_norm
+            ):
+                continue
+            n, k = linear.weight.shape[0], linear.scales.shape[-1] * linear.group_size
+            if gpu_qstream.supported(
+                dtype, 1, n, k, linear.bits, linear.group_size, linear.mode, linear.biases
+            ):
+                out.add((linear.group_size, k, residual, glu))
         return out
 
     def __call__(self, tokens, cache):

@@ -14,6 +14,8 @@ a step). The same product can be written in ways that reach other kernels:
   weight read once per 32 rows; no cuBLAS call);
 - quantized: ``qgemv`` = engine/gpu_gemv.py's 4-bit kernel (same; 4-bit affine only);
   ``qmma`` = engine/gpu_mma.py's 4-bit tensor-core kernel (the same);
+  ``qstream`` = engine/gpu_qstream.py's 1-row 4-bit kernel (loads through shared
+  memory; other row counts, and a product with the RMSNorm folded in, go to ``qmma``);
   ``qmm`` = ``mx.quantized_matmul``; ``deq`` = dequantize the weight to
   the activations' dtype, then ``xwt`` (reads the 4-bit weight, writes and reads a
   bf16 copy: about 3x the bytes of a bf16 product, but at bf16 speed); ``deqwxt``;
@@ -37,7 +39,7 @@ import os
 from dataclasses import dataclass
 
 FLOAT_FORMS = ("xwt", "wxt", "gemv", "mma")
-QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv", "qmma")
+QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv", "qmma", "qstream")
 # measured on the H200 (bench/gpu/NOTES.md, sessions 6-7): engine/gpu_mma.py's
 # tensor-core kernels from 2 to 32 rows (8b 4-bit B=8 630 -> 1,131-1,512 tok/s, B=32
 # 1,373 -> 4,258-4,345; 1b bf16 B=8 1.5-1.7x, B=32 1.4-2.4x, with the residual adds
@@ -273,11 +275,18 @@ class GpuQuantizedLinear(_Routes):
         return [self.weight, self.scales, self.biases]
 
     def _launcher(self, dtype, rows: int, residual: bool, glu: bool, norm: bool):
-        if self.plan.form(rows) != "qmma" or not self._kernel_ok("qmma", dtype):
+        form = self.plan.form(rows)
+        n, k = self.weight.shape[0], self.scales.shape[-1] * self.group_size
+        if form == "qstream":
+            if rows == 1 and not norm and self._kernel_ok("qstream", dtype):
+                from engine import gpu_qstream
+
+                return gpu_qstream.launcher(dtype, n, k, self.group_size, residual, glu)
+            form = "qmma"
+        if form != "qmma" or not self._kernel_ok("qmma", dtype):
             return None
         from engine import gpu_mma
 
-        n, k = self.weight.shape[0], self.scales.shape[-1] * self.group_size
         return gpu_mma.launcher("q4", dtype, rows, n, k, self.group_size, residual, glu, norm)
 
     def _kernel_ok(self, form: str, dtype) -> bool:
@@ -285,13 +294,18 @@ class GpuQuantizedLinear(_Routes):
         key = (form, dtype)
         ok = self._ok.get(key)
         if ok is None:
-            from engine import gpu_gemv, gpu_mma
+            from engine import gpu_gemv, gpu_mma, gpu_qstream
 
-            module = gpu_mma if form == "qmma" else gpu_gemv
             n, k = self.weight.shape[0], self.scales.shape[-1] * self.group_size
-            ok = module.quant_supported(
-                dtype, n, k, self.bits, self.group_size, self.mode, self.biases
-            )
+            if form == "qstream":
+                ok = gpu_qstream.supported(
+                    dtype, 1, n, k, self.bits, self.group_size, self.mode, self.biases
+                )
+            else:
+                module = gpu_mma if form == "qmma" else gpu_gemv
+                ok = module.quant_supported(
+                    dtype, n, k, self.bits, self.group_size, self.mode, self.biases
+                )
             self._ok[key] = ok
         return ok
 
@@ -324,6 +338,8 @@ class GpuQuantizedLinear(_Routes):
     def _call_form(self, x, form: str):
         import mlx.core as mx
 
+        if form == "qstream":  # the [B, 1, K] path, not the decode step's
+            form = "qmma"
         if form in ("qmma", "qgemv"):
             from engine import gpu_gemv, gpu_mma
 

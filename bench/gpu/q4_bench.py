@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx.core as mx  # noqa: E402
 from shapes import CONFIGS  # noqa: E402
 
-from engine import gpu_mma  # noqa: E402
+from engine import gpu_mma, gpu_qstream  # noqa: E402
 
 GS = 64
 
@@ -59,11 +59,15 @@ def weights(n: int, k: int, copies: int):
     return out
 
 
-def run(x, ws, n: int, k: int, residual: bool, glu: bool):
-    """One call per weight copy, each fed by the one before."""
+def run(x, ws, n: int, k: int, residual: bool, glu: bool, stream: bool = False):
+    """One call per weight copy, each fed by the one before (``stream``: on
+    engine/gpu_qstream.py's kernel, else engine/gpu_mma.py's)."""
     outs = []
     for wq, s, b in ws:
-        call = gpu_mma.launcher("q4", mx.bfloat16, 1, n, k, GS, residual, glu)
+        if stream:
+            call = gpu_qstream.launcher(mx.bfloat16, n, k, GS, residual, glu)
+        else:
+            call = gpu_mma.launcher("q4", mx.bfloat16, 1, n, k, GS, residual, glu)
         ins = [x, wq, s, b] + ([x[:, :n]] if residual else [])
         y = call(ins)
         outs.append(y)
@@ -89,6 +93,15 @@ def cupti_us(fn, steps: int, name_part: str) -> list[float]:
     return [e["dur"] for e in events if e.get("cat") == "kernel" and name_part in e.get("name", "")]
 
 
+def parse_stream(name: str) -> dict | None:
+    """``"qs"``: engine/gpu_qstream.py with its defaults; ``"qs4w16"``: 4 slots a lane,
+    16 warps a block; None for a name of the tensor-core kernel."""
+    m = re.fullmatch(r"qs(\d*)(?:w(\d+))?", name)
+    if not m:
+        return None
+    return {"stages": int(m[1]) if m[1] else None, "warps": int(m[2]) if m[2] else None}
+
+
 def parse(name: str) -> tuple[dict, bool]:
     """``"u2w8"``: u 2, 8 warps; ``p1``: with PIN (every load before the first MMA);
     ``x1``: x read where used (``XL``)."""
@@ -101,7 +114,7 @@ def parse(name: str) -> tuple[dict, bool]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="8b")
-    ap.add_argument("--variants", default="u2w8,u2w8x1,u4w8x1,u4w8p1x1,u2w8p1x1,u4w4p1x1,u2w4x1")
+    ap.add_argument("--variants", default="u2w8,u2w8x1,u4w8x1,qs,qs4,qs12,qs8w16,qs8w4")
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=150)
@@ -118,13 +131,18 @@ def main() -> None:
             if time.perf_counter() - t0 > args.budget_s:
                 print(f"{name} {v}: budget spent", flush=True)
                 continue
-            knobs, pin = parse(v)
-            gpu_mma.set_q4_few_rows(**knobs)
-            gpu_mma.set_pin_loads(pin)
+            stream = parse_stream(v)
+            if stream is not None:
+                gpu_qstream.set_knobs(**stream)
+            else:
+                knobs, pin = parse(v)
+                gpu_mma.set_q4_few_rows(**knobs)
+                gpu_mma.set_pin_loads(pin)
+            kernel = "mb_qstream" if stream is not None else "mb_mma_q4"
             try:
-                args_ = (x, ws, n, k, residual, glu)
+                args_ = (x, ws, n, k, residual, glu, stream is not None)
                 mx.eval(run(*args_))
-                us = statistics.median(cupti_us(lambda a=args_: run(*a), args.steps, "mb_mma_q4"))
+                us = statistics.median(cupti_us(lambda a=args_: run(*a), args.steps, kernel))
             except Exception as e:  # a variant that does not compile or run: go on
                 print(f"{name} {v}: FAILED {type(e).__name__}: {e}", flush=True)
                 continue
@@ -135,6 +153,7 @@ def main() -> None:
         mx.clear_cache()
     gpu_mma.set_q4_few_rows()
     gpu_mma.set_pin_loads(None)
+    gpu_qstream.set_knobs()
     # per variant: the layer's four products together
     layer = {}
     for r in rows:

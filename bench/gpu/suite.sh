@@ -19,6 +19,8 @@
 #       bash bench/gpu/suite.sh first-request engine-table                        (session 8)
 #   PROFILE_CONFIGS="8b:bf16 8b:q4" PROFILE_BATCHES=1,128 \
 #       bash bench/gpu/suite.sh attn-test attn-bench profile                      (session 9)
+#   bash bench/gpu/suite.sh qs-test q4-bench; TABLE_CONFIGS=8b:q4 TABLE_TAG=qstream \
+#       MARKBASE_GPU_QUANT_PLAN=1:qstream,2:qmma bash bench/gpu/suite.sh engine-table (session 10)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -114,7 +116,7 @@ for stage in "$@"; do
             [ "$q" = q4 ] && [ "$m" = 8b ] && steps=48  # ~100+ ms steps
             timeout ${TABLE_TIMEOUT:-150} $PIN $B --models "$m" --quants "$q" --batches 1 --variants worker \
                 --variant-batches "${TABLE_BATCHES:-1,8,32,128}" --steps $steps --chunk 0 \
-                --budget-s $(( ${TABLE_TIMEOUT:-150} - 20 )) --out "$OUT/table-$m-$q${PIN:+-pinned}.json"
+                --budget-s $(( ${TABLE_TIMEOUT:-150} - 20 )) --out "$OUT/table-$m-$q${PIN:+-pinned}${TABLE_TAG:+-$TABLE_TAG}.json"
         done
         ;;
     engine-ab)  # session 4: the fused step with the hidden state [B, 1, D] (before) vs [B, D]
@@ -187,6 +189,11 @@ for stage in "$@"; do
             source /tmp/attn.env
             cat /tmp/attn.env
         fi
+        ;;
+    qs-test)  # session 10: the streamed 1-row 4-bit kernel's tests, and the tensor-core
+        # kernel's few-row launch shapes (XL, PIN)
+        timeout ${QS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_gpu_qstream.py \
+            "tests/test_gpu_mma.py::test_few_row_4bit_launch_shapes" 2>&1 | tee "$OUT/test_qs.log"
         ;;
     q4-bench)  # session 9: 1-row 4-bit products per launch shape (u = loads in flight a
         # lane, w = warps a block, p1 = PIN), CUPTI

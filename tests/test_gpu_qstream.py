@@ -1,0 +1,160 @@
+"""engine/gpu_qstream.py: the 1-row 4-bit products streamed through shared memory equal
+float32 products of the dequantized weight (group sizes 32/64/128, bf16 and fp16,
+every launch shape the benchmark tries), with the residual and SwiGLU forms; the plan
+form ``qstream`` reaches them at one row and the tensor-core kernel otherwise; the
+decode step on it equals the model.
+
+Needs MLX's CUDA backend (skipped elsewhere). On the H200, after bench/gpu/env.sh:
+``python3 -m pytest -q tests/test_gpu_qstream.py``. ``bench/gpu/nvrtc_check.py``
+compiles the kernels without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from test_gpu_gemv import _close, check_quantized_product  # noqa: E402
+
+from engine import gpu_linear, gpu_qstream  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+
+# (N, K): one chunk a lane a row (1024) to the 8b down_proj's 14 (14336, 16 warps);
+# N from one output (most warps idle) to more outputs than the grid has warps
+SHAPES = [(1, 1024), (7, 2048), (300, 1024), (4096, 4096), (6144, 4096), (4096, 14336),
+          (8000, 3072)]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_one_row_products(shape, dtype):
+    check_quantized_product(gpu_qstream.quantized_matmul, (1, *shape), dtype)
+
+
+def _forms(n: int, k: int, seed: int) -> None:
+    """Plain, o_proj (``residual``) and gate_up (w = [gate; up], ``glu``) forms against
+    the same math in float32."""
+    rng = np.random.default_rng(seed)
+    dtype = mx.bfloat16
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(dtype)
+    r = mx.array(rng.standard_normal((1, n)).astype(np.float32)).astype(dtype)
+    x = mx.array(rng.standard_normal((1, k)).astype(np.float32)).astype(dtype)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    wf = mx.dequantize(wq, s, b, group_size=64, bits=4).astype(mx.float32)
+    x32 = x.astype(mx.float32)
+    _close(gpu_qstream.quantized_matmul(x, wq, s, b, 64), x32 @ wf.T)
+    got = gpu_qstream.quantized_matmul(x, wq, s, b, 64, residual=r)
+    _close(got, r.astype(mx.float32) + x32 @ wf.T)
+    gate, up = x32 @ wf[: n // 2].T, x32 @ wf[n // 2 :].T
+    got = gpu_qstream.quantized_matmul(x, wq, s, b, 64, glu=True)
+    assert got.shape == (1, n // 2)
+    _close(got, gate * mx.sigmoid(gate) * up)
+
+
+@pytest.mark.parametrize("n,k", [(256, 1024), (28672 // 4, 4096), (2048, 14336)])
+def test_residual_and_glu(n, k):
+    _forms(n, k, seed=n + k)
+
+
+@pytest.mark.parametrize("stages,warps", [(2, 8), (4, 16), (12, 4), (8, 1)])
+def test_launch_shapes(stages, warps):
+    """bench/gpu/q4_bench.py's variants (slots a lane, warps a block) compute the same."""
+    gpu_qstream.set_knobs(stages=stages, warps=warps)
+    try:
+        for shape in [(1, 4096, 4096), (1, 300, 2048)]:
+            check_quantized_product(gpu_qstream.quantized_matmul, shape, mx.bfloat16)
+        _forms(512, 2048, seed=stages * warps)
+    finally:
+        gpu_qstream.set_knobs()
+
+
+def test_exact_on_small_integers():
+    """Weights that quantize exactly (scale 1, bias -8: w = q - 8) and small integer
+    inputs: the sum is exact in float32, so a nibble or x layout error cannot hide in
+    the tolerance."""
+    rng = np.random.default_rng(11)
+    n, k = 96, 2048
+    q = rng.integers(0, 16, (n, k))
+    q[:, ::64] = 0  # every group of 64 spans 0..15, so quantize finds scale 1, bias -8
+    q[:, 1::64] = 15
+    w = mx.array((q - 8).astype(np.float32)).astype(mx.bfloat16)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    assert np.all(np.array(s.astype(mx.float32)) == 1.0)
+    x = rng.integers(-3, 4, (1, k)).astype(np.float32)
+    got = gpu_qstream.quantized_matmul(
+        mx.array(x).astype(mx.float32).astype(mx.bfloat16), wq, s, b, 64
+    )
+    want = mx.array(x @ (q - 8).T.astype(np.float32)).astype(mx.bfloat16).astype(mx.float32)
+    np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(want))
+
+
+def test_plan_form_routes_by_rows():
+    """``1:qstream,2:qmma``: one row on this kernel, more rows (and the RMSNorm folded
+    in) on the tensor-core one; same products either way."""
+    import mlx.nn as nn
+
+    rng = np.random.default_rng(5)
+    w = mx.array(rng.standard_normal((512, 2048)).astype(np.float32) / 40).astype(mx.bfloat16)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    deq = mx.dequantize(wq, s, b, group_size=64, bits=4).astype(mx.float32)
+    try:
+        gpu_linear.set_plans(None, "1:qstream,2:qmma")
+        lin = gpu_linear.GpuQuantizedLinear(wq, s, b, 64, 4, "affine")
+        for m in (1, 3):
+            x = mx.array(rng.standard_normal((m, 2048)).astype(np.float32)).astype(mx.bfloat16)
+            r = mx.array(rng.standard_normal((m, 512)).astype(np.float32)).astype(mx.bfloat16)
+            x32 = x.astype(mx.float32)
+            _close(lin(x), x32 @ deq.T)
+            _close(lin.fused(x, residual=r), r.astype(mx.float32) + x32 @ deq.T)
+            gate, up = x32 @ deq[:256].T, x32 @ deq[256:].T
+            _close(lin.fused(x, glu=True), gate * mx.sigmoid(gate) * up)
+            norm = nn.RMSNorm(2048)
+            xn = norm(x).astype(mx.float32)
+            _close(lin.fused(x, norm=norm), xn @ deq.T)
+        assert gpu_linear.uses("qstream")
+    finally:
+        gpu_linear.reset_plans()
+
+
+def test_decode_step_on_the_kernel_matches_the_model():
+    """The GPU decode step with its 1-row 4-bit products on this kernel (o_proj and
+    down_proj with the residual, gate_up with the SwiGLU) equals the model's own call."""
+    from conftest_loading import prefilled_batch
+
+    from engine.decode_step import FusedDecodeStep
+    from engine.loading import build_random_model
+
+    cfg = dict(hidden_size=1024, num_hidden_layers=2, intermediate_size=2048,
+               num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5,
+               vocab_size=512, tie_word_embeddings=False)  # fmt: skip
+    model = build_random_model("llama", cfg, seed=7, quantize_bits=4, group_size=64).model
+    model.set_dtype(mx.bfloat16)
+    try:
+        gpu_linear.set_plans("1:xwt,2:mma,33:xwt", "1:qstream,2:qmma")
+        step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
+        step.warm_up()
+        assert step._qstream_products()
+        prompts = ([5, 6, 7, 8, 9, 10],)
+        mine, theirs = prefilled_batch(model, prompts), prefilled_batch(model, prompts)
+        tokens = mx.array([[1]], dtype=mx.int32)
+        for _ in range(3):
+            got = step(tokens, mine).astype(mx.float32)
+            want = model(tokens, cache=theirs)[:, -1, :].astype(mx.float32)
+            _close(got, want)
+            tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
+    finally:
+        gpu_linear.reset_plans()
+
+
+def test_unsupported_shapes_are_refused():
+    assert not gpu_qstream.supported(mx.bfloat16, 1, 64, 1000, 4, 64, "affine", object())
+    assert not gpu_qstream.supported(mx.bfloat16, 2, 64, 1024, 4, 64, "affine", object())
+    assert not gpu_qstream.supported(mx.bfloat16, 1, 64, 1024, 8, 64, "affine", object())
+    assert not gpu_qstream.supported(mx.bfloat16, 1, 64, 1024, 4, 64, "affine", None)
+    assert not gpu_qstream.supported(mx.float32, 1, 64, 1024, 4, 64, "affine", object())
+    assert gpu_qstream.supported(mx.bfloat16, 1, 64, 1024, 4, 64, "affine", object())
