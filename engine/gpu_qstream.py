@@ -1,34 +1,33 @@
-"""4-bit products of one row (the single-stream decode step), streamed through shared
-memory by ``cp.async``: engine/gpu_mma.py's kernel with another way to keep loads in
-flight.
+"""4-bit products of one row (the single-stream decode step), their weights streamed
+through shared memory by ``cp.async``, on tensor cores (form ``mma``, the default) or
+CUDA cores (form ``q4``).
 
-Why: at 8b 4-bit B=1 the products are ~2.4 ms of a ~3.5 ms step and read their weights
-at 1.5-1.8 TB/s on the H200, where a copy reaches 2.5 (MLX) to 4.3 TB/s (PyTorch)
-(bench/gpu/NOTES.md, sessions 8-9). The tensor-core kernel holds a lane's in-flight
-loads in registers, so more loads in flight cost occupancy, and its blocks are short
-(16 rows, then a reduction through shared memory): session 9 measured more loads a
-lane (``PIN``) slower. Here a lane's loads go to its own ring of ``S`` 16-byte slots
-in shared memory (``cp.async``: no register holds a load in flight), a warp owns whole
-output rows and walks them to the end, and there is no block-wide step after the
-prologue: with 8 warps a block and 2-3 blocks an SM, 50-100 KB of weight are in
-flight on each SM.
+Why: at 8b 4-bit B=1 the products are ~2.4 ms of a ~3.5 ms step on engine/gpu_mma.py's
+kernel, reading the weights at 1.5-1.8 TB/s on the H200, where a copy reaches 2.5
+(MLX) to 4.3 TB/s (PyTorch) (bench/gpu/NOTES.md, sessions 8-9). That kernel holds a
+lane's in-flight loads in registers, so more loads in flight cost occupancy (session 9
+measured more loads a lane slower), and its blocks are short (16 rows, then a
+reduction through shared memory). Here a lane's loads go to its own ring of
+``STAGES`` slots in shared memory (``cp.async``: no register holds a load in flight),
+a warp owns whole output rows and walks them to the end, and nothing is block-wide
+after the prologue.
 
-Layout: the block first copies x into shared memory as float32 (its 16-byte quarters
-swizzled by the chunk, so that the 8 lanes of a load phase hit 8 bank groups) and
-the sum of each 32-input chunk (for the groups' biases). Warp ``gw`` of ``TW`` takes
-outputs ``gw, gw + TW, ...``; an output is one weight row (two with the SwiGLU: gate
-row ``o`` and up row ``o + N``); lane ``l`` takes the row's 32-input chunks ``l, l + 32,
-...`` (16 bytes of weight each, inside one quantization group). 4-bit values become
-floats with the exponent trick on their place in the word (``(w & 0xF << 4k) |
-0x4B000000`` is 2^23 + q * 16^k, exact), one accumulator per k, so a value costs a
-LOP3, an FADD and an FFMA; a chunk adds ``s * dot + b * sum(x)``. The row's sum is a
-warp shuffle; lane 0 writes it (plus the residual, or the SwiGLU of gate and up).
+The CUDA-core form (``_BODY``, session 10's first try): a warp owns one output row at
+a time, lane ``l`` its 32-input chunks ``l, l + 32, ...``; a 4-bit value becomes a
+float with the exponent trick on its place in the word (``(w & 0xF << 4k) |
+0x4B000000`` is 2^23 + q * 16^k, exact), one accumulator per k: a LOP3, an FADD and an
+FFMA a value, ~5 instructions a weight with the rest, which made it issue-bound (8b
+gate_up 36.9 -> 31.5 us, 2.1 TB/s). It stays for shapes the tensor-core form does not
+take (N not a multiple of 16).
 
-All math is float32 on the exact 4-bit values (the dequantized weight is never
-rounded to bf16). Limits (``supported``): bf16/fp16 x of one row, 4-bit affine with
-biases, group size 32/64/128, K a multiple of 1024 (whole chunks for every lane) and
-at most 16384 (x in shared memory). ``bench/gpu/nvrtc_check.py`` compiles the source
-without a GPU; ``tests/test_gpu_qstream.py`` checks it against MLX on one.
+The tensor-core form (``_MMA_BODY``): see the comment above it; about 1.8 instructions
+a weight. Both do their math in float32 on the exact 4-bit values.
+
+Limits (``supported``): bf16/fp16 x of one row, 4-bit affine with biases, group size
+32/64/128, K a multiple of 1024 and at most 16384 (x lives in shared memory).
+``bench/gpu/nvrtc_check.py`` compiles the sources without a GPU,
+``bench/gpu/qstream_emulation.py`` checks the tensor-core form's index logic in numpy,
+``tests/test_gpu_qstream.py`` checks both forms against MLX on a GPU.
 """
 
 from __future__ import annotations
@@ -67,6 +66,8 @@ __device__ __forceinline__ float mb_half_of(uint32_t v, bool hi, __half) {
   const uint16_t h = static_cast<uint16_t>(hi ? (v >> 16) : (v & 0xffffu));
   return __half2float(*reinterpret_cast<const __half*>(&h));
 }
+__device__ __forceinline__ constexpr bool mb_is_half(__half) { return true; }
+__device__ __forceinline__ constexpr bool mb_is_half(__nv_bfloat16) { return false; }
 // 2^23 + (w & mask) as float (magic: 0x4B000000), minus 2^23: the masked bits' value, exact
 __device__ __forceinline__ float mb_nib(uint32_t w, uint32_t mask, uint32_t magic) {
   return __uint_as_float((w & mask) | magic) - 8388608.f;
@@ -217,26 +218,239 @@ _BODY = r"""
 """
 
 
+# The tensor-core form (``mma``): a warp owns 16 weight rows (an m-tile; with the SwiGLU
+# 8 gate rows and their 8 up rows) and walks K in blocks of 8 quantization groups. In
+# one mma.sync.m16n8k16 the 16 k of a lane's A pairs are 2 values from each of the
+# block's 8 groups (k pair 2j, 2j+1 <- group j), and B's column n holds x only for the
+# k of group n, so C[row, n] sums group n alone: the scale and bias of each group go on
+# once a block (C's 8 columns are the 8 groups), and the weight enters the MMA as the
+# raw 4-bit value plus a constant (one LOP3 for two values: (w >> 4s) & 0x000F000F |
+# 0x43004300 is the bf16 pair 128 + q_s, 128 + q_{s+4}); the constant comes off with
+# the group's sum of x. About one instruction a weight, against ~5 on CUDA cores.
+_MMA_BODY = r"""
+  constexpr int NT = WARPS * 32;
+  constexpr int NG = K / GS;        // quantization groups a row
+  constexpr int KB = NG / 8;        // blocks of 8 groups a row
+  constexpr int GW = GS / 8;        // 32-bit words (8 values) a group
+  constexpr int SEGC = GS / 32;     // 16-byte chunks of one group's weights
+  constexpr int CH = 4 * SEGC;      // chunks a lane loads a block: rows g, g+8 x groups t, t+4
+  constexpr int XG = GS / 2 + 4;    // words of x pairs a group takes in shared memory
+  extern __shared__ __align__(16) unsigned char mb_smem[];
+  uint32_t* xp = reinterpret_cast<uint32_t*>(mb_smem);                  // [NG * XG]
+  float* xsum = reinterpret_cast<float*>(xp + NG * XG);                 // [NG]
+  uint4* zero4 = reinterpret_cast<uint4*>(xsum + NG);                   // [1]
+  uint4* wslot = zero4 + 1;                                             // [STAGES][CH][NT]
+  uint32_t* sbslot = reinterpret_cast<uint32_t*>(wslot + STAGES * CH * NT);  // [STAGES][4][NT]
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int gw = blockIdx.x * WARPS + (tid >> 5);
+  const int TW = gridDim.x * WARPS;
+  const int NW = w_shape[0];
+  const int N = GLU ? NW / 2 : NW;  // outputs
+  const int tiles = GLU ? N / 8 : N / 16;
+  // the exponent-trick constant of T (bf16: 128 + q, fp16: 1024 + q), from a value the
+  // compiler cannot see, so that it stays in a register
+  const uint32_t hz = static_cast<uint32_t>(NW) >> 31;
+  const uint32_t magic = (mb_is_half(T{}) ? 0x64006400u : 0x43004300u) | hz;
+  const float qoff = mb_is_half(T{}) ? 1024.f : 128.f;
+
+  // x in shared memory as the MMA's B pairs: group j's word m = (x[8(m/4) + m%4],
+  // x[8(m/4) + m%4 + 4]) of the group, the pair a LOP3 makes of weight word m/4 shifted
+  // by 4(m%4); groups XG words apart (4 of padding: the 8 lanes that read x in one
+  // load hit different banks); and each group's sum of x
+  for (int j = tid; j < NG; j += NT) {
+    float sum = 0.f;
+#pragma unroll
+    for (int wd = 0; wd < GW; ++wd) {
+      const uint4 v = *reinterpret_cast<const uint4*>(x + j * GS + wd * 8);
+      const uint32_t h[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        sum += mb_half_of(h[i], false, T{}) + mb_half_of(h[i], true, T{});
+      }
+      uint4 o;
+      o.x = __byte_perm(h[0], h[2], 0x5410);  // (e0, e4)
+      o.y = __byte_perm(h[0], h[2], 0x7632);  // (e1, e5)
+      o.z = __byte_perm(h[1], h[3], 0x5410);  // (e2, e6)
+      o.w = __byte_perm(h[1], h[3], 0x7632);  // (e3, e7)
+      *reinterpret_cast<uint4*>(xp + j * XG + wd * 4) = o;
+    }
+    xsum[j] = sum;
+  }
+  if (tid == 0) {
+    zero4[0] = make_uint4(0u, 0u, 0u, 0u);
+  }
+  __syncthreads();
+
+  const int units = gw < tiles ? (tiles - 1 - gw) / TW + 1 : 0;
+  const int total = units * KB;
+  const uint32_t* sw = reinterpret_cast<const uint32_t*>(scales);
+  const uint32_t* bw = reinterpret_cast<const uint32_t*>(biases);
+  auto rows_of = [&](int u, uint32_t& r0, uint32_t& r1) {
+    r0 = static_cast<uint32_t>(GLU ? u * 8 + g : u * 16 + g);
+    r1 = static_cast<uint32_t>(GLU ? N + u * 8 + g : u * 16 + g + 8);
+  };
+  int i_u = gw, i_kb = 0;  // the next stage to load: m-tile, block
+  auto issue = [&](int q) {
+    uint32_t r0, r1;
+    rows_of(i_u, r0, r1);
+    const int s = q % STAGES;
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+#pragma unroll
+      for (int gi = 0; gi < 2; ++gi) {
+        const uint32_t row = ri ? r1 : r0;
+        const uint32_t base = row * (K / 8) + (i_kb * 8 + t + 4 * gi) * GW;
+#pragma unroll
+        for (int c = 0; c < SEGC; ++c) {
+          mb_cp16(&wslot[(s * CH + (ri * 2 + gi) * SEGC + c) * NT + tid], w + base + c * 4);
+        }
+      }
+    }
+    // the scales and biases of C's columns 2t, 2t+1 (groups 2t, 2t+1 of the block):
+    // one 4-byte word a row
+    const uint32_t gs0 = (r0 * NG + i_kb * 8 + 2 * t) >> 1;
+    const uint32_t gs1 = (r1 * NG + i_kb * 8 + 2 * t) >> 1;
+    mb_cp4(&sbslot[(s * 4 + 0) * NT + tid], sw + gs0);
+    mb_cp4(&sbslot[(s * 4 + 1) * NT + tid], sw + gs1);
+    mb_cp4(&sbslot[(s * 4 + 2) * NT + tid], bw + gs0);
+    mb_cp4(&sbslot[(s * 4 + 3) * NT + tid], bw + gs1);
+    if (++i_kb == KB) {
+      i_kb = 0;
+      i_u += TW;
+    }
+  };
+#pragma unroll
+  for (int p = 0; p < STAGES - 1; ++p) {
+    if (p < total) {
+      issue(p);
+    }
+    mb_commit();
+  }
+  // B's sources: lane (g, t) holds x in b0 only when g == t (k pair 2t, 2t+1 is group
+  // t = n) and in b1 only when g == t + 4; the others read a zero word
+  const bool real0 = g == t;
+  const bool real1 = g == t + 4;
+  int c_u = gw, c_kb = 0;
+  float acc0 = 0.f, acc1 = 0.f;
+  for (int q = 0; q < total; ++q) {
+    if (q + STAGES - 1 < total) {
+      issue(q + STAGES - 1);
+    }
+    mb_commit();
+    mb_wait<STAGES - 1>();
+    const int s = q % STAGES;
+    const uint4* xq0 = real0 ? reinterpret_cast<const uint4*>(xp + (c_kb * 8 + g) * XG) : zero4;
+    const uint4* xq1 = real1 ? reinterpret_cast<const uint4*>(xp + (c_kb * 8 + g) * XG) : zero4;
+    const int st0 = real0 ? 1 : 0;
+    const int st1 = real1 ? 1 : 0;
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int c4 = 0; c4 < SEGC; ++c4) {
+      // 4 words of each segment aRG: row g (R 0) or g+8 (R 1), group t (G 0) or t+4 (G 1)
+      // (the slots hold segment R * 2 + G)
+      const uint4 a00 = wslot[(s * CH + 0 * SEGC + c4) * NT + tid];
+      const uint4 a01 = wslot[(s * CH + 1 * SEGC + c4) * NT + tid];
+      const uint4 a10 = wslot[(s * CH + 2 * SEGC + c4) * NT + tid];
+      const uint4 a11 = wslot[(s * CH + 3 * SEGC + c4) * NT + tid];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int wd = c4 * 4 + i;  // the word of the group
+        const uint32_t w00 = mb_word(a00, i), w01 = mb_word(a01, i);
+        const uint32_t w10 = mb_word(a10, i), w11 = mb_word(a11, i);
+        const uint4 x0 = xq0[wd * st0];
+        const uint4 x1 = xq1[wd * st1];
+#pragma unroll
+        for (int sh = 0; sh < 4; ++sh) {
+          const uint32_t p00 = ((w00 >> (4 * sh)) & 0x000F000Fu) | magic;
+          const uint32_t p01 = ((w01 >> (4 * sh)) & 0x000F000Fu) | magic;
+          const uint32_t p10 = ((w10 >> (4 * sh)) & 0x000F000Fu) | magic;
+          const uint32_t p11 = ((w11 >> (4 * sh)) & 0x000F000Fu) | magic;
+          // A: a0 row g, k 2t..2t+1 (group t); a1 row g+8, same k; a2 row g, k 2t+8..2t+9
+          // (group t+4); a3 row g+8, group t+4
+          mb_mma(c, p00, p10, p01, p11, mb_word(x0, sh), mb_word(x1, sh), T{});
+        }
+      }
+    }
+    // C[row][n] = sum over group n of x * (qoff + q): y += s * C + X * (b - qoff * s)
+    const uint32_t s0w = sbslot[(s * 4 + 0) * NT + tid];
+    const uint32_t s1w = sbslot[(s * 4 + 1) * NT + tid];
+    const uint32_t b0w = sbslot[(s * 4 + 2) * NT + tid];
+    const uint32_t b1w = sbslot[(s * 4 + 3) * NT + tid];
+    const float xa = xsum[c_kb * 8 + 2 * t];
+    const float xb = xsum[c_kb * 8 + 2 * t + 1];
+    {
+      const float s00 = mb_half_of(s0w, false, T{}), s01 = mb_half_of(s0w, true, T{});
+      const float s10 = mb_half_of(s1w, false, T{}), s11 = mb_half_of(s1w, true, T{});
+      const float b00 = mb_half_of(b0w, false, T{}), b01 = mb_half_of(b0w, true, T{});
+      const float b10 = mb_half_of(b1w, false, T{}), b11 = mb_half_of(b1w, true, T{});
+      acc0 = fmaf(s00, c[0], fmaf(xa, fmaf(-qoff, s00, b00), acc0));
+      acc0 = fmaf(s01, c[1], fmaf(xb, fmaf(-qoff, s01, b01), acc0));
+      acc1 = fmaf(s10, c[2], fmaf(xa, fmaf(-qoff, s10, b10), acc1));
+      acc1 = fmaf(s11, c[3], fmaf(xb, fmaf(-qoff, s11, b11), acc1));
+    }
+    if (++c_kb == KB) {  // the m-tile's last block: the 4 lanes of a row group add up
+      c_kb = 0;
+      acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
+      acc0 += __shfl_xor_sync(0xffffffffu, acc0, 2);
+      acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
+      acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
+      if (t == 0) {
+        uint32_t r0, r1;
+        rows_of(c_u, r0, r1);
+        if constexpr (GLU) {
+          y[r0] = static_cast<T>(acc0 / (1.f + __expf(-acc0)) * acc1);
+        } else {
+          float v0 = acc0, v1 = acc1;
+          if constexpr (RES) {
+            v0 += static_cast<float>(r[r0]);
+            v1 += static_cast<float>(r[r1]);
+          }
+          y[r0] = static_cast<T>(v0);
+          y[r1] = static_cast<T>(v1);
+        }
+      }
+      acc0 = 0.f;
+      acc1 = 0.f;
+      c_u += TW;
+    }
+  }
+"""
+
+
 def _specs() -> dict[str, KernelSpec]:
-    """``q4``, ``q4_res`` (a residual ``r`` [1, N] added: o_proj/down_proj) and
-    ``q4_glu`` (w = [gate; up], output silu(gate) * up, [1, N/2]: gate_up)."""
+    """Forms ``q4`` (CUDA cores) and ``mma`` (tensor cores), each plain, ``_res`` (a
+    residual ``r`` [1, N] added: o_proj/down_proj) and ``_glu`` (w = [gate; up], output
+    silu(gate) * up, [1, N/2]: gate_up)."""
+    from engine import gpu_mma
+
     inputs = [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)]
     out = {}
-    for suffix, glu, res in (("", False, False), ("_res", False, True), ("_glu", True, False)):
-        flags = f"  constexpr bool GLU = {'true' if glu else 'false'};\n"
-        flags += f"  constexpr bool RES = {'true' if res else 'false'};\n"
-        if not res:
-            flags += "  const T* r = nullptr;\n"
-        extra = [("r", "T", 2)] if res else []
-        out["q4" + suffix] = KernelSpec(
-            "mb_qstream" + suffix, inputs + extra, [("y", "T")], flags + _BODY, _HEADER
-        )
+    for form, body, header in (
+        ("q4", _BODY, _HEADER),
+        ("mma", _MMA_BODY, gpu_mma._HEADER + _HEADER),
+    ):
+        for suffix, glu, res in (("", False, False), ("_res", False, True), ("_glu", True, False)):
+            flags = f"  constexpr bool GLU = {'true' if glu else 'false'};\n"
+            flags += f"  constexpr bool RES = {'true' if res else 'false'};\n"
+            if not res:
+                flags += "  const T* r = nullptr;\n"
+            extra = [("r", "T", 2)] if res else []
+            name = "mb_qstream" if form == "q4" else "mb_qstream_mma"
+            out[form + suffix] = KernelSpec(
+                name + suffix, inputs + extra, [("y", "T")], flags + body, header
+            )
     return out
 
 
-def smem_bytes(k: int, stages: int = STAGES, warps: int = WARPS) -> int:
-    """Dynamic shared memory a block needs: x (float32), chunk sums, the lanes' slots."""
-    return (k // 32) * (9 * 16 + 4) + stages * warps * 32 * (16 + 4 + 4)
+def smem_bytes(form: str, k: int, gs: int, stages: int, warps: int) -> int:
+    """Dynamic shared memory a block needs: x, its chunk or group sums, the lanes' slots."""
+    if form == "q4":  # x as float32, 144 bytes a 32-input chunk; 16 + 4 + 4 bytes a slot
+        return (k // 32) * (9 * 16 + 4) + stages * warps * 32 * (16 + 4 + 4)
+    ng = k // gs  # x as bf16/fp16 pairs, 8 bytes of padding a group; 4 segments + 16 a slot
+    return ng * (gs // 2 + 4) * 4 + ng * 4 + 16 + stages * warps * 32 * (4 * gs // 2 + 16)
 
 
 _kernels: dict = {}
@@ -280,31 +494,46 @@ def supported(x_dtype, rows: int, n: int, k: int, bits: int, group_size: int, mo
     )
 
 
+# per form: slots a lane, warps a block (the CUDA-core form: 16 warps from K > 8192,
+# where x's shared memory leaves one block an SM)
+DEFAULTS = {"q4": (STAGES, WARPS), "mma": (4, 4)}
 _knobs: dict = {}
 
 
-def set_knobs(stages: int | None = None, warps: int | None = None) -> None:
-    """Launchers made from now on use ``stages``/``warps`` (None: the defaults);
-    bench/gpu/q4_bench.py's variants."""
+def set_knobs(form: str | None = None, stages: int | None = None, warps: int | None = None):
+    """Launchers made from now on use ``form`` ("q4": CUDA cores, "mma": tensor cores),
+    ``stages``/``warps`` (None: the defaults); bench/gpu/q4_bench.py's variants."""
     _knobs.clear()
-    _knobs.update({k: v for k, v in (("stages", stages), ("warps", warps)) if v is not None})
+    pairs = (("form", form), ("stages", stages), ("warps", warps))
+    _knobs.update({k: v for k, v in pairs if v is not None})
+
+
+def form_for(n: int, glu: bool) -> str:
+    """The tensor-core form needs whole m-tiles (16 rows; with the SwiGLU 8 outputs)."""
+    want = _knobs.get("form", "mma")
+    if want == "mma" and (n % 16 if not glu else (n // 2) % 8 or n % 2):
+        return "q4"
+    return want
+
+
+def shape_for(form: str, k: int) -> tuple[int, int]:
+    stages, warps = DEFAULTS[form]
+    if form == "q4" and k > 8192:
+        warps *= 2
+    return _knobs.get("stages", stages), _knobs.get("warps", warps)
 
 
 @cache
-def _grid_blocks(n_out: int, k: int, stages: int, warps: int) -> int:
+def _grid_blocks(form: str, units: int, k: int, gs: int, stages: int, warps: int) -> int:
     """Blocks: as many warps as the SMs hold at once (shared memory bounds the blocks
-    an SM), then no more than the outputs need with every warp taking the same count."""
-    per_sm = max(1, min(2048 // (warps * 32), SMEM_PER_SM // (smem_bytes(k, stages, warps) + 1024)))
+    an SM), then no more than the work units (rows, or m-tiles) need with every warp
+    taking the same count."""
+    smem = smem_bytes(form, k, gs, stages, warps)
+    per_sm = max(1, min(2048 // (warps * 32), SMEM_PER_SM // (smem + 1024)))
     max_warps = SMS * per_sm * warps
-    per_warp = -(-n_out // max_warps)
-    want_warps = -(-n_out // per_warp)
+    per_warp = -(-units // max_warps)
+    want_warps = -(-units // per_warp)
     return -(-want_warps // warps)
-
-
-def warps_for(k: int) -> int:
-    """Warps a block: x takes ~4.6 bytes of shared memory an input, so from K > 8192 a
-    block of 8 warps would leave one block (8 warps) an SM: 16 warps a block then."""
-    return _knobs.get("warps", WARPS if k <= 8192 else 2 * WARPS)
 
 
 def launcher(dtype, n: int, k: int, gs: int, residual: bool = False, glu: bool = False):
@@ -312,13 +541,14 @@ def launcher(dtype, n: int, k: int, gs: int, residual: bool = False, glu: bool =
     ``n`` rows; ``inputs``: x, w, scales, biases, then the residual (``residual``)."""
     if glu and residual:
         raise ValueError("gpu_qstream: glu and residual together are not a kernel")
-    stages = _knobs.get("stages", STAGES)
-    warps = warps_for(k)
-    kind = "q4" + ("_glu" if glu else "_res" if residual else "")
+    form = form_for(n, glu)
+    stages, warps = shape_for(form, k)
+    kind = form + ("_glu" if glu else "_res" if residual else "")
     template = (("T", dtype), ("K", k), ("GS", gs), ("STAGES", stages), ("WARPS", warps))
-    fn = _kernel(kind, template, smem_bytes(k, stages, warps))
+    fn = _kernel(kind, template, smem_bytes(form, k, gs, stages, warps))
     n_out = n // 2 if glu else n
-    blocks = _grid_blocks(n_out, k, stages, warps)
+    units = n_out if form == "q4" else (n_out // 8 if glu else n_out // 16)
+    blocks = _grid_blocks(form, units, k, gs, stages, warps)
     grid = (blocks * warps * 32, 1, 1)
     threadgroup = (warps * 32, 1, 1)
     shapes = [(1, n_out)]
@@ -352,7 +582,7 @@ def warm(dtype, products) -> None:
 
     outs = []
     for gs, k, residual, glu in sorted(set(products)):
-        n = 2 if glu else 1
+        n = 16  # one m-tile (the tensor-core form's; the CUDA-core form takes any)
         s = mx.ones((n, k // gs), dtype=dtype)
         ins = [mx.zeros((1, k), dtype=dtype), mx.zeros((n, k // 8), dtype=mx.uint32), s, s]
         if residual:
@@ -365,7 +595,7 @@ def kernel_specs_for_check() -> list[KernelSpec]:
     out = []
     for spec in _specs().values():
         for dtype in ("bfloat16", "float16"):
-            for k, gs, stages, warps in ((4096, 64, 8, 8), (14336, 32, 8, 16), (1024, 128, 12, 4)):
+            for k, gs, stages, warps in ((4096, 64, 8, 8), (14336, 32, 4, 16), (1024, 128, 12, 4)):
                 tmpl = [("T", dtype), ("K", k), ("GS", gs), ("STAGES", stages), ("WARPS", warps)]
                 ins = [(n, dtype if t == "T" else t, nd) for n, t, nd in spec.inputs]
                 outs = [(n, dtype if t == "T" else t) for n, t in spec.outputs]

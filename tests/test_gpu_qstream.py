@@ -1,8 +1,8 @@
 """engine/gpu_qstream.py: the 1-row 4-bit products streamed through shared memory equal
 float32 products of the dequantized weight (group sizes 32/64/128, bf16 and fp16,
 every launch shape the benchmark tries), with the residual and SwiGLU forms; the plan
-form ``qstream`` reaches them at one row and the tensor-core kernel otherwise; the
-decode step on it equals the model.
+form ``qstream`` reaches them at one row and engine/gpu_mma.py's kernel otherwise; the
+decode step on it equals the model. Both of its forms (tensor cores, CUDA cores).
 
 Needs MLX's CUDA backend (skipped elsewhere). On the H200, after bench/gpu/env.sh:
 ``python3 -m pytest -q tests/test_gpu_qstream.py``. ``bench/gpu/nvrtc_check.py``
@@ -30,9 +30,18 @@ SHAPES = [(1, 1024), (7, 2048), (300, 1024), (4096, 4096), (6144, 4096), (4096, 
           (8000, 3072)]  # fmt: skip
 
 
+@pytest.fixture(params=["mma", "q4"])
+def form(request):
+    """Each test on both forms: tensor cores (the default) and CUDA cores."""
+    gpu_qstream.set_knobs(form=request.param)
+    yield request.param
+    gpu_qstream.set_knobs()
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-def test_one_row_products(shape, dtype):
+def test_one_row_products(shape, dtype, form):
+    """(N not a multiple of 16 runs the CUDA-core form whatever the knob says.)"""
     check_quantized_product(gpu_qstream.quantized_matmul, (1, *shape), dtype)
 
 
@@ -57,14 +66,15 @@ def _forms(n: int, k: int, seed: int) -> None:
 
 
 @pytest.mark.parametrize("n,k", [(256, 1024), (28672 // 4, 4096), (2048, 14336)])
-def test_residual_and_glu(n, k):
+def test_residual_and_glu(n, k, form):
     _forms(n, k, seed=n + k)
 
 
-@pytest.mark.parametrize("stages,warps", [(2, 8), (4, 16), (12, 4), (8, 1)])
-def test_launch_shapes(stages, warps):
+@pytest.mark.parametrize("form_", ["mma", "q4"])
+@pytest.mark.parametrize("stages,warps", [(2, 8), (4, 16), (12, 4), (3, 1)])
+def test_launch_shapes(form_, stages, warps):
     """bench/gpu/q4_bench.py's variants (slots a lane, warps a block) compute the same."""
-    gpu_qstream.set_knobs(stages=stages, warps=warps)
+    gpu_qstream.set_knobs(form=form_, stages=stages, warps=warps)
     try:
         for shape in [(1, 4096, 4096), (1, 300, 2048)]:
             check_quantized_product(gpu_qstream.quantized_matmul, shape, mx.bfloat16)
@@ -73,7 +83,7 @@ def test_launch_shapes(stages, warps):
         gpu_qstream.set_knobs()
 
 
-def test_exact_on_small_integers():
+def test_exact_on_small_integers(form):
     """Weights that quantize exactly (scale 1, bias -8: w = q - 8) and small integer
     inputs: the sum is exact in float32, so a nibble or x layout error cannot hide in
     the tolerance."""
@@ -114,6 +124,7 @@ def test_plan_form_routes_by_rows():
             gate, up = x32 @ deq[:256].T, x32 @ deq[256:].T
             _close(lin.fused(x, glu=True), gate * mx.sigmoid(gate) * up)
             norm = nn.RMSNorm(2048)
+            norm.weight = (1 + mx.arange(2048) / 4096).astype(mx.bfloat16)  # as a bf16 model's
             xn = norm(x).astype(mx.float32)
             _close(lin.fused(x, norm=norm), xn @ deq.T)
         assert gpu_linear.uses("qstream")

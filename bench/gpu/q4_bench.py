@@ -94,12 +94,17 @@ def cupti_us(fn, steps: int, name_part: str) -> list[float]:
 
 
 def parse_stream(name: str) -> dict | None:
-    """``"qs"``: engine/gpu_qstream.py with its defaults; ``"qs4w16"``: 4 slots a lane,
-    16 warps a block; None for a name of the tensor-core kernel."""
-    m = re.fullmatch(r"qs(\d*)(?:w(\d+))?", name)
+    """``"mma"``/``"qs"``: engine/gpu_qstream.py's tensor-core/CUDA-core form with its
+    defaults; ``"mma3w8"``: 3 slots a lane, 8 warps a block; None for a name of
+    engine/gpu_mma.py's kernel."""
+    m = re.fullmatch(r"(qs|mma)(\d*)(?:w(\d+))?", name)
     if not m:
         return None
-    return {"stages": int(m[1]) if m[1] else None, "warps": int(m[2]) if m[2] else None}
+    return {
+        "form": "q4" if m[1] == "qs" else "mma",
+        "stages": int(m[2]) if m[2] else None,
+        "warps": int(m[3]) if m[3] else None,
+    }
 
 
 def parse(name: str) -> tuple[dict, bool]:
@@ -114,7 +119,7 @@ def parse(name: str) -> tuple[dict, bool]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="8b")
-    ap.add_argument("--variants", default="u2w8,u2w8x1,u4w8x1,qs,qs4,qs12,qs8w16,qs8w4")
+    ap.add_argument("--variants", default="u2w8,qs8w16,mma,mma3,mma6,mma4w8,mma2w8,mma4w2")
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=150)
