@@ -49,7 +49,9 @@ QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv", "qmma", "qstre
 # bandwidth (8b: 5.0 ms a step, the kernel 7.5), from 33 rows cuBLAS reads the
 # weight once where the kernel reads it once per 32 rows.
 DEFAULT_FLOAT_PLAN = "1:xwt,2:mma,33:xwt"
-DEFAULT_QUANT_PLAN = "1:qmma"
+# 1 row: engine/gpu_qstream.py (session 10: 8b 4-bit B=1 279 -> 307 tok/s in one lease;
+# a layer's 4 products 75.6 -> 65.2 us)
+DEFAULT_QUANT_PLAN = "1:qstream,2:qmma"
 
 
 @dataclass(frozen=True)

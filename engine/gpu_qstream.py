@@ -1,6 +1,6 @@
 """4-bit products of one row (the single-stream decode step), their weights streamed
-through shared memory by ``cp.async``, on tensor cores (form ``mma``, the default) or
-CUDA cores (form ``q4``).
+through shared memory by ``cp.async``, on CUDA cores (form ``q4``, the default: measured
+fastest) or tensor cores (form ``mma``).
 
 Why: at 8b 4-bit B=1 the products are ~2.4 ms of a ~3.5 ms step on engine/gpu_mma.py's
 kernel, reading the weights at 1.5-1.8 TB/s on the H200, where a copy reaches 2.5
@@ -17,11 +17,14 @@ a time, lane ``l`` its 32-input chunks ``l, l + 32, ...``; a 4-bit value becomes
 float with the exponent trick on its place in the word (``(w & 0xF << 4k) |
 0x4B000000`` is 2^23 + q * 16^k, exact), one accumulator per k: a LOP3, an FADD and an
 FFMA a value, ~5 instructions a weight with the rest, which made it issue-bound (8b
-gate_up 36.9 -> 31.5 us, 2.1 TB/s). It stays for shapes the tensor-core form does not
-take (N not a multiple of 16).
+gate_up 36.9 -> 31.5 us, 2.1 TB/s); it also takes shapes the tensor-core form does
+not (N not a multiple of 16).
 
 The tensor-core form (``_MMA_BODY``): see the comment above it; about 1.8 instructions
-a weight. Both do their math in float32 on the exact 4-bit values.
+a weight, yet measured slower (8b gate_up 40 us, down_proj 35 us against 31.5 and
+17.3): instruction issue was not what held the products at ~2 TB/s
+(bench/gpu/read_bw.py asks what an MLX kernel can read here at all). Both do their
+math in float32 on the exact 4-bit values.
 
 Limits (``supported``): bf16/fp16 x of one row, 4-bit affine with biases, group size
 32/64/128, K a multiple of 1024 and at most 16384 (x lives in shared memory).
@@ -497,6 +500,9 @@ def supported(x_dtype, rows: int, n: int, k: int, bits: int, group_size: int, mo
 # per form: slots a lane, warps a block (the CUDA-core form: 16 warps from K > 8192,
 # where x's shared memory leaves one block an SM)
 DEFAULTS = {"q4": (STAGES, WARPS), "mma": (4, 4)}
+# measured (bench/gpu/q4_bench.py, NOTES.md session 10; 8b, us a layer's 4 products):
+# engine/gpu_mma.py 75.6, the CUDA-core form 65.2, the tensor-core form 97-131
+DEFAULT_FORM = "q4"
 _knobs: dict = {}
 
 
@@ -510,7 +516,7 @@ def set_knobs(form: str | None = None, stages: int | None = None, warps: int | N
 
 def form_for(n: int, glu: bool) -> str:
     """The tensor-core form needs whole m-tiles (16 rows; with the SwiGLU 8 outputs)."""
-    want = _knobs.get("form", "mma")
+    want = _knobs.get("form", DEFAULT_FORM)
     if want == "mma" and (n % 16 if not glu else (n // 2) % 8 or n % 2):
         return "q4"
     return want
@@ -545,7 +551,13 @@ def launcher(dtype, n: int, k: int, gs: int, residual: bool = False, glu: bool =
     stages, warps = shape_for(form, k)
     kind = form + ("_glu" if glu else "_res" if residual else "")
     template = (("T", dtype), ("K", k), ("GS", gs), ("STAGES", stages), ("WARPS", warps))
-    fn = _kernel(kind, template, smem_bytes(form, k, gs, stages, warps))
+    smem = smem_bytes(form, k, gs, stages, warps)
+    if smem + 1024 > SMEM_PER_SM:
+        raise ValueError(
+            f"gpu_qstream: {stages} slots x {warps} warps at K={k} need {smem} bytes of "
+            f"shared memory a block, more than an SM has ({SMEM_PER_SM})"
+        )
+    fn = _kernel(kind, template, smem)
     n_out = n // 2 if glu else n
     units = n_out if form == "q4" else (n_out // 8 if glu else n_out // 16)
     blocks = _grid_blocks(form, units, k, gs, stages, warps)

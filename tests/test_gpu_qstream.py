@@ -31,7 +31,7 @@ SHAPES = [(1, 1024), (7, 2048), (300, 1024), (4096, 4096), (4096, 14336), (8000,
 
 @pytest.fixture(params=["mma", "q4"])
 def form(request):
-    """Each test on both forms: tensor cores (the default) and CUDA cores."""
+    """Each test on both forms: tensor cores and CUDA cores (the default)."""
     gpu_qstream.set_knobs(form=request.param)
     yield request.param
     gpu_qstream.set_knobs()
@@ -72,7 +72,7 @@ def test_residual_and_glu(n, k, form):
 
 
 @pytest.mark.parametrize("form_", ["mma", "q4"])
-@pytest.mark.parametrize("stages,warps", [(2, 8), (4, 16), (12, 4), (3, 1)])
+@pytest.mark.parametrize("stages,warps", [(2, 8), (3, 4), (6, 4), (3, 1)])
 def test_launch_shapes(form_, stages, warps):
     """bench/gpu/q4_bench.py's variants (slots a lane, warps a block) compute the same."""
     gpu_qstream.set_knobs(form=form_, stages=stages, warps=warps)
@@ -161,6 +161,15 @@ def test_decode_step_on_the_kernel_matches_the_model():
             tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
     finally:
         gpu_linear.reset_plans()
+
+
+def test_too_much_shared_memory_is_a_clear_error():
+    with pytest.raises(ValueError, match="shared memory"):
+        gpu_qstream.set_knobs(form="mma", stages=12, warps=16)
+        try:
+            gpu_qstream.launcher(mx.bfloat16, 4096, 4096, 64)
+        finally:
+            gpu_qstream.set_knobs()
 
 
 def test_unsupported_shapes_are_refused():

@@ -194,6 +194,11 @@ for stage in "$@"; do
         timeout ${QS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --tb=short \
             tests/test_gpu_qstream.py 2>&1 | tee "$OUT/test_qs.log"
         ;;
+    read-bw)  # session 10: what an MLX kernel reads from HBM here, device vs managed memory,
+        # against PyTorch's sum and copy in the same process
+        timeout ${READ_TIMEOUT:-150} python3 bench/gpu/read_bw.py --out "$OUT/read_bw.json" 2>&1 \
+            | grep -v Warn | tee "$OUT/read_bw.log"
+        ;;
     q4-bench)  # session 9: 1-row 4-bit products per launch shape (u = loads in flight a
         # lane, w = warps a block, p1 = PIN), CUPTI
         timeout ${Q4_TIMEOUT:-200} python3 bench/gpu/q4_bench.py --model ${Q4_MODEL:-8b} \

@@ -1,0 +1,134 @@
+"""Read bandwidth an MLX process gets from HBM on this GPU: a plain streaming-read
+kernel (mx.fast.cuda_kernel), by loads in flight a thread, over device memory (an
+array a GPU op made) and managed memory (an array made from host data, as weights
+loaded from disk are), against PyTorch's sum over the same bytes in the same process
+(ON the GPU machine, after bench/gpu/env.sh).
+
+Why: every 1-row 4-bit product kernel tried (engine/gpu_mma.py, engine/gpu_qstream.py's
+two forms) tops out at 1.6-2.1 TB/s however its loads are kept in flight (NOTES.md,
+session 10), where PyTorch's copy measures 4.3 TB/s. This says whether that is the
+kernels or what an MLX kernel can read here at all.
+
+    python3 bench/gpu/read_bw.py --out $OUT/read_bw.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from q4_bench import cupti_us  # noqa: E402
+
+SOURCE = r"""
+  // a grid-stride walk over n uint4s, U loads in flight a thread; the XOR of what was
+  // read is written so that nothing is optimized away
+  const int64_t n = a_shape[0] / 4;
+  const uint4* p = reinterpret_cast<const uint4*>(a);
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  uint32_t acc = 0u;
+  for (; i + (U - 1) * stride < n; i += U * stride) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      v[u] = __ldcs(p + i + u * stride);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+  }
+  for (; i < n; i += stride) {
+    const uint4 v = p[i];
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  out[(int64_t)blockIdx.x * blockDim.x + threadIdx.x] = acc;
+"""
+
+
+def kernel():
+    return mx.fast.cuda_kernel(
+        name="mb_read_bw", input_names=["a"], output_names=["out"], source=SOURCE
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    n = args.mb * (1 << 20) // 4
+    fn = kernel()
+    arrays = {
+        "device": mx.random.randint(0, 1 << 30, (n,), dtype=mx.uint32),
+        "managed": mx.array(np.random.default_rng(0).integers(0, 1 << 30, n, dtype=np.uint32)),
+        "device58MBx8": None,
+    }
+    mx.eval([a for a in arrays.values() if a is not None])
+    rows = []
+    for name, a in arrays.items():
+        for u, threads, blocks_per_sm in ((1, 256, 8), (2, 256, 8), (4, 256, 8), (8, 256, 4),
+                                          (4, 1024, 2), (8, 512, 4)):  # fmt: skip
+            grid = 132 * blocks_per_sm * threads
+            if name == "device58MBx8":  # 8 distinct 58 MB buffers, one call each
+                parts = [
+                    mx.random.randint(0, 1 << 30, (58 << 18,), dtype=mx.uint32) for _ in range(8)
+                ]
+                mx.eval(parts)
+                nbytes = parts[0].nbytes
+            else:
+                parts, nbytes = [a], a.nbytes
+
+            def run(parts=parts, grid=grid, threads=threads, u=u):
+                return [
+                    fn(inputs=[p], template=[("U", u)], grid=(grid, 1, 1),
+                       threadgroup=(threads, 1, 1), output_shapes=[(grid,)],
+                       output_dtypes=[mx.uint32])[0]
+                    for p in parts
+                ]  # fmt: skip
+
+            mx.eval(run())
+            us = statistics.median(cupti_us(run, args.steps, "mb_read_bw"))
+            tb = nbytes / us / 1e6
+            rows.append(dict(memory=name, u=u, threads=threads, blocks_per_sm=blocks_per_sm,
+                             us=us, tb_s=tb))  # fmt: skip
+            print(f"{name:>13} U={u} {threads:4d} threads x {blocks_per_sm} a SM: "
+                  f"{us:9.1f} us  {tb:.2f} TB/s", flush=True)  # fmt: skip
+    import torch
+
+    t = torch.randint(0, 1 << 30, (n,), dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        t.sum()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.steps):
+        t.sum()
+    end.record()
+    torch.cuda.synchronize()
+    us = start.elapsed_time(end) * 1e3 / args.steps
+    rows.append(dict(memory="torch-sum", us=us, tb_s=t.numel() * 4 / us / 1e6))
+    print(f"torch sum: {us:9.1f} us  {rows[-1]['tb_s']:.2f} TB/s", flush=True)
+    c = torch.empty_like(t)
+    start.record()
+    for _ in range(args.steps):
+        c.copy_(t)
+    end.record()
+    torch.cuda.synchronize()
+    us = start.elapsed_time(end) * 1e3 / args.steps
+    rows.append(dict(memory="torch-copy", us=us, tb_s=2 * t.numel() * 4 / us / 1e6))
+    print(f"torch copy (read+write): {us:9.1f} us  {rows[-1]['tb_s']:.2f} TB/s", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(stage="read_bw", rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
