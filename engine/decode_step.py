@@ -113,15 +113,6 @@ class FusedDecodeStep:
         wrap = mx.compile if compile else (lambda f: f)
         self._pre, self._post, self._qkv = [], [], []
         self._products: list = []  # (linear, residual, glu): what warm_up compiles for
-        # (o_proj, gate_up) a layer: what engine/gpu_prefetch.py pulls into L2 during a
-        # one-row attention (MARKBASE_GPU_L2_PREFETCH megabytes a layer; 0: off)
-        self._l2_targets: list = []
-        self.l2_prefetch = 0
-        if gpu_plans:
-            from engine import gpu_prefetch
-
-            self.l2_prefetch = gpu_prefetch.budget_bytes()
-        self._prefetchers: dict = {}
         self.fused_groups = 0  # how many of the 2 per layer got one matmul
         for layer in self.inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -218,7 +209,6 @@ class FusedDecodeStep:
             # (product, residual, glu, an RMSNorm before it)
             self._products += [(wqkv, False, False, True), (wgu, False, True, True)]
             self._products += [(o_proj, True, False, False), (down_proj, True, False, False)]
-            self._l2_targets.append((o_proj, wgu, nq + 2 * nk))
             self._pre.append(wrap(pre))
             self._qkv.append(wrap(qkv_of) if wqkv is not None else None)
             self._post.append(wrap(post))
@@ -293,11 +283,6 @@ class FusedDecodeStep:
             from engine import gpu_qstream
 
             gpu_qstream.warm(dtype, self._qstream_products())
-        if self.l2_prefetch and self.attention_kernel:
-            for f, (_, _, width) in zip(self._l2_prefetchers(dtype), self._l2_targets):
-                if f is not None:
-                    mx.eval(f(mx.zeros((1, width), dtype=dtype)))
-                    break  # one kernel for every layer of a llama (same sizes)
 
     def _mma_products(self) -> set:
         """(group size or 0, K, N, residual, glu, norm) of every product the step can
@@ -320,26 +305,6 @@ class FusedDecodeStep:
                 n, k = linear.weight.shape
                 if gpu_mma.float_supported(dtype, linear.weight.dtype, n, k):
                     out.add((0, k, n, residual, glu, norm))
-        return out
-
-    def _l2_prefetchers(self, dtype) -> list:
-        """Per layer: ``f(qkv) -> qkv`` that first asks L2 for the layer's o_proj and
-        gate_up 4-bit weights (engine/gpu_prefetch.py), or None for a layer without
-        them; made once per dtype."""
-        out = self._prefetchers.get(dtype)
-        if out is None:
-            from engine import gpu_prefetch
-
-            out = []
-            for o_proj, wgu, width in self._l2_targets:
-                if not all(isinstance(m, GpuQuantizedLinear) for m in (o_proj, wgu)):
-                    out.append(None)
-                    continue
-                run = gpu_prefetch.launcher(
-                    dtype, width, o_proj.weight.nbytes, wgu.weight.nbytes, self.l2_prefetch
-                )
-                out.append(lambda q, run=run, a=o_proj.weight, b=wgu.weight: run(q, a, b))
-            self._prefetchers[dtype] = out
         return out
 
     def _qstream_products(self) -> set:
@@ -385,9 +350,6 @@ class FusedDecodeStep:
             # the whole weight: bench/gpu/NOTES.md, session 3)
             x = x.reshape(x.shape[0], -1)
         append = self.rope is not None and start is not None and x.ndim == 2 and offset.ndim == 1
-        prefetch = None
-        if append and self.l2_prefetch and x.shape[0] == 1:
-            prefetch = self._l2_prefetchers(x.dtype)
         for i, (layer, pre, post, c) in enumerate(
             zip(self.inner.layers, self._pre, self._post, cache)
         ):
@@ -395,11 +357,8 @@ class FusedDecodeStep:
             if append and hasattr(c, "reserve"):
                 # RoPE, the KV write and the attention in one kernel (gpu_attention)
                 keys, values = c.reserve(1)
-                qkv = self._qkv[i](x)
-                if prefetch is not None and prefetch[i] is not None:
-                    qkv = prefetch[i](qkv)  # this layer's o_proj/gate_up into L2 first
                 o = gpu_attention.decode_attention_append(
-                    qkv,
+                    self._qkv[i](x),
                     keys,
                     values,
                     start,

@@ -2,8 +2,7 @@
 float32 products of the dequantized weight (group sizes 32/64/128, bf16 and fp16,
 every launch shape the benchmark tries), with the residual and SwiGLU forms; the plan
 form ``qstream`` reaches them at one row and engine/gpu_mma.py's kernel otherwise; the
-decode step on it (with and without engine/gpu_prefetch.py's L2 prefetch) equals
-the model. Both of its forms (tensor cores, CUDA cores).
+decode step on it equals the model. Both of its forms (tensor cores, CUDA cores).
 
 Needs MLX's CUDA backend (skipped elsewhere). On the H200, after bench/gpu/env.sh:
 ``python3 -m pytest -q tests/test_gpu_qstream.py``. ``bench/gpu/nvrtc_check.py``
@@ -134,21 +133,7 @@ def test_plan_form_routes_by_rows():
         gpu_linear.reset_plans()
 
 
-def test_l2_prefetch_passes_the_row_through():
-    """engine/gpu_prefetch.py: the output is the input row, whatever it prefetches
-    (all of the first weight and part of the second; more than both; nothing)."""
-    from engine import gpu_prefetch
-
-    x = mx.arange(6144).astype(mx.bfloat16).reshape(1, -1)
-    a = mx.zeros((4096, 512), dtype=mx.uint32)
-    b = mx.zeros((28672, 512), dtype=mx.uint32)
-    for budget in (40 << 20, 1 << 30, 0, 100):
-        run = gpu_prefetch.launcher(mx.bfloat16, 6144, a.nbytes, b.nbytes, budget)
-        np.testing.assert_array_equal(np.array(run(x, a, b)), np.array(x))
-
-
-@pytest.mark.parametrize("prefetch", ["0", "40"])
-def test_decode_step_on_the_kernel_matches_the_model(prefetch, monkeypatch):
+def test_decode_step_on_the_kernel_matches_the_model():
     """The GPU decode step with its 1-row 4-bit products on this kernel (o_proj and
     down_proj with the residual, gate_up with the SwiGLU) equals the model's own call."""
     from conftest_loading import prefilled_batch
@@ -161,13 +146,11 @@ def test_decode_step_on_the_kernel_matches_the_model(prefetch, monkeypatch):
                vocab_size=512, tie_word_embeddings=False)  # fmt: skip
     model = build_random_model("llama", cfg, seed=7, quantize_bits=4, group_size=64).model
     model.set_dtype(mx.bfloat16)
-    monkeypatch.setenv("MARKBASE_GPU_L2_PREFETCH", prefetch)
     try:
         gpu_linear.set_plans("1:xwt,2:mma,33:xwt", "1:qstream,2:qmma")
         step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
         step.warm_up()
         assert step._qstream_products()
-        assert bool(step.l2_prefetch) == (prefetch != "0")
         prompts = ([5, 6, 7, 8, 9, 10],)
         mine, theirs = prefilled_batch(model, prompts), prefilled_batch(model, prompts)
         tokens = mx.array([[1]], dtype=mx.int32)

@@ -107,17 +107,3 @@ def test_quantized_and_norm_inputs(recorded):
     assert ins[5] is gpu_mma.eps_array(1e-6) and ins[5].dtype == mx.float32
     with pytest.raises(ValueError, match="norm and residual"):
         q.fused(x, residual=mx.ones((3, 128), dtype=mx.bfloat16), norm=norm)
-
-
-def test_l2_prefetch_budget_split(monkeypatch):
-    """engine/gpu_prefetch.py (CPU part): the budget goes to the first weight, then the
-    second, in whole 16-byte units; the environment sets it in megabytes."""
-    from engine import gpu_prefetch
-
-    assert gpu_prefetch.split(40 << 20, 8 << 20, 56 << 20) == (8 << 20, 32 << 20)
-    assert gpu_prefetch.split(4 << 20, 8 << 20, 56 << 20) == (4 << 20, 0)
-    assert gpu_prefetch.split(1 << 30, 100, 200) == (96, 192)
-    monkeypatch.setenv("MARKBASE_GPU_L2_PREFETCH", "1.5")
-    assert gpu_prefetch.budget_bytes() == 3 << 19
-    monkeypatch.delenv("MARKBASE_GPU_L2_PREFETCH")
-    assert gpu_prefetch.budget_bytes() == 0

@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="only kernels whose name contains this")
     ap.add_argument("--ptx", default="", help="write PTX (compute_90a) to this folder")
     args = ap.parse_args()
-    from engine import gpu_attention, gpu_gemv, gpu_mma, gpu_prefetch, gpu_qstream
+    from engine import gpu_attention, gpu_gemv, gpu_mma, gpu_qstream
 
     failed = 0
     specs = (
@@ -113,7 +113,6 @@ def main() -> None:
         + gpu_gemv.kernel_specs_for_check()
         + gpu_mma.kernel_specs_for_check()
         + gpu_qstream.kernel_specs_for_check()
-        + gpu_prefetch.kernel_specs_for_check()
     )
     for spec in specs:
         if args.only not in spec.name:
