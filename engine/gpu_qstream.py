@@ -42,7 +42,11 @@ from engine.cuda_kernels import KernelSpec, bake
 WARPS = 8
 STAGES = 8  # a lane's slots: STAGES - 1 chunks in flight while it computes one
 SMS = 132  # H100/H200: sets the grid (warps enough for every SM, not more)
-SMEM_PER_SM = 227 * 1024  # what an H100/H200 SM gives blocks (KB), for the grid size
+# shared memory an SM gives its blocks, by compute capability (the CUDA programming
+# guide's table; a block may use all but 1 KB): H100/H200/B200 228 KB, A100 164 KB,
+# the rest (sm_86/89/120) 100 KB
+SMEM_BY_ARCH = {(9, 0): 228 << 10, (10, 0): 228 << 10, (8, 0): 164 << 10, (8, 7): 164 << 10}
+SMEM_OTHER = 100 << 10
 MAX_K = 16384
 
 _HEADER = r"""
@@ -494,6 +498,7 @@ def supported(x_dtype, rows: int, n: int, k: int, bits: int, group_size: int, mo
         and k % 1024 == 0
         and 0 < k <= MAX_K
         and n > 0
+        and _fits("q4", k, group_size, 2, 4)  # the smallest block fits this GPU's SM
     )
 
 
@@ -522,11 +527,42 @@ def form_for(n: int, glu: bool) -> str:
     return want
 
 
-def shape_for(form: str, k: int) -> tuple[int, int]:
+_smem: list[int] = []
+
+
+def smem_per_sm() -> int:
+    """This GPU's shared memory an SM (``SMEM_BY_ARCH``; the smallest when unknown)."""
+    if not _smem:
+        try:
+            import mlx.core as mx
+
+            info = mx.device_info()
+            arch = (int(info["compute_capability_major"]), int(info["compute_capability_minor"]))
+        except Exception:  # no GPU, or an MLX without these keys: the smallest
+            arch = (0, 0)
+        _smem.append(SMEM_BY_ARCH.get(arch, SMEM_OTHER))
+    return _smem[0]
+
+
+def _fits(form: str, k: int, gs: int, stages: int, warps: int) -> bool:
+    return smem_bytes(form, k, gs, stages, warps) + 1024 <= smem_per_sm()
+
+
+def shape_for(form: str, k: int, gs: int = 64) -> tuple[int, int]:
+    """(slots a lane, warps a block): the knobs, else the defaults (16 warps for the
+    CUDA-core form from K > 8192, where x's shared memory leaves one block an SM),
+    halving the warps, then the slots, until a block fits this GPU's SM."""
+    if "stages" in _knobs or "warps" in _knobs:
+        stages, warps = DEFAULTS[form]
+        return _knobs.get("stages", stages), _knobs.get("warps", warps)
     stages, warps = DEFAULTS[form]
     if form == "q4" and k > 8192:
         warps *= 2
-    return _knobs.get("stages", stages), _knobs.get("warps", warps)
+    while not _fits(form, k, gs, stages, warps) and warps > 4:
+        warps //= 2
+    while not _fits(form, k, gs, stages, warps) and stages > 2:
+        stages //= 2
+    return stages, warps
 
 
 @cache
@@ -535,7 +571,7 @@ def _grid_blocks(form: str, units: int, k: int, gs: int, stages: int, warps: int
     an SM), then no more than the work units (rows, or m-tiles) need with every warp
     taking the same count."""
     smem = smem_bytes(form, k, gs, stages, warps)
-    per_sm = max(1, min(2048 // (warps * 32), SMEM_PER_SM // (smem + 1024)))
+    per_sm = max(1, min(2048 // (warps * 32), smem_per_sm() // (smem + 1024)))
     max_warps = SMS * per_sm * warps
     per_warp = -(-units // max_warps)
     want_warps = -(-units // per_warp)
@@ -548,14 +584,14 @@ def launcher(dtype, n: int, k: int, gs: int, residual: bool = False, glu: bool =
     if glu and residual:
         raise ValueError("gpu_qstream: glu and residual together are not a kernel")
     form = form_for(n, glu)
-    stages, warps = shape_for(form, k)
+    stages, warps = shape_for(form, k, gs)
     kind = form + ("_glu" if glu else "_res" if residual else "")
     template = (("T", dtype), ("K", k), ("GS", gs), ("STAGES", stages), ("WARPS", warps))
     smem = smem_bytes(form, k, gs, stages, warps)
-    if smem + 1024 > SMEM_PER_SM:
+    if smem + 1024 > smem_per_sm():
         raise ValueError(
             f"gpu_qstream: {stages} slots x {warps} warps at K={k} need {smem} bytes of "
-            f"shared memory a block, more than an SM has ({SMEM_PER_SM})"
+            f"shared memory a block, more than an SM has ({smem_per_sm()})"
         )
     fn = _kernel(kind, template, smem)
     n_out = n // 2 if glu else n

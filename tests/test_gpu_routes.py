@@ -107,3 +107,25 @@ def test_quantized_and_norm_inputs(recorded):
     assert ins[5] is gpu_mma.eps_array(1e-6) and ins[5].dtype == mx.float32
     with pytest.raises(ValueError, match="norm and residual"):
         q.fused(x, residual=mx.ones((3, 128), dtype=mx.bfloat16), norm=norm)
+
+
+def test_qstream_blocks_fit_the_gpu(monkeypatch):
+    """engine/gpu_qstream.py (CPU part): the default launch shape shrinks to fit the
+    SM's shared memory: 16 warps at the 8b down_proj's K on an H200, fewer on an
+    sm_89-sized SM; the knobs are taken as given."""
+    from engine import gpu_qstream
+
+    monkeypatch.setattr(gpu_qstream, "_smem", [228 << 10])
+    assert gpu_qstream.shape_for("q4", 4096) == (8, 8)
+    assert gpu_qstream.shape_for("q4", 14336) == (8, 16)
+    assert gpu_qstream.shape_for("mma", 4096) == (4, 4)
+    monkeypatch.setattr(gpu_qstream, "_smem", [100 << 10])
+    stages, warps = gpu_qstream.shape_for("q4", 14336)
+    assert gpu_qstream.smem_bytes("q4", 14336, 64, stages, warps) + 1024 <= 100 << 10
+    assert (stages, warps) == (8, 4)
+    assert gpu_qstream.shape_for("q4", 4096) == (8, 8)
+    gpu_qstream.set_knobs(stages=12, warps=16)
+    try:
+        assert gpu_qstream.shape_for("q4", 14336) == (12, 16)
+    finally:
+        gpu_qstream.set_knobs()
