@@ -57,7 +57,17 @@ def bake(spec: KernelSpec, template) -> KernelSpec:
     return replace(spec, name="_".join([spec.name, *parts]), source=source, template=[])
 
 
-def _make(spec: KernelSpec, ensure_row_contiguous: bool):
+def for_dtype(spec: KernelSpec, dtype: str, name: str, template: list) -> KernelSpec:
+    """``spec`` with its ``T`` inputs and outputs as ``dtype`` and these template values,
+    named ``name`` (the kernels' ``kernel_specs_for_check`` for bench/gpu/nvrtc_check.py)."""
+    ins = [(n, dtype if t == "T" else t, nd) for n, t, nd in spec.inputs]
+    outs = [(n, dtype if t == "T" else t) for n, t in spec.outputs]
+    return KernelSpec(name, ins, outs, spec.source, spec.header, template)
+
+
+def make_kernel(spec: KernelSpec, ensure_row_contiguous: bool, shared_memory: int = 0):
+    """The ``mx.fast.cuda_kernel`` object of a baked spec (``shared_memory``: dynamic
+    shared memory a block, fixed when the object is made)."""
     import mlx.core as mx
 
     return mx.fast.cuda_kernel(
@@ -67,6 +77,7 @@ def _make(spec: KernelSpec, ensure_row_contiguous: bool):
         source=spec.source,
         header=spec.header,
         ensure_row_contiguous=ensure_row_contiguous,
+        shared_memory=shared_memory,
     )
 
 
@@ -83,6 +94,23 @@ class Baked:
         key = (kind, template)
         kernel = self._made.get(key)
         if kernel is None:
-            kernel = _make(bake(self._specs()[kind], template), self._ensure)
+            kernel = make_kernel(bake(self._specs()[kind], template), self._ensure)
             self._made[key] = kernel
         return kernel
+
+
+def one_output_call(fn, grid: tuple, threadgroup: tuple, shape: tuple, dtype):
+    """``call(inputs) -> the output`` of a kernel with one output and a fixed launch:
+    the geometry worked out once, outside the per-call path (host time a call)."""
+    shapes, dtypes = [shape], [dtype]
+
+    def call(inputs):
+        return fn(
+            inputs=inputs,
+            grid=grid,
+            threadgroup=threadgroup,
+            output_shapes=shapes,
+            output_dtypes=dtypes,
+        )[0]
+
+    return call

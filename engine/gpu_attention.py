@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass
 from functools import cache
 
-from engine.cuda_kernels import Baked, KernelSpec
+from engine.cuda_kernels import Baked, KernelSpec, for_dtype
 
 _SETUP = r"""
   constexpr int PER = HD / LP;  // a lane's values of one position
@@ -865,8 +865,6 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                         tmpl += [("G", g), ("WARPS", w), ("LP", lanes), ("U", u), ("VEC", vec)]
                     if kind.startswith("append"):
                         tmpl += [("TRAD", hd >= 64 and g == 4)]
-                    ins = [(n, dtype if t == "T" else t, nd) for n, t, nd in spec.inputs]
-                    outs = [(n, dtype if t == "T" else t) for n, t in spec.outputs]
                     name = f"{spec.name}_{dtype}_{hd}_{g}_{w}_{lanes}_{u}_{int(vec)}"
-                    out.append(KernelSpec(name, ins, outs, spec.source, spec.header, tmpl))
+                    out.append(for_dtype(spec, dtype, name, tmpl))
     return out

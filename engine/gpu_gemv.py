@@ -20,7 +20,7 @@ sources without a GPU; ``tests/test_gpu_gemv.py`` checks them against MLX on one
 
 from __future__ import annotations
 
-from engine.cuda_kernels import Baked, KernelSpec
+from engine.cuda_kernels import Baked, KernelSpec, for_dtype
 
 WARPS = 4
 MAX_ROWS = 8
@@ -299,13 +299,7 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                 tmpl = [("T", dtype), ("MMAX", mmax), ("R", r), ("WARPS", WARPS)]
                 if kind == "q4":
                     tmpl.append(("GS", 64))
-                ins = [(n, dtype if t == "T" else t, nd) for n, t, nd in spec.inputs]
-                outs = [(n, dtype if t == "T" else t) for n, t in spec.outputs]
-                out.append(
-                    KernelSpec(
-                        f"{spec.name}_{dtype}_{mmax}_{r}", ins, outs, spec.source, spec.header, tmpl
-                    )
-                )
+                out.append(for_dtype(spec, dtype, f"{spec.name}_{dtype}_{mmax}_{r}", tmpl))
     return out
 
 

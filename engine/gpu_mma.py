@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from engine.cuda_kernels import Baked, KernelSpec
+from engine.cuda_kernels import Baked, KernelSpec, for_dtype, one_output_call
 
 WARPS = 8
 BLOCK_ROWS = 32  # rows of x a block takes (4 n-tiles of 8); more rows, more blocks
@@ -655,20 +655,8 @@ def launcher(
         xl = _q4_few.get("xl", False) and not norm
     fn = _kernel(kind, _template(dtype, nt, u, gs, mt, warps, pin_loads(), xl))
     grid = (n // (16 * mt) * -(-rows // BLOCK_ROWS) * warps * 32, 1, 1)
-    threadgroup = (warps * 32, 1, 1)
-    shapes = [(rows, n // 2 if glu else n)]
-    dtypes = [dtype]
-
-    def call(inputs):
-        return fn(
-            inputs=inputs,
-            grid=grid,
-            threadgroup=threadgroup,
-            output_shapes=shapes,
-            output_dtypes=dtypes,
-        )[0]
-
-    return call
+    shape = (rows, n // 2 if glu else n)
+    return one_output_call(fn, grid, (warps * 32, 1, 1), shape, dtype)
 
 
 def _call(base: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bool, norm):
@@ -768,16 +756,5 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                     tmpl += [("PIN", mt == 1), ("XL", kind == "q4_glu" and nt == 1)]
                     if kind.startswith("q4"):
                         tmpl.append(("GS", 64))
-                    ins = [(n, dtype if t == "T" else t, nd) for n, t, nd in spec.inputs]
-                    outs = [(n, dtype if t == "T" else t) for n, t in spec.outputs]
-                    out.append(
-                        KernelSpec(
-                            f"{spec.name}_{dtype}_{nt}_{u}_{mt}",
-                            ins,
-                            outs,
-                            spec.source,
-                            spec.header,
-                            tmpl,
-                        )
-                    )
+                    out.append(for_dtype(spec, dtype, f"{spec.name}_{dtype}_{nt}_{u}_{mt}", tmpl))
     return out

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from engine.cuda_kernels import KernelSpec, bake
+from engine.cuda_kernels import KernelSpec, bake, for_dtype, make_kernel, one_output_call
 
 WARPS = 8
 STAGES = 8  # a lane's slots: STAGES - 1 chunks in flight while it computes one
@@ -469,18 +469,7 @@ def _kernel(kind: str, template: tuple, smem: int):
     key = (kind, template)
     fn = _kernels.get(key)
     if fn is None:
-        import mlx.core as mx
-
-        spec = bake(_specs()[kind], template)
-        fn = _kernels[key] = mx.fast.cuda_kernel(
-            name=spec.name,
-            input_names=[n for n, _, _ in spec.inputs],
-            output_names=[n for n, _ in spec.outputs],
-            source=spec.source,
-            header=spec.header,
-            ensure_row_contiguous=True,
-            shared_memory=smem,
-        )
+        fn = _kernels[key] = make_kernel(bake(_specs()[kind], template), True, smem)
     return fn
 
 
@@ -597,21 +586,7 @@ def launcher(dtype, n: int, k: int, gs: int, residual: bool = False, glu: bool =
     n_out = n // 2 if glu else n
     units = n_out if form == "q4" else (n_out // 8 if glu else n_out // 16)
     blocks = _grid_blocks(form, units, k, gs, stages, warps)
-    grid = (blocks * warps * 32, 1, 1)
-    threadgroup = (warps * 32, 1, 1)
-    shapes = [(1, n_out)]
-    dtypes = [dtype]
-
-    def call(inputs):
-        return fn(
-            inputs=inputs,
-            grid=grid,
-            threadgroup=threadgroup,
-            output_shapes=shapes,
-            output_dtypes=dtypes,
-        )[0]
-
-    return call
+    return one_output_call(fn, (blocks * warps * 32, 1, 1), (warps * 32, 1, 1), (1, n_out), dtype)
 
 
 def quantized_matmul(x, w, scales, biases, group_size: int, residual=None, glu: bool = False):
@@ -645,16 +620,6 @@ def kernel_specs_for_check() -> list[KernelSpec]:
         for dtype in ("bfloat16", "float16"):
             for k, gs, stages, warps in ((4096, 64, 8, 8), (14336, 32, 4, 16), (1024, 128, 12, 4)):
                 tmpl = [("T", dtype), ("K", k), ("GS", gs), ("STAGES", stages), ("WARPS", warps)]
-                ins = [(n, dtype if t == "T" else t, nd) for n, t, nd in spec.inputs]
-                outs = [(n, dtype if t == "T" else t) for n, t in spec.outputs]
-                out.append(
-                    KernelSpec(
-                        f"{spec.name}_{dtype}_{k}_{gs}_{stages}",
-                        ins,
-                        outs,
-                        spec.source,
-                        spec.header,
-                        tmpl,
-                    )
-                )
+                name = f"{spec.name}_{dtype}_{k}_{gs}_{stages}"
+                out.append(for_dtype(spec, dtype, name, tmpl))
     return out

@@ -59,6 +59,21 @@ def test_float_gemv(shape, dtype):
     check_float_product(gpu_gemv.gemv, shape, dtype)
 
 
+def check_step_matches_model(step, model, prompts, steps: int = 3) -> None:
+    """A GPU decode step, fed greedy tokens, gives the model's own logits for
+    ``prompts`` (prefilled both ways) at each of ``steps`` steps (also
+    tests/test_gpu_mma.py's and tests/test_gpu_qstream.py's)."""
+    from conftest_loading import prefilled_batch
+
+    mine, theirs = prefilled_batch(model, prompts), prefilled_batch(model, prompts)
+    tokens = mx.array([[1]] * len(prompts), dtype=mx.int32)
+    for _ in range(steps):
+        got = step(tokens, mine).astype(mx.float32)
+        want = model(tokens, cache=theirs)[:, -1, :].astype(mx.float32)
+        _close(got, want)
+        tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
+
+
 def check_float_product(product, shape, dtype):
     """``product(x, w)`` equals x @ w.T in float32 (also tests/test_gpu_mma.py's)."""
     m, n, k = shape

@@ -21,6 +21,7 @@ from test_gpu_gemv import (  # noqa: E402  (the checks shared with the gemv kern
     _close,
     check_float_product,
     check_quantized_product,
+    check_step_matches_model,
 )
 
 from engine import gpu_linear, gpu_mma  # noqa: E402
@@ -185,8 +186,6 @@ def test_gpu_decode_step_with_the_kernels_matches_the_model(quantized, fold_norm
     """The GPU decode step with every product of 2-32 rows on these kernels (residual adds
     folded into o_proj/down_proj, the SwiGLU into gate_up) equals the model's own call,
     ragged rows."""
-    from conftest_loading import prefilled_batch
-
     from engine.decode_step import FusedDecodeStep
     from engine.loading import build_random_model
 
@@ -202,13 +201,7 @@ def test_gpu_decode_step_with_the_kernels_matches_the_model(quantized, fold_norm
         step.fold_norm = fold_norm
         step.warm_up()
         prompts = ([5, 6, 7, 8, 9, 10], [11, 12, 13], [1, 2, 3, 4], [9] * 9)
-        mine, theirs = prefilled_batch(model, prompts), prefilled_batch(model, prompts)
-        tokens = mx.array([[1]] * len(prompts), dtype=mx.int32)
-        for _ in range(3):
-            got = step(tokens, mine).astype(mx.float32)
-            want = model(tokens, cache=theirs)[:, -1, :].astype(mx.float32)
-            _close(got, want)
-            tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
+        check_step_matches_model(step, model, prompts)
     finally:
         gpu_linear.reset_plans()
 

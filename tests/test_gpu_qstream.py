@@ -18,7 +18,11 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from test_gpu_gemv import _close, check_quantized_product  # noqa: E402
+from test_gpu_gemv import (  # noqa: E402
+    _close,
+    check_quantized_product,
+    check_step_matches_model,
+)
 
 from engine import gpu_linear, gpu_qstream  # noqa: E402
 
@@ -136,8 +140,6 @@ def test_plan_form_routes_by_rows():
 def test_decode_step_on_the_kernel_matches_the_model():
     """The GPU decode step with its 1-row 4-bit products on this kernel (o_proj and
     down_proj with the residual, gate_up with the SwiGLU) equals the model's own call."""
-    from conftest_loading import prefilled_batch
-
     from engine.decode_step import FusedDecodeStep
     from engine.loading import build_random_model
 
@@ -152,13 +154,7 @@ def test_decode_step_on_the_kernel_matches_the_model():
         step.warm_up()
         assert step._qstream_products()
         prompts = ([5, 6, 7, 8, 9, 10],)
-        mine, theirs = prefilled_batch(model, prompts), prefilled_batch(model, prompts)
-        tokens = mx.array([[1]], dtype=mx.int32)
-        for _ in range(3):
-            got = step(tokens, mine).astype(mx.float32)
-            want = model(tokens, cache=theirs)[:, -1, :].astype(mx.float32)
-            _close(got, want)
-            tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
+        check_step_matches_model(step, model, prompts)
     finally:
         gpu_linear.reset_plans()
 
