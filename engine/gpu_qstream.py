@@ -22,8 +22,9 @@ not (N not a multiple of 16).
 
 The tensor-core form (``_MMA_BODY``): see the comment above it; about 1.8 instructions
 a weight, yet measured slower (8b gate_up 40 us, down_proj 35 us against 31.5 and
-17.3): instruction issue was not what held the products at ~2 TB/s
-(bench/gpu/read_bw.py asks what an MLX kernel can read here at all). Both do their
+17.3): instruction issue was not what held the products at ~2 TB/s. A plain MLX
+read kernel gets 4.5 TB/s over 1 GB but 2.1-2.5 TB/s over 58 MB buffers
+(bench/gpu/read_bw.py): at these sizes a kernel's ramp and tail cost ~10 us. Both do their
 math in float32 on the exact 4-bit values.
 
 Limits (``supported``): bf16/fp16 x of one row, 4-bit affine with biases, group size
