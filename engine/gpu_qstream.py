@@ -16,16 +16,17 @@ The CUDA-core form (``_BODY``, session 10's first try): a warp owns one output r
 a time, lane ``l`` its 32-input chunks ``l, l + 32, ...``; a 4-bit value becomes a
 float with the exponent trick on its place in the word (``(w & 0xF << 4k) |
 0x4B000000`` is 2^23 + q * 16^k, exact), one accumulator per k: a LOP3, an FADD and an
-FFMA a value, ~5 instructions a weight with the rest, which made it issue-bound (8b
-gate_up 36.9 -> 31.5 us, 2.1 TB/s); it also takes shapes the tensor-core form does
-not (N not a multiple of 16).
+FFMA a value, ~5 instructions a weight with the rest (SASS); that puts its issue time
+at ~20 us of the 8b gate_up's 31.5 (36.9 on engine/gpu_mma.py), so it is likely
+issue-bound. It also takes shapes the tensor-core form does not (N not a multiple of
+16).
 
 The tensor-core form (``_MMA_BODY``): see the comment above it; about 1.8 instructions
-a weight, yet measured slower (8b gate_up 40 us, down_proj 35 us against 31.5 and
-17.3): instruction issue was not what held the products at ~2 TB/s. A plain MLX
-read kernel gets 4.5 TB/s over 1 GB but 2.1-2.5 TB/s over 58 MB buffers
-(bench/gpu/read_bw.py): at these sizes a kernel's ramp and tail cost ~10 us. Both do their
-math in float32 on the exact 4-bit values.
+a weight, yet measured slower (8b gate_up 40 us, down_proj 35 us): something else
+limits it (suspects: 32 dependent MMAs a block, fewer warps an SM). For scale: a plain
+MLX read kernel gets 4.5 TB/s over 1 GB but 2.1-2.5 TB/s over 58 MB buffers
+(bench/gpu/read_bw.py), so at these sizes a kernel's ramp and tail cost ~10 us. Both
+forms do their math in float32 on the exact 4-bit values.
 
 Limits (``supported``): bf16/fp16 x of one row, 4-bit affine with biases, group size
 32/64/128, K a multiple of 1024 and at most 16384 (x lives in shared memory).
