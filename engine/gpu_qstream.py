@@ -23,10 +23,10 @@ issue-bound. It also takes shapes the tensor-core form does not (N not a multipl
 
 The tensor-core form (``_MMA_BODY``): see the comment above it; about 1.8 instructions
 a weight, yet measured slower (8b gate_up 40 us, down_proj 35 us): something else
-limits it (suspects: 32 dependent MMAs a block, fewer warps an SM). For scale: a plain
-MLX read kernel gets 4.5 TB/s over 1 GB but 2.1-2.5 TB/s over 58 MB buffers
-(bench/gpu/read_bw.py), so at these sizes a kernel's ramp and tail cost ~10 us. Both
-forms do their math in float32 on the exact 4-bit values.
+limits it (suspects: 32 dependent MMAs a block; few m-tiles for the smaller
+products, so few warps: down_proj's 256 m-tiles fill 64 SMs). For scale: a plain MLX
+read kernel gets 4.5 TB/s over 1 GB (bench/gpu/read_bw.py). Both forms do their math
+in float32 on the exact 4-bit values.
 
 Limits (``supported``): bf16/fp16 x of one row, 4-bit affine with biases, group size
 32/64/128, K a multiple of 1024 and at most 16384 (x lives in shared memory).
