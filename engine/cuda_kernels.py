@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+SMS = 132  # an H100/H200's SMs: how the kernels size grids and split work (not correctness)
+
 CTYPES = {
     "float32": "float",
     "float16": "__half",
@@ -82,19 +84,22 @@ def make_kernel(spec: KernelSpec, ensure_row_contiguous: bool, shared_memory: in
 
 
 class Baked:
-    """``baked(kind, template)`` -> the kernel object for ``specs()[kind]`` with these
-    template values baked in, made once. ``template`` is a tuple of (name, value)."""
+    """``baked(kind, template[, shared_memory])`` -> the kernel object for
+    ``specs()[kind]`` with these template values baked in, made once. ``template`` is a
+    tuple of (name, value); ``shared_memory`` (dynamic, bytes a block) must follow from
+    the template, as MLX fixes it when the object is made."""
 
     def __init__(self, specs, ensure_row_contiguous: bool) -> None:
         self._specs = specs  # a callable: {kind: KernelSpec}, read at the first use
         self._ensure = ensure_row_contiguous
         self._made: dict = {}
 
-    def __call__(self, kind: str, template: tuple):
+    def __call__(self, kind: str, template: tuple, shared_memory: int = 0):
         key = (kind, template)
         kernel = self._made.get(key)
         if kernel is None:
-            kernel = make_kernel(bake(self._specs()[kind], template), self._ensure)
+            spec = bake(self._specs()[kind], template)
+            kernel = make_kernel(spec, self._ensure, shared_memory)
             self._made[key] = kernel
         return kernel
 

@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass
 from functools import cache
 
-from engine.cuda_kernels import Baked, KernelSpec, for_dtype
+from engine.cuda_kernels import SMS, Baked, KernelSpec, for_dtype
 
 _SETUP = r"""
   constexpr int PER = HD / LP;  // a lane's values of one position
@@ -405,7 +405,6 @@ _COMBINE_BODY = r"""
   out[bh * HD + d] = static_cast<T>(mb_merge_splits<HD>(pm, pl, pacc, bh, pm_shape[2], d));
 """
 
-SMS = 132  # H100/H200; only sets how finely short batches split the time axis
 POSITIONS_PER_BLOCK = 128  # each of 8 warps walks ~16 positions (4 rounds of 4 loads)
 
 

@@ -39,11 +39,10 @@ from __future__ import annotations
 
 from functools import cache
 
-from engine.cuda_kernels import KernelSpec, bake, for_dtype, make_kernel, one_output_call
+from engine.cuda_kernels import SMS, Baked, KernelSpec, for_dtype, one_output_call
 
 WARPS = 8
 STAGES = 8  # a lane's slots: STAGES - 1 chunks in flight while it computes one
-SMS = 132  # H100/H200: sets the grid (warps enough for every SM, not more)
 # shared memory an SM gives its blocks, by compute capability (the CUDA programming
 # guide's table; a block may use all but 1 KB): H100/H200/B200 228 KB, A100 164 KB,
 # the rest (sm_86/89/120) 100 KB
@@ -66,6 +65,27 @@ __device__ __forceinline__ void mb_commit() {
 template <int N>
 __device__ __forceinline__ void mb_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// a lane's ring of S shared-memory slots: chunk q is asked for (issue(q): its cp.async
+// copies) S - 1 chunks before compute(q's slot) uses it, one commit group a chunk, so
+// the slot written is always the one the chunk before used
+template <int S, typename Issue, typename Compute>
+__device__ __forceinline__ void mb_ring(const int total, Issue& issue, Compute&& compute) {
+#pragma unroll
+  for (int p = 0; p < S - 1; ++p) {
+    if (p < total) {
+      issue(p);
+    }
+    mb_commit();
+  }
+  for (int q = 0; q < total; ++q) {
+    if (q + S - 1 < total) {
+      issue(q + S - 1);
+    }
+    mb_commit();
+    mb_wait<S - 1>();  // chunk q's group is complete
+    compute(q % S);
+  }
 }
 // one of the two 16-bit values of a word (hi: the upper) as float
 __device__ __forceinline__ float mb_half_of(uint32_t v, bool hi, __nv_bfloat16) {
@@ -153,23 +173,9 @@ _BODY = r"""
       }
     }
   };
-#pragma unroll
-  for (int p = 0; p < STAGES - 1; ++p) {
-    if (p < total) {
-      issue(p);
-    }
-    mb_commit();
-  }
   int c_o = gw, c_rr = 0, c_j = 0;  // the chunk to compute
   float acc = 0.f, gate = 0.f;
-  for (int q = 0; q < total; ++q) {
-    // chunk q + STAGES - 1 into the slot chunk q - 1 left (read last iteration)
-    if (q + STAGES - 1 < total) {
-      issue(q + STAGES - 1);
-    }
-    mb_commit();
-    mb_wait<STAGES - 1>();  // chunk q's group is complete
-    const int s = q % STAGES;
+  mb_ring<STAGES>(total, issue, [&](const int s) {  // s: the slot of this chunk
     const uint4 wv = wslot[s * NT + tid];
     const uint32_t sv = sslot[s * NT + tid];
     const uint32_t bv = bslot[s * NT + tid];
@@ -223,7 +229,7 @@ _BODY = r"""
       }
       acc = 0.f;
     }
-  }
+  });
 """
 
 
@@ -331,26 +337,13 @@ _MMA_BODY = r"""
       i_u += TW;
     }
   };
-#pragma unroll
-  for (int p = 0; p < STAGES - 1; ++p) {
-    if (p < total) {
-      issue(p);
-    }
-    mb_commit();
-  }
   // B's sources: lane (g, t) holds x in b0 only when g == t (k pair 2t, 2t+1 is group
   // t = n) and in b1 only when g == t + 4; the others read a zero word
   const bool real0 = g == t;
   const bool real1 = g == t + 4;
   int c_u = gw, c_kb = 0;
   float acc0 = 0.f, acc1 = 0.f;
-  for (int q = 0; q < total; ++q) {
-    if (q + STAGES - 1 < total) {
-      issue(q + STAGES - 1);
-    }
-    mb_commit();
-    mb_wait<STAGES - 1>();
-    const int s = q % STAGES;
+  mb_ring<STAGES>(total, issue, [&](const int s) {
     const uint4* xq0 = real0 ? reinterpret_cast<const uint4*>(xp + (c_kb * 8 + g) * XG) : zero4;
     const uint4* xq1 = real1 ? reinterpret_cast<const uint4*>(xp + (c_kb * 8 + g) * XG) : zero4;
     const int st0 = real0 ? 1 : 0;
@@ -425,7 +418,7 @@ _MMA_BODY = r"""
       acc1 = 0.f;
       c_u += TW;
     }
-  }
+  });
 """
 
 
@@ -462,17 +455,8 @@ def smem_bytes(form: str, k: int, gs: int, stages: int, warps: int) -> int:
     return ng * (gs // 2 + 4) * 4 + ng * 4 + 16 + stages * warps * 32 * (4 * gs // 2 + 16)
 
 
-_kernels: dict = {}
-
-
-def _kernel(kind: str, template: tuple, smem: int):
-    """One kernel object per (kind, template) with its dynamic shared memory (MLX takes
-    that when the object is made, so it cannot go through engine/cuda_kernels.Baked)."""
-    key = (kind, template)
-    fn = _kernels.get(key)
-    if fn is None:
-        fn = _kernels[key] = make_kernel(bake(_specs()[kind], template), True, smem)
-    return fn
+# one kernel object per kind and template (its dynamic shared memory follows from them)
+_kernel = Baked(_specs, ensure_row_contiguous=True)
 
 
 def supported(x_dtype, rows: int, n: int, k: int, bits: int, group_size: int, mode, biases):
@@ -513,7 +497,7 @@ def set_knobs(form: str | None = None, stages: int | None = None, warps: int | N
 def form_for(n: int, glu: bool) -> str:
     """The tensor-core form needs whole m-tiles (16 rows; with the SwiGLU 8 outputs)."""
     want = _knobs.get("form", DEFAULT_FORM)
-    if want == "mma" and (n % 16 if not glu else (n // 2) % 8 or n % 2):
+    if want == "mma" and n % 16:  # (with the SwiGLU: N/2 outputs in 8s, the same test)
         return "q4"
     return want
 
