@@ -97,6 +97,28 @@ __device__ __forceinline__ float mb_half_of(uint32_t v, bool hi, __half) {
 }
 __device__ __forceinline__ constexpr bool mb_is_half(__half) { return true; }
 __device__ __forceinline__ constexpr bool mb_is_half(__nv_bfloat16) { return false; }
+// a + two 16 x 8-bit products: the int16 pair of x with bytes 0, 1 (lo) or 2, 3 (hi) of b
+__device__ __forceinline__ int mb_dp2a_lo(uint32_t x, uint32_t b, int c) {
+  int d;
+  asm("dp2a.lo.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ int mb_dp2a_hi(uint32_t x, uint32_t b, int c) {
+  int d;
+  asm("dp2a.hi.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(b), "r"(c));
+  return d;
+}
+// the same with b's bytes unsigned (0..255)
+__device__ __forceinline__ int mb_dp2a_lo_u(uint32_t x, uint32_t b, int c) {
+  int d;
+  asm("dp2a.lo.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ int mb_dp2a_hi_u(uint32_t x, uint32_t b, int c) {
+  int d;
+  asm("dp2a.hi.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(b), "r"(c));
+  return d;
+}
 // 2^23 + (w & mask) as float (magic: 0x4B000000), minus 2^23: the masked bits' value, exact
 __device__ __forceinline__ float mb_nib(uint32_t w, uint32_t mask, uint32_t magic) {
   return __uint_as_float((w & mask) | magic) - 8388608.f;
@@ -205,6 +227,174 @@ _BODY = r"""
     const float bi = mb_half_of(bv, hi_half, T{});
     acc = fmaf(sc, dot, fmaf(bi, xsum[col], acc));
     if (++c_j == J) {  // the row's last chunk: its sum, across the warp
+      c_j = 0;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      }
+      if (GLU && c_rr == 0) {
+        gate = acc;
+        c_rr = 1;
+      } else {
+        if (lane == 0) {
+          float v = acc;
+          if constexpr (GLU) {
+            v = gate / (1.f + __expf(-gate)) * acc;
+          }
+          if constexpr (RES) {
+            v += static_cast<float>(r[c_o]);
+          }
+          y[c_o] = static_cast<T>(v);
+        }
+        c_rr = 0;
+        c_o += TW;
+      }
+      acc = 0.f;
+    }
+  });
+"""
+
+
+# The integer form (``q4i``, session 11, the default): the same ring and walk as
+# ``_BODY``, but x is held as int16 with a power-of-two scale per 32-input chunk
+# (2^(14 - e), e the exponent of the chunk's largest |x|: every bf16 value within 2^7
+# of that largest, every fp16 one within 2^4, becomes an integer exactly; smaller ones
+# are rounded at 2^-15 of it), and a chunk's dot product is integer arithmetic. A
+# weight word's 8 values become two words of bytes by one LOP3 each (w & 0x0F0F0F0F:
+# values 0, 2, 4, 6; w & 0xF0F0F0F0: 16 x values 1, 3, 5, 7, read as unsigned bytes,
+# so no shift), and each of those meets two int16 pairs of x in a DP2A (two 16 x 8-bit
+# products added to an int32). Both sums stay below 2^23 (after the 16 comes off),
+# so they convert to float exactly; scale, bias and x's chunk sum (float32) go on as
+# before. A slot holds CPS chunks of a lane, so the ring's bookkeeping is paid once for
+# them. SASS (bench/gpu/nvrtc_check.py --sass): ~74 instructions a 32-weight chunk
+# (2.3 a weight) against ~170 for ``_BODY``.
+_IBODY = r"""
+  constexpr int NT = WARPS * 32;
+  constexpr int CPR = K / 32;       // 32-input chunks a row
+  constexpr int J = CPR / 32;       // a lane's chunks a row
+  constexpr int G = K / GS;         // quantization groups a row
+  // uint4s a chunk of x takes: its 4 weight words' int16 pairs, then (1 / scale, sum
+  // of x); 80 bytes, so the 8 lanes of a 16-byte load phase hit 8 different bank groups
+  constexpr int XC = 5;
+  extern __shared__ __align__(16) unsigned char mb_smem[];
+  uint4* xq = reinterpret_cast<uint4*>(mb_smem);                         // [CPR * XC]
+  uint4* wslot = xq + CPR * XC;                                      // [STAGES][CPS][NT]
+  uint32_t* sslot = reinterpret_cast<uint32_t*>(wslot + STAGES * CPS * NT);  // [STAGES][CPS][NT]
+  uint32_t* bslot = sslot + STAGES * CPS * NT;                               // [STAGES][CPS][NT]
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int gw = blockIdx.x * WARPS + (tid >> 5);
+  const int TW = gridDim.x * WARPS;
+  const int N = GLU ? w_shape[0] / 2 : w_shape[0];  // outputs
+
+  for (int c = tid; c < CPR; c += NT) {
+    float f[32];
+    float s = 0.f, amax = 0.f;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const uint4 v = *reinterpret_cast<const uint4*>(x + c * 32 + p * 8);
+      const uint32_t h[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        f[8 * p + 2 * i] = mb_half_of(h[i], false, T{});
+        f[8 * p + 2 * i + 1] = mb_half_of(h[i], true, T{});
+        s += f[8 * p + 2 * i] + f[8 * p + 2 * i + 1];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      amax = fmaxf(amax, fabsf(f[i]));
+    }
+    // up = 2^(141 - e) puts the largest |x| in [2^14, 2^15); 1 / up = 2^(e - 141);
+    // e clamped so that both are normal floats; NaN or Inf in the chunk (fmaxf skips
+    // NaN, the sum does not): 1 / up is NaN, so the chunk's dot product is
+    const int e = min(max(static_cast<int>((__float_as_uint(amax) >> 23) & 0xFFu), 15), 254);
+    const float up = __uint_as_float(static_cast<uint32_t>(268 - e) << 23);
+    const float down = fabsf(s) <= 3.0e38f
+                           ? __uint_as_float(static_cast<uint32_t>(e - 14) << 23)
+                           : __uint_as_float(0x7fc00000u);
+    uint32_t q16[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      q16[i] = static_cast<uint32_t>(__float2int_rn(f[i] * up)) & 0xFFFFu;
+    }
+#pragma unroll
+    for (int wd = 0; wd < 4; ++wd) {
+      const uint32_t* qw = q16 + 8 * wd;
+      xq[c * XC + wd] = make_uint4(qw[0] | (qw[2] << 16), qw[4] | (qw[6] << 16),
+                                   qw[1] | (qw[3] << 16), qw[5] | (qw[7] << 16));
+    }
+    xq[c * XC + 4] = make_uint4(__float_as_uint(down), __float_as_uint(s), 0u, 0u);
+  }
+  __syncthreads();
+
+  // a slot holds CPS chunks of a lane (j, j + 1, ...: CPS cp.async each, one commit
+  // group), so the ring's bookkeeping is paid once for CPS chunks
+  constexpr int JS = J / CPS;       // a lane's slots a row
+  static_assert(J % CPS == 0, "CPS must divide K / 1024");
+  const int units = gw < N ? (N - 1 - gw) / TW + 1 : 0;
+  const int total = units * JS * (GLU ? 2 : 1);
+  const uint32_t* sw = reinterpret_cast<const uint32_t*>(scales);
+  const uint32_t* bw = reinterpret_cast<const uint32_t*>(biases);
+  int i_o = gw, i_rr = 0, i_j = 0;  // the next slot to load: output, gate/up, first chunk
+  auto issue = [&](int q) {
+    const uint32_t row = static_cast<uint32_t>(i_o + (GLU && i_rr ? N : 0));
+    const int s = (q % STAGES) * CPS * NT + tid;
+#pragma unroll
+    for (int c = 0; c < CPS; ++c) {
+      const uint32_t wi = row * (K / 8) + lane * 4 + (i_j + c) * 128;
+      const uint32_t gi = row * G + (lane * 32) / GS + (i_j + c) * (1024 / GS);
+      mb_cp16(&wslot[s + c * NT], w + wi);
+      mb_cp4(&sslot[s + c * NT], sw + (gi >> 1));
+      mb_cp4(&bslot[s + c * NT], bw + (gi >> 1));
+    }
+    i_j += CPS;
+    if (i_j == J) {
+      i_j = 0;
+      if (GLU && i_rr == 0) {
+        i_rr = 1;
+      } else {
+        i_rr = 0;
+        i_o += TW;
+      }
+    }
+  };
+  int c_o = gw, c_rr = 0, c_j = 0;  // the slot to compute
+  float acc = 0.f, gate = 0.f;
+  mb_ring<STAGES>(total, issue, [&](const int s) {  // s: the slot
+#pragma unroll
+    for (int c = 0; c < CPS; ++c) {
+      const int si = (s * CPS + c) * NT + tid;
+      const uint4 wv = wslot[si];
+      const uint32_t sv = sslot[si];
+      const uint32_t bv = bslot[si];
+      const int col = lane + 32 * (c_j + c);
+      const uint4* xc = xq + col * XC;
+      const uint32_t ws[4] = {wv.x, wv.y, wv.z, wv.w};
+      // de: x times values 0, 2, 4, 6 of each word (bytes of w & 0x0F0F0F0F); dd: x times
+      // 16 x values 1, 3, 5, 7 (bytes of w & 0xF0F0F0F0, unsigned: no shift needed)
+      int de = 0, dd = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint4 xv = xc[i];
+        const uint32_t even = ws[i] & 0x0F0F0F0Fu;
+        const uint32_t odd = ws[i] & 0xF0F0F0F0u;
+        de = mb_dp2a_lo(xv.x, even, de);
+        de = mb_dp2a_hi(xv.y, even, de);
+        dd = mb_dp2a_lo_u(xv.z, odd, dd);
+        dd = mb_dp2a_hi_u(xv.w, odd, dd);
+      }
+      const uint2 ds = *reinterpret_cast<const uint2*>(xc + 4);  // (1 / scale, sum of x)
+      // |de| and |dd| / 16 are below 2^23, their sum below 2^24: exact in float
+      const float dot = fmaf(static_cast<float>(dd), 0.0625f, static_cast<float>(de)) *
+                        __uint_as_float(ds.x);
+      const bool hi_half = (((lane * 32) / GS + (c_j + c) * (1024 / GS)) & 1) != 0;
+      const float sc = mb_half_of(sv, hi_half, T{});
+      const float bi = mb_half_of(bv, hi_half, T{});
+      acc = fmaf(sc, dot, fmaf(bi, __uint_as_float(ds.y), acc));
+    }
+    c_j += CPS;
+    if (c_j == J) {  // the row's last chunk: its sum, across the warp
       c_j = 0;
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) {
@@ -432,6 +622,7 @@ def _specs() -> dict[str, KernelSpec]:
     out = {}
     for form, body, header in (
         ("q4", _BODY, _HEADER),
+        ("q4i", _IBODY, _HEADER),
         ("mma", _MMA_BODY, gpu_mma._HEADER + _HEADER),
     ):
         for suffix, glu, res in (("", False, False), ("_res", False, True), ("_glu", True, False)):
@@ -440,17 +631,20 @@ def _specs() -> dict[str, KernelSpec]:
             if not res:
                 flags += "  const T* r = nullptr;\n"
             extra = [("r", "T", 2)] if res else []
-            name = "mb_qstream" if form == "q4" else "mb_qstream_mma"
+            name = {"q4": "mb_qstream", "q4i": "mb_qstream_i", "mma": "mb_qstream_mma"}[form]
             out[form + suffix] = KernelSpec(
                 name + suffix, inputs + extra, [("y", "T")], flags + body, header
             )
     return out
 
 
-def smem_bytes(form: str, k: int, gs: int, stages: int, warps: int) -> int:
-    """Dynamic shared memory a block needs: x, its chunk or group sums, the lanes' slots."""
+def smem_bytes(form: str, k: int, gs: int, stages: int, warps: int, cps: int = 1) -> int:
+    """Dynamic shared memory a block needs: x, its chunk or group sums, the lanes' slots
+    (``cps``: chunks a slot, the integer form's)."""
     if form == "q4":  # x as float32, 144 bytes a 32-input chunk; 16 + 4 + 4 bytes a slot
         return (k // 32) * (9 * 16 + 4) + stages * warps * 32 * (16 + 4 + 4)
+    if form == "q4i":  # x as int16 + (scale, sum), 80 bytes a chunk; cps x 24 bytes a slot
+        return (k // 32) * 80 + stages * cps * warps * 32 * (16 + 4 + 4)
     ng = k // gs  # x as bf16/fp16 pairs, 8 bytes of padding a group; 4 segments + 16 a slot
     return ng * (gs // 2 + 4) * 4 + ng * 4 + 16 + stages * warps * 32 * (4 * gs // 2 + 16)
 
@@ -477,28 +671,52 @@ def supported(x_dtype, rows: int, n: int, k: int, bits: int, group_size: int, mo
     )
 
 
-# per form: slots a lane, warps a block (the CUDA-core form: 16 warps from K > 8192,
-# where x's shared memory leaves one block an SM)
-DEFAULTS = {"q4": (STAGES, WARPS), "mma": (4, 4)}
-# measured (bench/gpu/q4_bench.py, NOTES.md session 10; 8b, us a layer's 4 products):
-# engine/gpu_mma.py 75.6, the CUDA-core form 65.2, the tensor-core form 97-131
-DEFAULT_FORM = "q4"
+# per form: slots a lane, warps a block (the CUDA-core forms: 16 warps from K > 8192,
+# where x's shared memory leaves one block an SM); the integer form's slots hold
+# CPS chunks each (2 where a lane's chunks a row are even; else 1, and twice the slots)
+DEFAULTS = {"q4": (STAGES, WARPS), "q4i": (4, WARPS), "mma": (4, 4)}
+CPS = 2
+FORMS = tuple(DEFAULTS)
+# measured (bench/gpu/q4_bench.py, NOTES.md sessions 10-11; 8b, us a layer's 4 products):
+# engine/gpu_mma.py 75.6, the float CUDA-core form 65.2, the tensor-core form 97-131;
+# MARKBASE_GPU_QSTREAM_FORM picks another for A/B runs
+DEFAULT_FORM = "q4i"
 _knobs: dict = {}
 
 
-def set_knobs(form: str | None = None, stages: int | None = None, warps: int | None = None):
-    """Launchers made from now on use ``form`` ("q4": CUDA cores, "mma": tensor cores),
-    ``stages``/``warps`` (None: the defaults); bench/gpu/q4_bench.py's variants."""
+def set_knobs(
+    form: str | None = None,
+    stages: int | None = None,
+    warps: int | None = None,
+    cps: int | None = None,
+):
+    """Launchers made from now on use ``form`` ("q4i": CUDA cores, integer dot products;
+    "q4": CUDA cores, float; "mma": tensor cores), ``stages``/``warps``/``cps`` (chunks
+    a slot, the integer form's; None: the defaults); bench/gpu/q4_bench.py's variants."""
+    if form is not None and form not in FORMS:
+        raise ValueError(f"gpu_qstream: unknown form {form!r} (one of {', '.join(FORMS)})")
     _knobs.clear()
-    pairs = (("form", form), ("stages", stages), ("warps", warps))
+    pairs = (("form", form), ("stages", stages), ("warps", warps), ("cps", cps))
     _knobs.update({k: v for k, v in pairs if v is not None})
 
 
+def default_form() -> str:
+    import os
+
+    form = os.environ.get("MARKBASE_GPU_QSTREAM_FORM", "") or DEFAULT_FORM
+    if form not in FORMS:
+        raise ValueError(
+            f"MARKBASE_GPU_QSTREAM_FORM={form!r}: not a form (one of {', '.join(FORMS)})"
+        )
+    return form
+
+
 def form_for(n: int, glu: bool) -> str:
-    """The tensor-core form needs whole m-tiles (16 rows; with the SwiGLU 8 outputs)."""
-    want = _knobs.get("form", DEFAULT_FORM)
+    """The tensor-core form needs whole m-tiles (16 rows; with the SwiGLU 8 outputs):
+    other shapes take the integer CUDA-core form."""
+    want = _knobs.get("form") or default_form()
     if want == "mma" and n % 16:  # (with the SwiGLU: N/2 outputs in 8s, the same test)
-        return "q4"
+        return "q4i"
     return want
 
 
@@ -519,33 +737,47 @@ def smem_per_sm() -> int:
     return _smem[0]
 
 
-def _fits(form: str, k: int, gs: int, stages: int, warps: int) -> bool:
-    return smem_bytes(form, k, gs, stages, warps) + 1024 <= smem_per_sm()
+def _fits(form: str, k: int, gs: int, stages: int, warps: int, cps: int = 1) -> bool:
+    return smem_bytes(form, k, gs, stages, warps, cps) + 1024 <= smem_per_sm()
+
+
+def cps_for(form: str, k: int) -> int:
+    """Chunks a slot: the knob (or ``CPS``) where it divides a lane's chunks a row
+    (K / 1024), else 1; 1 for the forms without it."""
+    if form != "q4i":
+        return 1
+    want = _knobs.get("cps", CPS)
+    return want if (k // 1024) % want == 0 else 1
 
 
 def shape_for(form: str, k: int, gs: int = 64) -> tuple[int, int]:
     """(slots a lane, warps a block): the knobs, else the defaults (16 warps for the
-    CUDA-core form from K > 8192, where x's shared memory leaves one block an SM),
-    halving the warps, then the slots, until a block fits this GPU's SM."""
-    if "stages" in _knobs or "warps" in _knobs:
-        stages, warps = DEFAULTS[form]
-        return _knobs.get("stages", stages), _knobs.get("warps", warps)
+    CUDA-core forms from K > 8192, where x's shared memory leaves one block an SM; the
+    integer form twice the slots where they hold one chunk), halving the warps, then
+    the slots, until a block fits this GPU's SM."""
     stages, warps = DEFAULTS[form]
-    if form == "q4" and k > 8192:
+    if "stages" in _knobs or "warps" in _knobs:
+        return _knobs.get("stages", stages), _knobs.get("warps", warps)
+    cps = cps_for(form, k)
+    if form == "q4i" and cps == 1:
+        stages *= CPS
+    if form in ("q4", "q4i") and k > 8192:
         warps *= 2
-    while not _fits(form, k, gs, stages, warps) and warps > 4:
+    while not _fits(form, k, gs, stages, warps, cps) and warps > 4:
         warps //= 2
-    while not _fits(form, k, gs, stages, warps) and stages > 2:
+    while not _fits(form, k, gs, stages, warps, cps) and stages > 2:
         stages //= 2
     return stages, warps
 
 
 @cache
-def _grid_blocks(form: str, units: int, k: int, gs: int, stages: int, warps: int) -> int:
+def _grid_blocks(
+    form: str, units: int, k: int, gs: int, stages: int, warps: int, cps: int = 1
+) -> int:
     """Blocks: as many warps as the SMs hold at once (shared memory bounds the blocks
     an SM), then no more than the work units (rows, or m-tiles) need with every warp
     taking the same count."""
-    smem = smem_bytes(form, k, gs, stages, warps)
+    smem = smem_bytes(form, k, gs, stages, warps, cps)
     per_sm = max(1, min(2048 // (warps * 32), smem_per_sm() // (smem + 1024)))
     max_warps = SMS * per_sm * warps
     per_warp = -(-units // max_warps)
@@ -560,9 +792,12 @@ def launcher(dtype, n: int, k: int, gs: int, residual: bool = False, glu: bool =
         raise ValueError("gpu_qstream: glu and residual together are not a kernel")
     form = form_for(n, glu)
     stages, warps = shape_for(form, k, gs)
+    cps = cps_for(form, k)
     kind = form + ("_glu" if glu else "_res" if residual else "")
     template = (("T", dtype), ("K", k), ("GS", gs), ("STAGES", stages), ("WARPS", warps))
-    smem = smem_bytes(form, k, gs, stages, warps)
+    if form == "q4i":
+        template += (("CPS", cps),)
+    smem = smem_bytes(form, k, gs, stages, warps, cps)
     if smem + 1024 > smem_per_sm():
         raise ValueError(
             f"gpu_qstream: {stages} slots x {warps} warps at K={k} need {smem} bytes of "
@@ -570,8 +805,8 @@ def launcher(dtype, n: int, k: int, gs: int, residual: bool = False, glu: bool =
         )
     fn = _kernel(kind, template, smem)
     n_out = n // 2 if glu else n
-    units = n_out if form == "q4" else (n_out // 8 if glu else n_out // 16)
-    blocks = _grid_blocks(form, units, k, gs, stages, warps)
+    units = n_out if form != "mma" else (n_out // 8 if glu else n_out // 16)
+    blocks = _grid_blocks(form, units, k, gs, stages, warps, cps)
     return one_output_call(fn, (blocks * warps * 32, 1, 1), (warps * 32, 1, 1), (1, n_out), dtype)
 
 
@@ -607,5 +842,9 @@ def kernel_specs_for_check() -> list[KernelSpec]:
             for k, gs, stages, warps in ((4096, 64, 8, 8), (14336, 32, 4, 16), (1024, 128, 12, 4)):
                 tmpl = [("T", dtype), ("K", k), ("GS", gs), ("STAGES", stages), ("WARPS", warps)]
                 name = f"{spec.name}_{dtype}_{k}_{gs}_{stages}"
+                if spec.name.startswith("mb_qstream_i"):  # chunks a slot: 2 where K allows
+                    cps = 2 if (k // 1024) % 2 == 0 else 1
+                    tmpl.append(("CPS", cps))
+                    name += f"_c{cps}"
                 out.append(for_dtype(spec, dtype, name, tmpl))
     return out

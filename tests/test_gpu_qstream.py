@@ -33,9 +33,10 @@ pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's 
 SHAPES = [(1, 1024), (7, 2048), (300, 1024), (4096, 4096), (4096, 14336), (8000, 3072)]
 
 
-@pytest.fixture(params=["mma", "q4"])
+@pytest.fixture(params=["mma", "q4", "q4i"])
 def form(request):
-    """Each test on both forms: tensor cores and CUDA cores (the default)."""
+    """Each test on every form: tensor cores, CUDA cores in float, CUDA cores with
+    integer dot products (the default)."""
     gpu_qstream.set_knobs(form=request.param)
     yield request.param
     gpu_qstream.set_knobs()
@@ -75,11 +76,12 @@ def test_residual_and_glu(n, k, form):
     _forms(n, k, seed=n + k)
 
 
-@pytest.mark.parametrize("form_", ["mma", "q4"])
+@pytest.mark.parametrize("form_,cps", [("mma", None), ("q4", None), ("q4i", 1), ("q4i", 2)])
 @pytest.mark.parametrize("stages,warps", [(2, 8), (3, 4), (6, 4), (3, 1)])
-def test_launch_shapes(form_, stages, warps):
-    """bench/gpu/q4_bench.py's variants (slots a lane, warps a block) compute the same."""
-    gpu_qstream.set_knobs(form=form_, stages=stages, warps=warps)
+def test_launch_shapes(form_, cps, stages, warps):
+    """bench/gpu/q4_bench.py's variants (slots a lane, warps a block, chunks a slot)
+    compute the same."""
+    gpu_qstream.set_knobs(form=form_, stages=stages, warps=warps, cps=cps)
     try:
         for shape in [(1, 4096, 4096), (1, 300, 2048)]:
             check_quantized_product(gpu_qstream.quantized_matmul, shape, mx.bfloat16)
@@ -106,6 +108,39 @@ def test_exact_on_small_integers(form):
     )
     want = mx.array(x @ (q - 8).T.astype(np.float32)).astype(mx.bfloat16).astype(mx.float32)
     np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(want))
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_integer_form_is_nearly_exact(dtype):
+    """The integer form rounds only the inputs smaller than 2^-7 (fp16: 2^-4) of their
+    32-input chunk's largest, at 2^-15 of it; the rest of the sum is exact until the
+    float32 sums of chunks and the output's rounding. So against a float64 product it is
+    off by at most that input rounding plus one rounding of the output, also with an
+    outlier 1000x the others in one chunk and a chunk of zeros; NaN in x gives NaN."""
+    rng = np.random.default_rng(23)
+    n, k = 512, 4096
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / 64).astype(dtype)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    wf = np.array(mx.dequantize(wq, s, b, group_size=64, bits=4).astype(mx.float32), np.float64)
+    x = rng.standard_normal(k).astype(np.float32)
+    x[70] = 1000.0  # an outlier: chunk 2's other inputs lose their lowest bits
+    x[96:128] = 0.0  # a chunk of zeros
+    x = np.array(mx.array(x[None]).astype(dtype).astype(mx.float32), np.float64)[0]
+    gpu_qstream.set_knobs(form="q4i")
+    try:
+        got = gpu_qstream.quantized_matmul(mx.array(x[None]).astype(dtype), wq, s, b, 64)
+        got = np.array(got.astype(mx.float32), np.float64)[0]
+        want = wf @ x
+        amax = np.abs(x.reshape(-1, 32)).max(axis=1)  # [chunks]
+        step = np.repeat(amax * 2.0**-15, 32)  # the largest rounding of an input
+        bound = np.abs(wf) @ step + np.abs(want) * 2.0**-8 + 1e-5 * np.abs(want).max()
+        assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+        xn = x.copy()
+        xn[5] = np.nan
+        got = gpu_qstream.quantized_matmul(mx.array(xn[None]).astype(dtype), wq, s, b, 64)
+        assert np.all(np.isnan(np.array(got.astype(mx.float32))))
+    finally:
+        gpu_qstream.set_knobs()
 
 
 def test_plan_form_routes_by_rows():

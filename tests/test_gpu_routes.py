@@ -129,3 +129,34 @@ def test_qstream_blocks_fit_the_gpu(monkeypatch):
         assert gpu_qstream.shape_for("q4", 14336) == (12, 16)
     finally:
         gpu_qstream.set_knobs()
+
+
+def test_qstream_integer_form_shapes(monkeypatch):
+    """The integer form (the default): two chunks a slot where a lane's chunks a row are
+    even (K a multiple of 2048), else one chunk and twice the slots; its shared memory
+    fits an H200's SM at the 8b down_proj's K with 16 warps; the form comes from the
+    knob, else MARKBASE_GPU_QSTREAM_FORM, else the default, and a wrong name is refused."""
+    from engine import gpu_qstream
+
+    monkeypatch.setattr(gpu_qstream, "_smem", [228 << 10])
+    assert gpu_qstream.form_for(4096, False) == "q4i"
+    assert gpu_qstream.cps_for("q4i", 4096) == 2 and gpu_qstream.shape_for("q4i", 4096) == (4, 8)
+    assert gpu_qstream.cps_for("q4i", 3072) == 1 and gpu_qstream.shape_for("q4i", 3072) == (8, 8)
+    assert gpu_qstream.shape_for("q4i", 14336) == (4, 16)
+    assert gpu_qstream.cps_for("q4", 4096) == 1
+    smem = gpu_qstream.smem_bytes("q4i", 14336, 64, 4, 16, 2)
+    assert smem == 448 * 80 + 4 * 2 * 16 * 32 * 24 and smem + 1024 <= 228 << 10
+    monkeypatch.setenv("MARKBASE_GPU_QSTREAM_FORM", "q4")
+    assert gpu_qstream.form_for(4096, False) == "q4"
+    gpu_qstream.set_knobs(form="mma", cps=1)
+    try:
+        assert gpu_qstream.form_for(4096, False) == "mma"
+        assert gpu_qstream.form_for(4100, False) == "q4i"  # not whole m-tiles
+        assert gpu_qstream.cps_for("q4i", 4096) == 1
+    finally:
+        gpu_qstream.set_knobs()
+    monkeypatch.setenv("MARKBASE_GPU_QSTREAM_FORM", "q5")
+    with pytest.raises(ValueError, match="MARKBASE_GPU_QSTREAM_FORM"):
+        gpu_qstream.form_for(4096, False)
+    with pytest.raises(ValueError, match="unknown form"):
+        gpu_qstream.set_knobs(form="q5")

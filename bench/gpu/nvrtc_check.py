@@ -63,9 +63,13 @@ def build_source(spec) -> str:
 ARCH = b"--gpu-architecture=sm_90a"
 
 
-def compile_source(root: Path, source: str, name: str, ptx: Path | None = None) -> tuple[bool, str]:
+def compile_source(
+    root: Path, source: str, name: str, ptx: Path | None = None, sass: Path | None = None
+) -> tuple[bool, str]:
     """Compile for sm_90a (the log has ptxas' registers and spills); with ``ptx``, for
-    compute_90a instead, and the PTX goes to ``ptx/<name>.ptx`` (to read the loads)."""
+    compute_90a instead, and the PTX goes to ``ptx/<name>.ptx`` (to read the loads);
+    with ``sass``, the cubin's SASS goes to ``sass/<name>.sass`` (nvdisasm, from the
+    ``nvidia-cuda-nvdisasm`` wheel unpacked into the same site folder)."""
     site = root / "site"
     lib = ctypes.CDLL(str(site / "nvidia/cu13/lib/libnvrtc.so.13"))
     prog = ctypes.c_void_p()
@@ -95,6 +99,18 @@ def compile_source(root: Path, source: str, name: str, ptx: Path | None = None) 
         lib.nvrtcGetPTX(prog, code)
         ptx.mkdir(parents=True, exist_ok=True)
         (ptx / f"{name}.ptx").write_bytes(code.value)
+    if sass and not ptx and rc == 0:
+        import subprocess
+
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        code = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, code)
+        sass.mkdir(parents=True, exist_ok=True)
+        cubin = sass / f"{name}.cubin"
+        cubin.write_bytes(code.raw)
+        nvdisasm = site / "nvidia/cu13/bin/nvdisasm"
+        text = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True)
+        (sass / f"{name}.sass").write_text(text.stdout + text.stderr)
     return rc == 0, buf.value.decode(errors="replace")
 
 
@@ -104,6 +120,7 @@ def main() -> None:
     ap.add_argument("--show", action="store_true", help="print the generated sources")
     ap.add_argument("--only", default="", help="only kernels whose name contains this")
     ap.add_argument("--ptx", default="", help="write PTX (compute_90a) to this folder")
+    ap.add_argument("--sass", default="", help="write SASS (sm_90a, nvdisasm) to this folder")
     args = ap.parse_args()
     from engine import gpu_attention, gpu_gemv, gpu_mma, gpu_qstream
 
@@ -121,7 +138,11 @@ def main() -> None:
         if args.show:
             print(src)
         ok, log = compile_source(
-            Path(args.root), src, spec.name, Path(args.ptx) if args.ptx else None
+            Path(args.root),
+            src,
+            spec.name,
+            Path(args.ptx) if args.ptx else None,
+            Path(args.sass) if args.sass else None,
         )
         print(f"{spec.name}: {'ok' if ok else 'FAILED'}")
         if log.strip():

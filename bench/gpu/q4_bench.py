@@ -94,16 +94,18 @@ def cupti_us(fn, steps: int, name_part: str) -> list[float]:
 
 
 def parse_stream(name: str) -> dict | None:
-    """``"mma"``/``"qs"``: engine/gpu_qstream.py's tensor-core/CUDA-core form with its
-    defaults; ``"mma3w8"``: 3 slots a lane, 8 warps a block; None for a name of
-    engine/gpu_mma.py's kernel."""
-    m = re.fullmatch(r"(qs|mma)(\d*)(?:w(\d+))?", name)
+    """``"mma"``/``"qs"``/``"qi"``: engine/gpu_qstream.py's tensor-core / float CUDA-core
+    / integer CUDA-core form with its defaults; ``"mma3w8"``: 3 slots a lane, 8 warps a
+    block; ``"qi8c1"``: 8 slots of 1 chunk each; None for a name of engine/gpu_mma.py's
+    kernel."""
+    m = re.fullmatch(r"(qs|qi|mma)(\d*)(?:w(\d+))?(?:c(\d+))?", name)
     if not m:
         return None
     return {
-        "form": "q4" if m[1] == "qs" else "mma",
+        "form": {"qs": "q4", "qi": "q4i", "mma": "mma"}[m[1]],
         "stages": int(m[2]) if m[2] else None,
         "warps": int(m[3]) if m[3] else None,
+        "cps": int(m[4]) if m[4] else None,
     }
 
 
@@ -119,7 +121,7 @@ def parse(name: str) -> tuple[dict, bool]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="8b")
-    ap.add_argument("--variants", default="u2w8,qs8w16,mma,mma3,mma6,mma4w8,mma2w8,mma4w2")
+    ap.add_argument("--variants", default="u2w8,qs,qi,qi8c1,qi6,qi8,qi4w16,qi2")
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=150)
