@@ -67,11 +67,43 @@ def for_dtype(spec: KernelSpec, dtype: str, name: str, template: list) -> Kernel
     return KernelSpec(name, ins, outs, spec.source, spec.header, template)
 
 
+def minify(code: str) -> str:
+    """``code`` without comment lines, trailing ``//`` comments (on lines without a
+    string literal), indentation and blank lines: the same program in fewer bytes.
+
+    Why: MLX 0.32.4 rebuilds a custom kernel's whole source string on every call and
+    hashes all of it when it is encoded (mlx/backend/cuda/custom_kernel.cpp:
+    ``build_kernel``, then ``std::hash`` for the module name), so each call's host time
+    grows with the source's length, and the decode step is host-bound at one row
+    (bench/gpu/NOTES.md, session 12)."""
+    out = []
+    for line in code.splitlines():
+        text = line.strip()
+        if not text or text.startswith("//"):
+            continue
+        cut = text.find(" //")
+        if cut > 0 and '"' not in text:
+            text = text[:cut].rstrip()
+        out.append(text)
+    return "\n".join(out) + "\n"
+
+
+def minified(spec: KernelSpec) -> KernelSpec:
+    """``spec`` with its source and header through ``minify``, unless
+    MARKBASE_GPU_KERNEL_MINIFY=0 (the sources as written, for A/B runs)."""
+    import os
+
+    if os.environ.get("MARKBASE_GPU_KERNEL_MINIFY", "1") == "0":
+        return spec
+    return replace(spec, source=minify(spec.source), header=minify(spec.header))
+
+
 def make_kernel(spec: KernelSpec, ensure_row_contiguous: bool, shared_memory: int = 0):
     """The ``mx.fast.cuda_kernel`` object of a baked spec (``shared_memory``: dynamic
-    shared memory a block, fixed when the object is made)."""
+    shared memory a block, fixed when the object is made), its source ``minified``."""
     import mlx.core as mx
 
+    spec = minified(spec)
     return mx.fast.cuda_kernel(
         name=spec.name,
         input_names=[n for n, _, _ in spec.inputs],

@@ -102,10 +102,11 @@ class FusedDecodeStep:
         # the residual adds and the SwiGLU inside the products (engine/gpu_mma.py) where
         # the plan sends a step's rows there (MARKBASE_GPU_FOLD=0: separate ops, for A/B)
         self.fold = os.environ.get("MARKBASE_GPU_FOLD", "1") != "0"
-        # with fold, also the RMSNorms before qkv and gate_up inside those products
-        # (engine/gpu_mma.py's _norm forms): 2 nodes a layer fewer, but on the H200 the
-        # step's GPU time went up 45-60% (bench/gpu/NOTES.md, session 8), so off unless
-        # MARKBASE_GPU_NORM_FOLD=1
+        # with fold, the RMSNorms before qkv, gate_up and the lm_head go inside the
+        # 1-row products (engine/gpu_qstream.py's integer form: 2 nodes a layer fewer
+        # where the step is host-bound); fold_norm: inside engine/gpu_mma.py's 2+-row
+        # ones too (_norm forms), off unless MARKBASE_GPU_NORM_FOLD=1: on the H200 the
+        # step's GPU time went up 45-60% with them (bench/gpu/NOTES.md, session 8)
         self.fold_norm = os.environ.get("MARKBASE_GPU_NORM_FOLD", "0") == "1"
         # the hidden state as [B, D] between attentions (default: with gpu_plans,
         # i.e. on a GPU; the CPU's compiled step keeps [B, 1, D] as it was measured)
@@ -130,11 +131,11 @@ class FusedDecodeStep:
             hq, hkv = attn.n_heads, attn.n_kv_heads
 
             def qkv_of(x, layer=layer, wqkv=wqkv):
-                # the fused q/k/v product of the [B, D] step, its RMSNorm inside when
-                # fold_norm says so
+                # the fused q/k/v product of the [B, D] step, its RMSNorm inside where
+                # the kernel takes it (``_folds_norm``)
                 norm = layer.input_layernorm
                 if self._folds_norm(wqkv, norm):
-                    return wqkv.fused(x, norm=norm)
+                    return wqkv.fused(x, norm=norm, mma_norm=self.fold_norm)
                 return wqkv(norm(x))
 
             def pre(
@@ -191,7 +192,7 @@ class FusedDecodeStep:
                     h = o_proj.fused(o.reshape(b, -1), residual=x)
                     norm = layer.post_attention_layernorm
                     if self._folds_norm(wgu, norm):
-                        z = wgu.fused(h, glu=True, norm=norm)
+                        z = wgu.fused(h, glu=True, norm=norm, mma_norm=self.fold_norm)
                     else:
                         z = wgu.fused(norm(h), glu=True)
                     return down_proj.fused(z, residual=h)
@@ -219,7 +220,14 @@ class FusedDecodeStep:
             lm_head = (gpu_plans and gpu_linear.for_module(model.lm_head)) or model.lm_head
 
         def head(x):
-            x = self.inner.norm(x[:, -1, :] if x.ndim == 3 else x)
+            norm = self.inner.norm
+            if (
+                x.ndim == 2
+                and isinstance(lm_head, GpuQuantizedLinear)
+                and self._folds_norm(lm_head, norm)
+            ):  # the final RMSNorm inside the 1-row product (qkv's)
+                return lm_head.fused(x, norm=norm, mma_norm=self.fold_norm)
+            x = norm(x[:, -1, :] if x.ndim == 3 else x)
             if lm_head is None:
                 return self.inner.embed_tokens.as_linear(x)
             return lm_head(x)
@@ -238,13 +246,14 @@ class FusedDecodeStep:
                 self.rope = rope_for_kernel(self.inner.layers)
 
     def _folds_norm(self, linear, norm) -> bool:
-        """Whether ``norm`` goes inside ``linear``'s product (``fold_norm``, an
-        ``nn.RMSNorm``, a plan-following product)."""
+        """Whether ``norm`` is handed to ``linear``'s ``fused`` (``fold``, an
+        ``nn.RMSNorm``, a plan-following product); the product's route then takes it
+        into the kernel where that kernel has the form (the 1-row one always,
+        engine/gpu_mma.py's with ``fold_norm``), else applies it first."""
         import mlx.nn as nn
 
         return (
             self.fold
-            and self.fold_norm
             and type(norm) is nn.RMSNorm
             and isinstance(linear, (GpuLinear, GpuQuantizedLinear))
         )
@@ -308,25 +317,22 @@ class FusedDecodeStep:
         return out
 
     def _qstream_products(self) -> set:
-        """(group size, K, residual, glu) of every 1-row product the step can send to
-        engine/gpu_qstream.py (the lm_head too: it has the qkv's K, so shares its kernel
-        on llama shapes, but a model need not)."""
+        """(group size, K, residual, glu, norm) of every 1-row product the step can send
+        to engine/gpu_qstream.py (the lm_head too: it has the qkv's K, so shares its
+        kernel on llama shapes, but a model need not)."""
         from engine import gpu_qstream
 
         dtype = self.inner.norm.weight.dtype
         out = set()
-        for linear, residual, glu, normed in self._products + [
-            (self._lm_head, False, False, False)
-        ]:
-            if not isinstance(linear, GpuQuantizedLinear) or (
-                normed and self.fold and self.fold_norm
-            ):
+        for linear, residual, glu, normed in self._products + [(self._lm_head, False, False, True)]:
+            if not isinstance(linear, GpuQuantizedLinear):
                 continue
             n, k = linear.weight.shape[0], linear.scales.shape[-1] * linear.group_size
             if gpu_qstream.supported(
                 dtype, 1, n, k, linear.bits, linear.group_size, linear.mode, linear.biases
             ):
-                out.add((linear.group_size, k, residual, glu))
+                norm = normed and self.fold and gpu_qstream.takes_norm(n, glu)
+                out.add((linear.group_size, k, residual, glu, norm))
         return out
 
     def __call__(self, tokens, cache):

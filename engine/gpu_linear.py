@@ -15,7 +15,7 @@ a step). The same product can be written in ways that reach other kernels:
 - quantized: ``qgemv`` = engine/gpu_gemv.py's 4-bit kernel (same; 4-bit affine only);
   ``qmma`` = engine/gpu_mma.py's 4-bit tensor-core kernel (the same);
   ``qstream`` = engine/gpu_qstream.py's 1-row 4-bit kernel (loads through shared
-  memory; other row counts, and a product with the RMSNorm folded in, go to ``qmma``);
+  memory, the RMSNorm before it folded in where asked; other row counts go to ``qmma``);
   ``qmm`` = ``mx.quantized_matmul``; ``deq`` = dequantize the weight to
   the activations' dtype, then ``xwt`` (reads the 4-bit weight, writes and reads a
   bf16 copy: about 3x the bytes of a bf16 product, but at bf16 speed); ``deqwxt``;
@@ -179,13 +179,13 @@ class _Routes:
     _routes: dict
     _generation: int = -1
 
-    def _route(self, x, residual: bool, glu: bool, norm: bool):
+    def _route(self, x, residual: bool, glu: bool, norm: bool, mma_norm: bool = True):
         if self._generation != _generation[0]:  # the plans changed (benchmarks)
             self._routes, self._generation = {}, _generation[0]
-        key = (x.shape[0], x.dtype, residual, glu, norm)
+        key = (x.shape[0], x.dtype, residual, glu, norm, mma_norm)
         route = self._routes.get(key)
         if route is None:
-            route = self._routes[key] = self._make_route(x, residual, glu, norm)
+            route = self._routes[key] = self._make_route(x, residual, glu, norm, mma_norm)
         return route
 
     def __call__(self, x):
@@ -193,21 +193,27 @@ class _Routes:
             return self._route(x, False, False, False)(x, None, None)
         return self._call_form(x, self.plan.form(_rows(x)))
 
-    def fused(self, x, residual=None, glu: bool = False, norm=None):
+    def fused(self, x, residual=None, glu: bool = False, norm=None, mma_norm: bool = True):
         """``residual + x @ w.T``, or with ``glu`` (w = [gate; up]) ``silu(x @ gate.T) *
         (x @ up.T)``; ``norm`` (an ``nn.RMSNorm``, not with ``residual``): x goes
-        through it first. One engine/gpu_mma.py call when the plan sends these rows
-        there (x [B, K], the 2-D decode step), else the same math as MLX ops."""
+        through it first. One kernel call (engine/gpu_mma.py, engine/gpu_qstream.py)
+        when the plan sends these rows there (x [B, K], the 2-D decode step), else the
+        same math as MLX ops. ``mma_norm=False``: the norm goes inside only the 1-row
+        kernel's call, a separate op before engine/gpu_mma.py's (whose blocks each
+        recompute it: the decode step's default, bench/gpu/NOTES.md session 8)."""
         if x.ndim == 2:
-            route = self._route(x, residual is not None, glu, norm is not None)
+            route = self._route(x, residual is not None, glu, norm is not None, mma_norm)
             return route(x, residual, norm)
         return _unfused(self, x, residual, glu, norm)
 
-    def _make_route(self, x, residual: bool, glu: bool, norm: bool):
+    def _make_route(self, x, residual: bool, glu: bool, norm: bool, mma_norm: bool = True):
         """``route(x, residual, norm)`` for these rows: the kernel when the plan says
         so and it takes the shape, else MLX ops."""
         rows = x.shape[0]
-        launch = self._launcher(x.dtype, rows, residual, glu, norm)
+        launch = self._launcher(x.dtype, rows, residual, glu, norm, mma_norm)
+        if launch is None and norm:  # the norm as its own op, the rest as without it
+            inner = self._make_route(x, residual, glu, False)
+            return lambda x, r, nm: inner(nm(x), r, None)
         if launch is None:
             if residual or glu or norm:
                 return lambda x, r, nm: _unfused(self, x, r, glu, nm)
@@ -246,8 +252,12 @@ class GpuLinear(_Routes):
     def _kernel_arrays(self) -> list:
         return [self.weight]
 
-    def _launcher(self, dtype, rows: int, residual: bool, glu: bool, norm: bool):
+    def _launcher(
+        self, dtype, rows: int, residual: bool, glu: bool, norm: bool, mma_norm: bool = True
+    ):
         if self.plan.form(rows) != "mma" or not _float_kernel_ok("mma", dtype, self.weight):
+            return None
+        if norm and not mma_norm:
             return None
         from engine import gpu_mma
 
@@ -276,16 +286,22 @@ class GpuQuantizedLinear(_Routes):
     def _kernel_arrays(self) -> list:
         return [self.weight, self.scales, self.biases]
 
-    def _launcher(self, dtype, rows: int, residual: bool, glu: bool, norm: bool):
+    def _launcher(
+        self, dtype, rows: int, residual: bool, glu: bool, norm: bool, mma_norm: bool = True
+    ):
         form = self.plan.form(rows)
         n, k = self.weight.shape[0], self.scales.shape[-1] * self.group_size
         if form == "qstream":
-            if rows == 1 and not norm and self._kernel_ok("qstream", dtype):
+            if rows == 1 and self._kernel_ok("qstream", dtype):
                 from engine import gpu_qstream
 
-                return gpu_qstream.launcher(dtype, n, k, self.group_size, residual, glu)
+                if norm and not gpu_qstream.takes_norm(n, glu):
+                    return None
+                return gpu_qstream.launcher(dtype, n, k, self.group_size, residual, glu, norm)
             form = "qmma"
         if form != "qmma" or not self._kernel_ok("qmma", dtype):
+            return None
+        if norm and not mma_norm:
             return None
         from engine import gpu_mma
 

@@ -287,6 +287,10 @@ _IBODY = r"""
   const int TW = gridDim.x * WARPS;
   const int N = GLU ? w_shape[0] / 2 : w_shape[0];  // outputs
 
+  // NORM: x's sum of squares over this thread's chunks (the block's total makes the
+  // RMSNorm's 1 / rms, which goes on each output at the end: the product is linear in
+  // x), and the chunks hold x times the norm's weight
+  float ss = 0.f;
   for (int c = tid; c < CPR; c += NT) {
     float f[32];
     float s = 0.f, amax = 0.f;
@@ -298,11 +302,23 @@ _IBODY = r"""
       for (int i = 0; i < 4; ++i) {
         f[8 * p + 2 * i] = mb_half_of(h[i], false, T{});
         f[8 * p + 2 * i + 1] = mb_half_of(h[i], true, T{});
-        s += f[8 * p + 2 * i] + f[8 * p + 2 * i + 1];
+      }
+      if constexpr (NORM) {
+        const uint4 gv = *reinterpret_cast<const uint4*>(nw + c * 32 + p * 8);
+        const uint32_t g[4] = {gv.x, gv.y, gv.z, gv.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float& f0 = f[8 * p + 2 * i];
+          float& f1 = f[8 * p + 2 * i + 1];
+          ss = fmaf(f0, f0, fmaf(f1, f1, ss));
+          f0 *= mb_half_of(g[i], false, T{});
+          f1 *= mb_half_of(g[i], true, T{});
+        }
       }
     }
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
+      s += f[i];
       amax = fmaxf(amax, fabsf(f[i]));
     }
     // up = 2^(141 - e) puts the largest |x| in [2^14, 2^15); 1 / up = 2^(e - 141);
@@ -326,7 +342,26 @@ _IBODY = r"""
     }
     xq[c * XC + 4] = make_uint4(__float_as_uint(down), __float_as_uint(s), 0u, 0u);
   }
+  __shared__ float mb_ss[WARPS];
+  if constexpr (NORM) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    }
+    if (lane == 0) {
+      mb_ss[tid >> 5] = ss;
+    }
+  }
   __syncthreads();
+  float rn = 1.f;  // NORM: 1 / rms of x, as MLX's rms_norm: rsqrt(mean(x^2) + eps)
+  if constexpr (NORM) {
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < WARPS; ++i) {
+      t += mb_ss[i];
+    }
+    rn = rsqrtf(t / static_cast<float>(K) + eps[0]);
+  }
 
   // a slot holds CPS chunks of a lane (j, j + 1, ...: CPS cp.async each, one commit
   // group), so the ring's bookkeeping is paid once for CPS chunks
@@ -400,6 +435,7 @@ _IBODY = r"""
       for (int off = 16; off > 0; off >>= 1) {
         acc += __shfl_xor_sync(0xffffffffu, acc, off);
       }
+      acc *= rn;
       if (GLU && c_rr == 0) {
         gate = acc;
         c_rr = 1;
@@ -613,9 +649,11 @@ _MMA_BODY = r"""
 
 
 def _specs() -> dict[str, KernelSpec]:
-    """Forms ``q4`` (CUDA cores) and ``mma`` (tensor cores), each plain, ``_res`` (a
-    residual ``r`` [1, N] added: o_proj/down_proj) and ``_glu`` (w = [gate; up], output
-    silu(gate) * up, [1, N/2]: gate_up)."""
+    """Forms ``q4i``/``q4`` (CUDA cores) and ``mma`` (tensor cores), each plain,
+    ``_res`` (a residual ``r`` [1, N] added: o_proj/down_proj) and ``_glu`` (w = [gate;
+    up], output silu(gate) * up, [1, N/2]: gate_up); the integer form also ``_norm`` and
+    ``_glu_norm`` (x through an RMSNorm first: its weight ``nw`` [K] and ``eps`` [1]:
+    qkv, gate_up and the lm_head, one kernel a norm fewer)."""
     from engine import gpu_mma
 
     inputs = [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)]
@@ -625,12 +663,21 @@ def _specs() -> dict[str, KernelSpec]:
         ("q4i", _IBODY, _HEADER),
         ("mma", _MMA_BODY, gpu_mma._HEADER + _HEADER),
     ):
-        for suffix, glu, res in (("", False, False), ("_res", False, True), ("_glu", True, False)):
-            flags = f"  constexpr bool GLU = {'true' if glu else 'false'};\n"
-            flags += f"  constexpr bool RES = {'true' if res else 'false'};\n"
+        kinds = [("", False, False, False), ("_res", False, True, False)]
+        kinds += [("_glu", True, False, False)]
+        if form in NORM_FORMS:
+            kinds += [("_norm", False, False, True), ("_glu_norm", True, False, True)]
+        for suffix, glu, res, norm in kinds:
+            flags = "".join(
+                f"  constexpr bool {name} = {'true' if on else 'false'};\n"
+                for name, on in (("GLU", glu), ("RES", res), ("NORM", norm))
+            )
             if not res:
                 flags += "  const T* r = nullptr;\n"
+            if not norm:
+                flags += "  const T* nw = nullptr;\n  const float* eps = nullptr;\n"
             extra = [("r", "T", 2)] if res else []
+            extra += [("nw", "T", 1), ("eps", "float32", 1)] if norm else []
             name = {"q4": "mb_qstream", "q4i": "mb_qstream_i", "mma": "mb_qstream_mma"}[form]
             out[form + suffix] = KernelSpec(
                 name + suffix, inputs + extra, [("y", "T")], flags + body, header
@@ -681,6 +728,9 @@ FORMS = tuple(DEFAULTS)
 # engine/gpu_mma.py 75.6, the float CUDA-core form 65.2, the tensor-core form 97-131;
 # MARKBASE_GPU_QSTREAM_FORM picks another for A/B runs
 DEFAULT_FORM = "q4i"
+# the forms whose kernels can take the RMSNorm before them (its cost: one more K-vector
+# read from L2 and a block-wide sum in the prologue, where each block holds all of x anyway)
+NORM_FORMS = ("q4i",)
 _knobs: dict = {}
 
 
@@ -785,15 +835,32 @@ def _grid_blocks(
     return -(-want_warps // warps)
 
 
-def launcher(dtype, n: int, k: int, gs: int, residual: bool = False, glu: bool = False):
+def takes_norm(n: int, glu: bool) -> bool:
+    """Whether the kernel for these outputs folds the RMSNorm before it in (the form has
+    it; MARKBASE_GPU_QSTREAM_NORM=0 keeps the norm a separate op, for A/B runs)."""
+    import os
+
+    return (
+        form_for(n, glu) in NORM_FORMS and os.environ.get("MARKBASE_GPU_QSTREAM_NORM", "1") != "0"
+    )
+
+
+def launcher(
+    dtype, n: int, k: int, gs: int, residual: bool = False, glu: bool = False, norm: bool = False
+):
     """``call(inputs) -> y`` [1, N] (``glu``: [1, N/2]) for x [1, K] and a 4-bit weight of
-    ``n`` rows; ``inputs``: x, w, scales, biases, then the residual (``residual``)."""
+    ``n`` rows; ``inputs``: x, w, scales, biases, then the residual (``residual``) or the
+    RMSNorm's weight [K] and epsilon [1] float32 (``norm``: ``takes_norm`` must say so)."""
     if glu and residual:
         raise ValueError("gpu_qstream: glu and residual together are not a kernel")
+    if norm and residual:
+        raise ValueError("gpu_qstream: norm and residual together are not a kernel")
     form = form_for(n, glu)
+    if norm and form not in NORM_FORMS:
+        raise ValueError(f"gpu_qstream: form {form} does not take the RMSNorm")
     stages, warps = shape_for(form, k, gs)
     cps = cps_for(form, k)
-    kind = form + ("_glu" if glu else "_res" if residual else "")
+    kind = form + ("_glu" if glu else "_res" if residual else "") + ("_norm" if norm else "")
     template = (("T", dtype), ("K", k), ("GS", gs), ("STAGES", stages), ("WARPS", warps))
     if form == "q4i":
         template += (("CPS", cps),)
@@ -810,28 +877,41 @@ def launcher(dtype, n: int, k: int, gs: int, residual: bool = False, glu: bool =
     return one_output_call(fn, (blocks * warps * 32, 1, 1), (warps * 32, 1, 1), (1, n_out), dtype)
 
 
-def quantized_matmul(x, w, scales, biases, group_size: int, residual=None, glu: bool = False):
+def quantized_matmul(
+    x, w, scales, biases, group_size: int, residual=None, glu: bool = False, norm=None
+):
     """``x @ dequantize(w).T`` for one row x [1, K] and a 4-bit affine ``w`` [N, K/8];
-    ``residual`` [1, N] added; ``glu``: w = [gate; up], the result silu(gate) * up."""
+    ``residual`` [1, N] added; ``glu``: w = [gate; up], the result silu(gate) * up;
+    ``norm`` = (weight [K], eps): x through that RMSNorm first."""
+    from engine.gpu_mma import eps_array
+
     n, k = w.shape[0], w.shape[1] * 8
     inputs = [x, w, scales, biases] + ([residual] if residual is not None else [])
-    return launcher(x.dtype, n, k, group_size, residual is not None, glu)(inputs)
+    if norm is not None:
+        inputs += [norm[0], eps_array(float(norm[1]))]
+    run = launcher(x.dtype, n, k, group_size, residual is not None, glu, norm is not None)
+    return run(inputs)
 
 
 def warm(dtype, products) -> None:
     """Compile now every variant the decode step can call: ``products`` = (group size,
-    K, residual, glu) per kind of 1-row product (NVRTC ~1 s each; MLX keeps the PTX on
-    disk)."""
+    K, residual, glu[, norm]) per kind of 1-row product (NVRTC ~1 s each; MLX keeps the
+    PTX on disk)."""
     import mlx.core as mx
 
+    from engine.gpu_mma import eps_array
+
     outs = []
-    for gs, k, residual, glu in sorted(set(products)):
+    for gs, k, residual, glu, *rest in sorted(set(products)):
+        norm = bool(rest and rest[0])
         n = 16  # one m-tile (the tensor-core form's; the CUDA-core form takes any)
         s = mx.ones((n, k // gs), dtype=dtype)
         ins = [mx.zeros((1, k), dtype=dtype), mx.zeros((n, k // 8), dtype=mx.uint32), s, s]
         if residual:
             ins.append(mx.zeros((1, n), dtype=dtype))
-        outs.append(launcher(dtype, n, k, gs, residual, glu)(ins))
+        if norm:
+            ins += [mx.ones((k,), dtype=dtype), eps_array(1e-5)]
+        outs.append(launcher(dtype, n, k, gs, residual, glu, norm)(ins))
     mx.eval(outs)
 
 

@@ -226,9 +226,10 @@ def test_gpu_step_rope_variants(variant, joint):
 def test_gpu_fold_switch_routes_the_products(monkeypatch):
     """``fold`` (MARKBASE_GPU_FOLD) decides whether the 2-D step's o_proj, gate_up and
     down_proj go through ``fused`` (residual adds and SwiGLU inside the products), and
-    ``fold_norm`` (MARKBASE_GPU_NORM_FOLD) whether qkv and gate_up also take their
-    RMSNorm; every way the step equals the model (on the CPU ``fused`` computes with
-    MLX ops)."""
+    with it qkv and gate_up get their RMSNorm handed in (the route folds it into the
+    1-row kernel, and into engine/gpu_mma.py's only with ``fold_norm``, i.e.
+    MARKBASE_GPU_NORM_FOLD); every way the step equals the model (on the CPU ``fused``
+    computes with MLX ops)."""
     from engine import gpu_linear
 
     calls = []
@@ -242,13 +243,14 @@ def test_gpu_fold_switch_routes_the_products(monkeypatch):
     model = build_random_model("llama", {**TINY, "tie_word_embeddings": False}, seed=5).model
     step = FusedDecodeStep(model, compile=False, gpu_plans=True)
     layers = len(model.model.layers)
-    # 3 steps: o_proj, gate_up and down_proj folded; with fold_norm qkv too
-    for fold, fold_norm, want in ((False, True, 0), (True, False, 9 * layers), (True, True, 12 * layers)):  # fmt: skip
+    # 3 steps: qkv, o_proj, gate_up and down_proj through fused
+    for fold, fold_norm, want in ((False, True, 0), (True, False, 12 * layers), (True, True, 12 * layers)):  # fmt: skip
         step.fold, step.fold_norm = fold, fold_norm
         calls.clear()
         _check_against_model(model, step, atol=2e-4)
         assert len(calls) == want
         normed = [c for c in calls if c.get("norm") is not None]
-        assert len(normed) == (6 * layers if fold and fold_norm else 0)  # qkv, gate_up
+        assert len(normed) == (6 * layers if fold else 0)  # qkv, gate_up
+        assert all(c["mma_norm"] is fold_norm for c in normed)
     assert any(c.get("glu") for c in calls) and any("residual" in c for c in calls)
     assert all(c.get("norm") is None for c in calls if "residual" in c)

@@ -145,6 +145,48 @@ def test_integer_form_is_nearly_exact(dtype):
         gpu_qstream.set_knobs()
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("n,k", [(512, 4096), (1024, 14336), (300, 3072)])
+def test_norm_folded_in(n, k, dtype):
+    """The integer form with the RMSNorm inside (qkv, gate_up, lm_head): against the
+    float64 product of the normalized x, off by at most the integer form's input
+    rounding (of x times the norm's weight, times 1 / rms) plus one rounding of the
+    output; the SwiGLU form the same; x of large and of tiny scale (the norm takes it
+    out); NaN in x gives NaN."""
+    rng = np.random.default_rng(n + k)
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(dtype)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    wf = np.array(mx.dequantize(wq, s, b, group_size=64, bits=4).astype(mx.float32), np.float64)
+    bias = np.repeat(np.array(b.astype(mx.float32), np.float64), 64, axis=1)
+    g = np.array(mx.array(1 + rng.standard_normal(k).astype(np.float32) / 4).astype(dtype))
+    g = g.astype(np.float64)
+    eps = 1e-5
+    gpu_qstream.set_knobs(form="q4i")
+    try:
+        for xs in (1.0, 300.0, 1e-3):
+            x = (rng.standard_normal(k) * xs).astype(np.float32)
+            x = np.array(mx.array(x[None]).astype(dtype).astype(mx.float32), np.float64)[0]
+            rn = 1 / np.sqrt(np.mean(x * x) + eps)
+            xg = x * g
+            want = (wf @ xg) * rn
+            step = np.repeat(np.abs(xg.reshape(-1, 32)).max(axis=1) * 2.0**-15, 32) * rn
+            bound = np.abs(wf - bias) @ step + np.abs(want) * 2.0**-8
+            bound += 1e-5 * np.abs(want).max()
+            norm = (mx.array(g).astype(dtype), eps)
+            xm = mx.array(x[None]).astype(dtype)
+            got = gpu_qstream.quantized_matmul(xm, wq, s, b, 64, norm=norm)
+            got = np.array(got.astype(mx.float32), np.float64)[0]
+            assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+            got = gpu_qstream.quantized_matmul(xm, wq, s, b, 64, glu=True, norm=norm)
+            gate, up = want[: n // 2], want[n // 2 :]
+            _close(got, mx.array((gate / (1 + np.exp(-gate)) * up)[None].astype(np.float32)))
+        x[5] = np.nan
+        got = gpu_qstream.quantized_matmul(mx.array(x[None]).astype(dtype), wq, s, b, 64, norm=norm)
+        assert np.all(np.isnan(np.array(got.astype(mx.float32))))
+    finally:
+        gpu_qstream.set_knobs()
+
+
 def test_plan_form_routes_by_rows():
     """``1:qstream,2:qmma``: one row on this kernel, more rows (and the RMSNorm folded
     in) on the tensor-core one; same products either way."""
@@ -189,7 +231,14 @@ def test_decode_step_on_the_kernel_matches_the_model():
         gpu_linear.set_plans("1:xwt,2:mma,33:xwt", "1:qstream,2:qmma")
         step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
         step.warm_up()
-        assert step._qstream_products()
+        products = step._qstream_products()
+        # qkv (and the lm_head: the same K) and gate_up with their RMSNorm inside;
+        # o_proj and down_proj with the residual, no norm
+        assert {p[2:] for p in products} == {
+            (False, False, True),
+            (False, True, True),
+            (True, False, False),
+        }
         prompts = ([5, 6, 7, 8, 9, 10],)
         check_step_matches_model(step, model, prompts)
     finally:

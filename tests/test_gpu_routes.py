@@ -160,3 +160,58 @@ def test_qstream_integer_form_shapes(monkeypatch):
         gpu_qstream.form_for(4096, False)
     with pytest.raises(ValueError, match="unknown form"):
         gpu_qstream.set_knobs(form="q5")
+
+
+def test_one_row_norm_goes_into_the_stream_kernel(monkeypatch, recorded):
+    """At one row the RMSNorm before qkv/gate_up goes inside engine/gpu_qstream.py's
+    integer-form call (its weight and epsilon after the weight's arrays); at 3 rows with
+    ``mma_norm=False`` (the decode step's default) it is its own op before the plain
+    tensor-core kernel; with MARKBASE_GPU_QSTREAM_NORM=0, or a form without it, also at
+    one row."""
+    import mlx.nn as nn
+
+    from engine import gpu_qstream
+
+    made, launches = recorded
+    qmade = []
+
+    class Recorder:
+        def __call__(self, kind, template, smem=0):
+            qmade.append(kind)
+
+            def launch(**kw):
+                launches.append(kw)
+                return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
+
+            return launch
+
+    monkeypatch.setattr(gpu_qstream, "_kernel", Recorder())
+    monkeypatch.setattr(gpu_qstream, "_smem", [228 << 10])
+    gpu_linear.set_plans("1:mma", "1:qstream,2:qmma")
+    wq, s, b = mx.quantize(mx.zeros((128, 1024), dtype=mx.bfloat16), group_size=64, bits=4)
+    q = gpu_linear.GpuQuantizedLinear(wq, s, b, 64, 4, "affine")
+    norm = nn.RMSNorm(1024, eps=1e-6)
+    x = mx.ones((1, 1024), dtype=mx.bfloat16)
+    assert q.fused(x, glu=True, norm=norm, mma_norm=False).shape == (1, 64)
+    assert qmade[-1] == "q4i_glu_norm"
+    ins = launches[-1]["inputs"]
+    assert [a is c for a, c in zip(ins, [x, wq, s, b, norm.weight])] == [True] * 5
+    assert ins[5] is gpu_mma.eps_array(1e-6)
+    q.fused(x, norm=norm, mma_norm=False)
+    assert qmade[-1] == "q4i_norm" and len(launches[-1]["inputs"]) == 6
+    x3 = mx.ones((3, 1024), dtype=mx.bfloat16)
+    q.fused(x3, glu=True, norm=norm, mma_norm=False)
+    assert made[-1][0] == "q4_glu" and len(launches[-1]["inputs"]) == 4  # norm(x) first
+    assert launches[-1]["inputs"][0] is not x3
+    monkeypatch.setenv("MARKBASE_GPU_QSTREAM_NORM", "0")
+    q2 = gpu_linear.GpuQuantizedLinear(wq, s, b, 64, 4, "affine")
+    q2.fused(x, glu=True, norm=norm, mma_norm=False)
+    assert qmade[-1] == "q4i_glu" and len(launches[-1]["inputs"]) == 4
+    monkeypatch.delenv("MARKBASE_GPU_QSTREAM_NORM")
+    gpu_qstream.set_knobs(form="q4")
+    try:
+        assert not gpu_qstream.takes_norm(128, True)
+        with pytest.raises(ValueError, match="does not take the RMSNorm"):
+            gpu_qstream.launcher(mx.bfloat16, 128, 1024, 64, glu=True, norm=True)
+    finally:
+        gpu_qstream.set_knobs()

@@ -3,7 +3,7 @@ Python, and MLX's encoding + launch (``mx.async_eval``), per formulation.
 
 Why: the decode step is host-bound on the H200 from 1b B=1 to 8b B=8
 (bench/gpu/NOTES.md, session 5), so a kernel that is faster on the GPU can still
-make the step slower if its call costs more host time. Shapes are tiny (256 x 256)
+make the step slower if its call costs more host time. Shapes are tiny (256 x 1024)
 so the GPU time is negligible; each figure is the median over repeats of 200
 independent calls, in microseconds per call.
 
@@ -24,28 +24,49 @@ sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx  # noqa: E402
 
-from engine import gpu_gemv, gpu_mma  # noqa: E402
+from engine import gpu_gemv, gpu_mma, gpu_qstream  # noqa: E402
 
 now = time.perf_counter
 CALLS = 200
 
 
 def forms(rows: int):
-    k = n = 256
+    k, n = 1024, 256
     x = mx.random.normal((rows, k)).astype(mx.bfloat16)
+    g = mx.ones((k,), dtype=mx.bfloat16)
     w = (mx.random.normal((n, k)) / 16).astype(mx.bfloat16)
     wq, s, b = mx.quantize(w, group_size=64, bits=4)
-    try:
-        tiny = mx.fast.cuda_kernel(
-            name="mb_cost_copy",
-            input_names=["a"],
-            output_names=["o"],
-            source="  const int i = blockIdx.x * blockDim.x + threadIdx.x;\n  o[i] = a[i];\n",
-        )
-    except RuntimeError:  # not a CUDA build (a CPU dry run): that row fails, the rest run
+    body = "  const int i = blockIdx.x * blockDim.x + threadIdx.x;\n  o[i] = a[i];\n"
 
-        def tiny(**kw):
-            raise RuntimeError("no CUDA back-end")
+    def copy_kernel(pad_kb: int):
+        """The 2-line kernel with ``pad_kb`` KB of comment lines after it: MLX rebuilds
+        and hashes a custom kernel's whole source on every call, so does the host time
+        grow with its length?"""
+        pad = ("// " + "x" * 60 + "\n") * (pad_kb * 16)
+        try:
+            return mx.fast.cuda_kernel(
+                name=f"mb_cost_copy_{pad_kb}",
+                input_names=["a"],
+                output_names=["o"],
+                source=body + pad,
+            )
+        except RuntimeError:  # not a CUDA build (a CPU dry run): its rows fail, the rest run
+
+            def nothing(**kw):
+                raise RuntimeError("no CUDA back-end")
+
+            return nothing
+
+    def copy_call(kern):
+        return lambda: kern(
+            inputs=[x],
+            grid=(x.size, 1, 1),
+            threadgroup=(256, 1, 1),
+            output_shapes=[x.shape],
+            output_dtypes=[x.dtype],
+        )[0]
+
+    tiny = copy_kernel(0)
 
     mx.eval(x, w, wq, s, b)
     return {
@@ -61,6 +82,12 @@ def forms(rows: int):
             output_shapes=[x.shape],
             output_dtypes=[x.dtype],
         )[0],
+        "cuda_kernel, + 8 KB comments": copy_call(copy_kernel(8)),
+        "cuda_kernel, + 32 KB comments": copy_call(copy_kernel(32)),
+        "cuda_kernel, + 128 KB comments": copy_call(copy_kernel(128)),
+        "gpu_qstream q4i_glu_norm (1 row)": lambda: gpu_qstream.quantized_matmul(
+            x[:1], wq, s, b, 64, glu=True, norm=(g, 1e-5)
+        ),
         "gpu_gemv.gemv": lambda: gpu_gemv.gemv(x, w),
         "gpu_gemv.quantized_gemv": lambda: gpu_gemv.quantized_gemv(x, wq, s, b, 64),
         "gpu_mma.matmul": lambda: gpu_mma.matmul(x, w),

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from engine.cuda_kernels import CTYPES  # noqa: E402
+from engine.cuda_kernels import CTYPES, minified  # noqa: E402
 
 DEFAULT_HEADER = (
     '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
@@ -33,7 +33,9 @@ DEFAULT_HEADER = (
 
 
 def build_source(spec) -> str:
-    """The kernel source as MLX's ``build_kernel`` (mlx/backend/cuda/custom_kernel.cpp) writes it."""
+    """The kernel source as MLX's ``build_kernel`` (mlx/backend/cuda/custom_kernel.cpp)
+    writes it, from the spec as engine/cuda_kernels.make_kernel hands it over (minified)."""
+    spec = minified(spec)
     out = DEFAULT_HEADER + spec.header
     out += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
     out += f"__global__ void custom_kernel_{spec.name}(\n"

@@ -59,16 +59,18 @@ def weights(n: int, k: int, copies: int):
     return out
 
 
-def run(x, ws, n: int, k: int, residual: bool, glu: bool, stream: bool = False):
+def run(x, ws, n: int, k: int, residual: bool, glu: bool, stream: bool = False, norm=None):
     """One call per weight copy, each fed by the one before (``stream``: on
-    engine/gpu_qstream.py's kernel, else engine/gpu_mma.py's)."""
+    engine/gpu_qstream.py's kernel, else engine/gpu_mma.py's; ``norm``: the RMSNorm's
+    weight and epsilon inside the call)."""
     outs = []
     for wq, s, b in ws:
         if stream:
-            call = gpu_qstream.launcher(mx.bfloat16, n, k, GS, residual, glu)
+            call = gpu_qstream.launcher(mx.bfloat16, n, k, GS, residual, glu, norm is not None)
         else:
             call = gpu_mma.launcher("q4", mx.bfloat16, 1, n, k, GS, residual, glu)
         ins = [x, wq, s, b] + ([x[:, :n]] if residual else [])
+        ins += list(norm) if norm is not None else []
         y = call(ins)
         outs.append(y)
         x = x + (y[:, :1] * 0).astype(x.dtype)  # an order between the calls
@@ -96,9 +98,10 @@ def cupti_us(fn, steps: int, name_part: str) -> list[float]:
 def parse_stream(name: str) -> dict | None:
     """``"mma"``/``"qs"``/``"qi"``: engine/gpu_qstream.py's tensor-core / float CUDA-core
     / integer CUDA-core form with its defaults; ``"mma3w8"``: 3 slots a lane, 8 warps a
-    block; ``"qi8c1"``: 8 slots of 1 chunk each; None for a name of engine/gpu_mma.py's
-    kernel."""
-    m = re.fullmatch(r"(qs|qi|mma)(\d*)(?:w(\d+))?(?:c(\d+))?", name)
+    block; ``"qi8c1"``: 8 slots of 1 chunk each; a trailing ``n`` (``"qin"``): qkv and
+    gate_up with their RMSNorm inside (the decode step's default); None for a name of
+    engine/gpu_mma.py's kernel."""
+    m = re.fullmatch(r"(qs|qi|mma)(\d*)(?:w(\d+))?(?:c(\d+))?(n?)", name)
     if not m:
         return None
     return {
@@ -106,6 +109,7 @@ def parse_stream(name: str) -> dict | None:
         "stages": int(m[2]) if m[2] else None,
         "warps": int(m[3]) if m[3] else None,
         "cps": int(m[4]) if m[4] else None,
+        "norm": bool(m[5]),
     }
 
 
@@ -121,7 +125,7 @@ def parse(name: str) -> tuple[dict, bool]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="8b")
-    ap.add_argument("--variants", default="u2w8,qs,qi,qi8c1,qi6,qi8,qi4w16,qi2")
+    ap.add_argument("--variants", default="qs,qi,qin,qi6,qi6n")
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=150)
@@ -139,7 +143,10 @@ def main() -> None:
                 print(f"{name} {v}: budget spent", flush=True)
                 continue
             stream = parse_stream(v)
+            norm = None
             if stream is not None:
+                if stream.pop("norm") and not residual:  # qkv, gate_up
+                    norm = (mx.ones((k,), dtype=mx.bfloat16), gpu_mma.eps_array(1e-5))
                 gpu_qstream.set_knobs(**stream)
             else:
                 knobs, pin = parse(v)
@@ -147,7 +154,7 @@ def main() -> None:
                 gpu_mma.set_pin_loads(pin)
             kernel = "mb_qstream" if stream is not None else "mb_mma_q4"
             try:
-                args_ = (x, ws, n, k, residual, glu, stream is not None)
+                args_ = (x, ws, n, k, residual, glu, stream is not None, norm)
                 mx.eval(run(*args_))
                 us = statistics.median(cupti_us(lambda a=args_: run(*a), args.steps, kernel))
             except Exception as e:  # a variant that does not compile or run: go on
