@@ -102,11 +102,12 @@ class FusedDecodeStep:
         # the residual adds and the SwiGLU inside the products (engine/gpu_mma.py) where
         # the plan sends a step's rows there (MARKBASE_GPU_FOLD=0: separate ops, for A/B)
         self.fold = os.environ.get("MARKBASE_GPU_FOLD", "1") != "0"
-        # with fold, the RMSNorms before qkv, gate_up and the lm_head go inside the
-        # 1-row products (engine/gpu_qstream.py's integer form: 2 nodes a layer fewer
-        # where the step is host-bound); fold_norm: inside engine/gpu_mma.py's 2+-row
-        # ones too (_norm forms), off unless MARKBASE_GPU_NORM_FOLD=1: on the H200 the
-        # step's GPU time went up 45-60% with them (bench/gpu/NOTES.md, session 8)
+        # with fold, the RMSNorms before qkv, gate_up and the lm_head are handed to the
+        # products, whose routes take them inside the 1-row kernel where
+        # engine/gpu_qstream.takes_norm says so (MARKBASE_GPU_QSTREAM_NORM=1; off by
+        # default: slower on the H200, NOTES.md session 12) and else apply them first;
+        # fold_norm: inside engine/gpu_mma.py's 2+-row ones too (_norm forms), off unless
+        # MARKBASE_GPU_NORM_FOLD=1: the step's GPU time went up 45-60% (session 8)
         self.fold_norm = os.environ.get("MARKBASE_GPU_NORM_FOLD", "0") == "1"
         # the hidden state as [B, D] between attentions (default: with gpu_plans,
         # i.e. on a GPU; the CPU's compiled step keeps [B, 1, D] as it was measured)

@@ -836,13 +836,14 @@ def _grid_blocks(
 
 
 def takes_norm(n: int, glu: bool) -> bool:
-    """Whether the kernel for these outputs folds the RMSNorm before it in (the form has
-    it; MARKBASE_GPU_QSTREAM_NORM=0 keeps the norm a separate op, for A/B runs)."""
+    """Whether the kernel for these outputs folds the RMSNorm before it in: the form has
+    it and MARKBASE_GPU_QSTREAM_NORM=1. Off by default: on the H200 (8b 4-bit B=1,
+    bench/gpu/NOTES.md session 12) it took 65 of 233 kernels a step away but the step's
+    GPU time went up 2.74 -> 4.01 ms (the norm forms of qkv and gate_up 2-3x slower
+    inside the step than alone), so the step got slower (303 -> 215 tok/s)."""
     import os
 
-    return (
-        form_for(n, glu) in NORM_FORMS and os.environ.get("MARKBASE_GPU_QSTREAM_NORM", "1") != "0"
-    )
+    return form_for(n, glu) in NORM_FORMS and os.environ.get("MARKBASE_GPU_QSTREAM_NORM") == "1"
 
 
 def launcher(

@@ -147,7 +147,7 @@ def test_integer_form_is_nearly_exact(dtype):
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("n,k", [(512, 4096), (1024, 14336), (300, 3072)])
-def test_norm_folded_in(n, k, dtype):
+def test_norm_folded_in(n, k, dtype, monkeypatch):
     """The integer form with the RMSNorm inside (qkv, gate_up, lm_head): against the
     float64 product of the normalized x, off by at most the integer form's input
     rounding (of x times the norm's weight, times 1 / rms) plus one rounding of the
@@ -158,9 +158,10 @@ def test_norm_folded_in(n, k, dtype):
     wq, s, b = mx.quantize(w, group_size=64, bits=4)
     wf = np.array(mx.dequantize(wq, s, b, group_size=64, bits=4).astype(mx.float32), np.float64)
     bias = np.repeat(np.array(b.astype(mx.float32), np.float64), 64, axis=1)
-    g = np.array(mx.array(1 + rng.standard_normal(k).astype(np.float32) / 4).astype(dtype))
-    g = g.astype(np.float64)
+    g = mx.array(1 + rng.standard_normal(k).astype(np.float32) / 4).astype(dtype)
+    g = np.array(g.astype(mx.float32), np.float64)
     eps = 1e-5
+    monkeypatch.setenv("MARKBASE_GPU_QSTREAM_NORM", "1")
     gpu_qstream.set_knobs(form="q4i")
     try:
         for xs in (1.0, 300.0, 1e-3):
@@ -216,9 +217,11 @@ def test_plan_form_routes_by_rows():
         gpu_linear.reset_plans()
 
 
-def test_decode_step_on_the_kernel_matches_the_model():
+@pytest.mark.parametrize("qnorm", ["0", "1"])
+def test_decode_step_on_the_kernel_matches_the_model(monkeypatch, qnorm):
     """The GPU decode step with its 1-row 4-bit products on this kernel (o_proj and
-    down_proj with the residual, gate_up with the SwiGLU) equals the model's own call."""
+    down_proj with the residual, gate_up with the SwiGLU; with MARKBASE_GPU_QSTREAM_NORM=1
+    qkv, gate_up and the lm_head with their RMSNorm inside) equals the model's own call."""
     from engine.decode_step import FusedDecodeStep
     from engine.loading import build_random_model
 
@@ -227,6 +230,7 @@ def test_decode_step_on_the_kernel_matches_the_model():
                vocab_size=512, tie_word_embeddings=False)  # fmt: skip
     model = build_random_model("llama", cfg, seed=7, quantize_bits=4, group_size=64).model
     model.set_dtype(mx.bfloat16)
+    monkeypatch.setenv("MARKBASE_GPU_QSTREAM_NORM", qnorm)
     try:
         gpu_linear.set_plans("1:xwt,2:mma,33:xwt", "1:qstream,2:qmma")
         step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
@@ -234,9 +238,10 @@ def test_decode_step_on_the_kernel_matches_the_model():
         products = step._qstream_products()
         # qkv (and the lm_head: the same K) and gate_up with their RMSNorm inside;
         # o_proj and down_proj with the residual, no norm
+        on = qnorm == "1"
         assert {p[2:] for p in products} == {
-            (False, False, True),
-            (False, True, True),
+            (False, False, on),
+            (False, True, on),
             (True, False, False),
         }
         prompts = ([5, 6, 7, 8, 9, 10],)

@@ -163,7 +163,8 @@ def test_qstream_integer_form_shapes(monkeypatch):
 
 
 def test_one_row_norm_goes_into_the_stream_kernel(monkeypatch, recorded):
-    """At one row the RMSNorm before qkv/gate_up goes inside engine/gpu_qstream.py's
+    """With MARKBASE_GPU_QSTREAM_NORM=1 (off by default), at one row the RMSNorm before
+    qkv/gate_up goes inside engine/gpu_qstream.py's
     integer-form call (its weight and epsilon after the weight's arrays); at 3 rows with
     ``mma_norm=False`` (the decode step's default) it is its own op before the plain
     tensor-core kernel; with MARKBASE_GPU_QSTREAM_NORM=0, or a form without it, also at
@@ -187,6 +188,7 @@ def test_one_row_norm_goes_into_the_stream_kernel(monkeypatch, recorded):
 
     monkeypatch.setattr(gpu_qstream, "_kernel", Recorder())
     monkeypatch.setattr(gpu_qstream, "_smem", [228 << 10])
+    monkeypatch.setenv("MARKBASE_GPU_QSTREAM_NORM", "1")  # off by default (slower)
     gpu_linear.set_plans("1:mma", "1:qstream,2:qmma")
     wq, s, b = mx.quantize(mx.zeros((128, 1024), dtype=mx.bfloat16), group_size=64, bits=4)
     q = gpu_linear.GpuQuantizedLinear(wq, s, b, 64, 4, "affine")
@@ -207,7 +209,7 @@ def test_one_row_norm_goes_into_the_stream_kernel(monkeypatch, recorded):
     q2 = gpu_linear.GpuQuantizedLinear(wq, s, b, 64, 4, "affine")
     q2.fused(x, glu=True, norm=norm, mma_norm=False)
     assert qmade[-1] == "q4i_glu" and len(launches[-1]["inputs"]) == 4
-    monkeypatch.delenv("MARKBASE_GPU_QSTREAM_NORM")
+    monkeypatch.setenv("MARKBASE_GPU_QSTREAM_NORM", "1")
     gpu_qstream.set_knobs(form="q4")
     try:
         assert not gpu_qstream.takes_norm(128, True)

@@ -59,7 +59,7 @@ now = time.perf_counter
 # "-at<shape>" = the attention kernel's loop shape (gpu_attention.LoopShape.parse, e.g.
 # "-atl16u2v"; bench/gpu/attn_bench.py times the kernel alone); "-pin" = the product
 # kernels with PIN (gpu_mma.pin_loads: every load of an iteration before its MMAs);
-# "-qn0" = the RMSNorms as separate ops at 1 row too (MARKBASE_GPU_QSTREAM_NORM=0)
+# "-qn1" = the RMSNorms inside the 1-row kernels (MARKBASE_GPU_QSTREAM_NORM=1)
 VARIANTS = {
     "default": (True, None, None),  # what the engine does (engine/gpu_linear.py defaults)
     "mlx": (False, "1:xwt", "1:qmm"),
@@ -202,9 +202,9 @@ def main() -> None:
                     step.fold_norm = "-norm" in v
                 if hasattr(step, "rope"):
                     step.rope = None if "-noapp" in v else rope_table
-                # the 1-row kernels without the RMSNorm inside (the routes are rebuilt
-                # by reset_plans below, and read this when they are)
-                os.environ["MARKBASE_GPU_QSTREAM_NORM"] = "0" if "-qn0" in v else "1"
+                # the 1-row kernels with the RMSNorm inside (the routes are rebuilt by
+                # reset_plans below, and read this when they are)
+                os.environ["MARKBASE_GPU_QSTREAM_NORM"] = "1" if "-qn1" in v else "0"
                 at = re.search(r"-at([a-z0-9]+)", v)  # none: the automatic shapes
                 shape = gpu_attention.LoopShape.parse(at.group(1)) if at else None
                 if "-2pass" in v:
