@@ -88,7 +88,7 @@ class FusedDecodeStep:
         import mlx.core as mx
         import mlx.nn as nn
 
-        from engine import gpu_linear
+        from engine import gpu_linear, gpu_qlayer
 
         why = supported(model)
         if why:
@@ -115,6 +115,10 @@ class FusedDecodeStep:
         wrap = mx.compile if compile else (lambda f: f)
         self._pre, self._post, self._qkv = [], [], []
         self._products: list = []  # (linear, residual, glu): what warm_up compiles for
+        # engine/gpu_qlayer.py's one-kernel layer tail at one row (MARKBASE_GPU_QSTREAM_LAYER=1;
+        # off by default until measured); per layer, whether the kernel takes it
+        self.qlayer = gpu_qlayer.wanted()
+        self._qlayer_ok: list[bool] = []
         self.fused_groups = 0  # how many of the 2 per layer got one matmul
         for layer in self.inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -180,8 +184,40 @@ class FusedDecodeStep:
                     v = v.reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
                 return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
 
-            def post(x, o, layer=layer, mlp=mlp, wgu=wgu, o_proj=o_proj, down_proj=down_proj):
+            # one row: o_proj + residual, the RMSNorm, gate_up + SwiGLU and down_proj +
+            # residual as one kernel (engine/gpu_qlayer.py) where it takes the layer
+            one_kernel = (
+                gpu_plans
+                and type(layer.post_attention_layernorm) is nn.RMSNorm
+                and gpu_qlayer.supported(
+                    self.inner.norm.weight.dtype,
+                    1,
+                    o_proj.weight.shape[0] if hasattr(o_proj, "weight") else 0,
+                    down_proj.weight.shape[1] * 8 if hasattr(down_proj, "weight") else 0,
+                    o_proj,
+                    wgu,
+                    down_proj,
+                )
+            )
+            self._qlayer_ok.append(bool(one_kernel))
+
+            def post(
+                x,
+                o,
+                layer=layer,
+                mlp=mlp,
+                wgu=wgu,
+                o_proj=o_proj,
+                down_proj=down_proj,
+                one_kernel=one_kernel,
+                slot=len(self._post),
+            ):
                 b, _, length, _ = o.shape
+                if one_kernel and self.qlayer and x.ndim == 2 and b == 1:
+                    norm = layer.post_attention_layernorm
+                    return gpu_qlayer.post(
+                        o.reshape(1, -1), x, o_proj, wgu, down_proj, norm.weight, norm.eps, slot
+                    )
                 if (
                     self.fold
                     and x.ndim == 2
@@ -245,6 +281,20 @@ class FusedDecodeStep:
         if self.attention_kernel and all(f is not None for f in self._qkv) and self.flat:
             if os.environ.get("MARKBASE_GPU_ROPE_APPEND", "1") != "0":
                 self.rope = rope_for_kernel(self.inner.layers)
+        # the whole append-form step under one mx.compile (MARKBASE_GPU_STEP_COMPILE=1):
+        # the H200's decode step at one row is host-bound, about half of it Python
+        # building ~233 kernel calls a step (bench/gpu/NOTES.md, sessions 11-13); a
+        # compiled step replays them from MLX's tape instead. Its inputs keep their
+        # shapes from step to step (the attention kernel takes the whole cache buffers
+        # and T from each row's position), so it retraces only when the batch size, the
+        # buffers' capacity (every 256 steps) or the attention's split count changes
+        self.step_compile = (
+            self.rope is not None and os.environ.get("MARKBASE_GPU_STEP_COMPILE", "0") == "1"
+        )
+        self._whole = mx.compile(self._whole_step) if self.step_compile else None
+        if any(self._qlayer_ok):  # made now: a compiled step must find them made
+            gpu_qlayer.ensure_barriers(len(self._qlayer_ok))
+        self._counted: set = set()  # batch sizes whose split counters are made
 
     def _folds_norm(self, linear, norm) -> bool:
         """Whether ``norm`` is handed to ``linear``'s ``fused`` (``fold``, an
@@ -271,7 +321,13 @@ class FusedDecodeStep:
         if self.attention_kernel:
             attn = self.inner.layers[0].self_attn
             gpu_attention.warm(
-                attn.n_heads, attn.n_kv_heads, attn.head_dim, dtype, attn.scale, self.rope
+                attn.n_heads,
+                attn.n_kv_heads,
+                attn.head_dim,
+                dtype,
+                attn.scale,
+                self.rope,
+                whole_buffers=self.step_compile,
             )
         if not (self.gpu_plans and mx.cuda.is_available() and dtype in (mx.bfloat16, mx.float16)):
             return
@@ -293,6 +349,16 @@ class FusedDecodeStep:
             from engine import gpu_qstream
 
             gpu_qstream.warm(dtype, self._qstream_products())
+        if self.qlayer and any(self._qlayer_ok):
+            from engine import gpu_qlayer
+
+            mlp = self.inner.layers[0].mlp
+            gpu_qlayer.warm(
+                dtype,
+                mlp.down_proj.weight.shape[0],
+                mlp.down_proj.weight.shape[1] * 8,
+                mlp.down_proj.group_size,
+            )
 
     def _mma_products(self) -> set:
         """(group size or 0, K, N, residual, glu, norm) of every product the step can
@@ -336,6 +402,57 @@ class FusedDecodeStep:
                 out.add((linear.group_size, k, residual, glu, norm))
         return out
 
+    def _compiled_call(self, tokens, cache):
+        """The step through ``_whole`` (``step_compile``), or None where it does not
+        apply (a cache without ``reserve``/``start``, more than one token a row)."""
+        import mlx.core as mx
+
+        from engine import gpu_attention
+
+        first = cache[0]
+        start = getattr(first, "start", None)
+        if tokens.shape[1] != 1 or start is None or not hasattr(first, "reserve"):
+            return None
+        offset = first.offset  # the new token's positions: read before reserve
+        if not isinstance(offset, mx.array) or offset.ndim != 1:
+            return None
+        buffers = []
+        for c in cache:
+            buffers.extend(c.reserve(1, views=False))
+        b = tokens.shape[0]
+        hkv = self.inner.layers[0].self_attn.n_kv_heads
+        nsplit = gpu_attention.append_splits(b, hkv, first.length)
+        if nsplit > 1 and b not in self._counted:
+            gpu_attention.ensure_counters(b * hkv, len(cache))
+            self._counted.add(b)
+        return self._whole(tokens, offset, start, buffers, nsplit)
+
+    def _whole_step(self, tokens, offset, start, buffers, nsplit: int):
+        """The append-form step as one function of arrays whose shapes do not change
+        with T (``buffers``: each layer's whole key and value buffers, in order), for
+        ``mx.compile``; ``nsplit``, a constant of the trace, is the attention's split
+        count for this T."""
+        from engine import gpu_attention
+
+        x = self.inner.embed_tokens(tokens)
+        x = x.reshape(x.shape[0], -1)
+        for i, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            o = gpu_attention.decode_attention_append(
+                self._qkv[i](x),
+                buffers[2 * i],
+                buffers[2 * i + 1],
+                start,
+                offset,
+                self.rope,
+                attn.scale,
+                attn.n_heads,
+                slot=i,
+                nsplit=nsplit,
+            )
+            x = self._post[i](x, o)
+        return self._head(x)
+
     def __call__(self, tokens, cache):
         import mlx.core as mx
         from mlx_lm.models.base import create_attention_mask
@@ -343,6 +460,10 @@ class FusedDecodeStep:
         from engine import gpu_attention
         from engine.attention import scaled_dot_product_attention
 
+        if self._whole is not None:
+            logits = self._compiled_call(tokens, cache)
+            if logits is not None:
+                return logits
         x = self.inner.embed_tokens(tokens)
         off = cache[0].offset
         offset = off if isinstance(off, mx.array) else mx.array(off, dtype=mx.int32)

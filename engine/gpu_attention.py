@@ -48,8 +48,8 @@ _SETUP = r"""
   const int lane = threadIdx.x % 32;
   const int sub = lane / LP;  // which of the warp's PW positions this lane reads
   const int sl = lane % LP;   // which PER values of it
-  const int t_len = keys_shape[2];
   const int row0 = start[b];
+  const int t_len = MB_T_LEN;
   const int valid = t_len - row0;
   const int chunk = (valid + nsplit - 1) / nsplit;
   const int t0 = row0 + split * chunk;
@@ -585,8 +585,14 @@ def auto_shapes(head_dim: int) -> list[LoopShape]:
     return list(dict.fromkeys(auto_shape(b, head_dim) for b in (1, SMS)))
 
 
-_READ = _SETUP + _Q_LOAD + _SOFTMAX_INIT + _LOOP + _SUB_MERGE + _MERGE
-_APPEND = _SETUP + _Q_ROPE + _SOFTMAX_INIT + _LOOP + _NEW_POSITION + _SUB_MERGE + _MERGE
+# the time length: the views' (the cache buffers sliced to it), or in the append form
+# with TPOS (``decode_attention_append(..., nsplit=)``) each row's position + start + 1,
+# so that the kernel can take the whole buffers and a step's inputs keep their shapes
+# from one step to the next (FusedDecodeStep's compiled step)
+_SETUP_READ = _SETUP.replace("MB_T_LEN", "keys_shape[2]")
+_SETUP_APPEND = _SETUP.replace("MB_T_LEN", "TPOS ? pos[b] + row0 + 1 : keys_shape[2]")
+_READ = _SETUP_READ + _Q_LOAD + _SOFTMAX_INIT + _LOOP + _SUB_MERGE + _MERGE
+_APPEND = _SETUP_APPEND + _Q_ROPE + _SOFTMAX_INIT + _LOOP + _NEW_POSITION + _SUB_MERGE + _MERGE
 _PARTS_OUT = [("pm", "float32"), ("pl", "float32"), ("pacc", "float32")]
 _SPLIT_OUT = [("out", "T"), *_PARTS_OUT]
 _SPLIT_BODY = _WRITE_PARTS + _MERGE_LAST
@@ -728,6 +734,7 @@ def decode_attention_append(
     n_heads: int,
     slot: int = 0,
     shape=None,
+    nsplit: int | None = None,
 ):
     """One decode step's attention from the fused QKV product, with RoPE and the KV
     append inside: ``qkv`` [B, Hq*D + 2*Hkv*D] (the rows' q, k, v before RoPE),
@@ -741,15 +748,34 @@ def decode_attention_append(
     evaluation's CUDA graph at the end of the evaluation, no other node of a step reads
     that layer's cache, and everything that reads the cache later (the next step,
     ``BatchKV.keep``/``row_kv``) is evaluated after. 3 nodes a layer fewer than RoPE +
-    two slice updates + attention (the step is host-bound up to ~32 rows)."""
+    two slice updates + attention (the step is host-bound up to ~32 rows).
+
+    ``nsplit``: ``keys``/``values`` are instead the whole cache buffers (any capacity
+    past T), each row's T is ``pos + start + 1`` (as ``BatchKV`` keeps them), and the
+    launch splits time into ``nsplit`` blocks (``append_splits(B, Hkv, T)``). Then a
+    step's arrays keep their shapes from step to step, and the launch depends on T
+    only through ``nsplit``: what lets the whole step run under ``mx.compile``."""
     b = qkv.shape[0]
     d = keys.shape[3]
     kern = _kernels(float(scale), float(rope.scale))
     inputs = [qkv, keys, values, start, pos, rope.inv_freq]
     forms = ("append", "append_split", "append_parts")
-    return _launch(
-        kern, forms, inputs, b, n_heads, d, keys, qkv.dtype, rope.traditional, slot, shape
-    )
+    args = (b, n_heads, d, keys, qkv.dtype, rope.traditional, slot, shape, nsplit)
+    return _launch(kern, forms, inputs, *args)
+
+
+def append_splits(batch: int, n_kv_heads: int, length: int) -> int:
+    """The blocks along time a launch over ``length`` positions takes (``splits`` with
+    the fixed loop shape's positions a block, as ``_launch`` picks them)."""
+    shape = fixed_shape()
+    return splits(batch, n_kv_heads, length, shape.ppb if shape else POSITIONS_PER_BLOCK)
+
+
+def ensure_counters(n: int, slots: int) -> None:
+    """Make the split form's counters for ``slots`` layers now (``_counters``): under
+    ``mx.compile`` a launch must find them made (they are evaluated when made)."""
+    for slot in range(slots):
+        _counters(n, slot)
 
 
 def _counters(n: int, slot: int):
@@ -771,15 +797,18 @@ def _counters(n: int, slot: int):
 _COUNTERS: dict = {}
 
 
-def _launch(kern, forms, inputs, b, hq, d, keys, dtype, traditional=None, slot=0, shape=None):
+def _launch(
+    kern, forms, inputs, b, hq, d, keys, dtype, traditional=None, slot=0, shape=None, nsplit=None
+):
     """Run a form unsplit, or split over time (merged in the kernel's last block per
-    row and KV head, or by the merge kernel)."""
+    row and KV head, or by the merge kernel). ``nsplit``: the append form over whole
+    buffers (``decode_attention_append``)."""
     import mlx.core as mx
 
     hkv, t = keys.shape[1], keys.shape[2]
     g = hq // hkv
     shape = shape or fixed_shape()
-    n = splits(b, hkv, t, shape.ppb if shape else POSITIONS_PER_BLOCK)
+    n = nsplit or splits(b, hkv, t, shape.ppb if shape else POSITIONS_PER_BLOCK)
     shape = shape or auto_shape(n * hkv * b, d)
     warps = min(shape.warps, warps_for(g, d))
     lanes = max(shape.lanes, d // 16)  # at most 16 values a lane
@@ -787,7 +816,7 @@ def _launch(kern, forms, inputs, b, hq, d, keys, dtype, traditional=None, slot=0
     template = (("T", dtype), ("HD", d), ("G", g), ("WARPS", warps), ("LP", lanes))
     template += (("U", shape.u), ("VEC", vec))
     if traditional is not None:
-        template += (("TRAD", traditional),)
+        template += (("TRAD", traditional), ("TPOS", nsplit is not None))
     grid = (n * warps * 32, hkv, b)
     block = (warps * 32, 1, 1)
     single, split, parts = forms
@@ -824,10 +853,19 @@ def _launch(kern, forms, inputs, b, hq, d, keys, dtype, traditional=None, slot=0
     )[0]
 
 
-def warm(n_heads: int, n_kv_heads: int, head_dim: int, dtype, scale: float, rope=None) -> None:
+def warm(
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    dtype,
+    scale: float,
+    rope=None,
+    whole_buffers: bool = False,
+) -> None:
     """Compile every form (unsplit; split + merge; with ``rope``, a ``RopeTable``, the
-    append forms too) for this shape now, so that no request waits on NVRTC: which
-    form a step takes depends on its rows and length."""
+    append forms too, over views or with ``whole_buffers`` as the compiled step calls
+    them) for this shape now, so that no request waits on NVRTC: which form a step
+    takes depends on its rows and length."""
     import mlx.core as mx
 
     start = mx.zeros((1,), dtype=mx.int32)
@@ -841,8 +879,9 @@ def warm(n_heads: int, n_kv_heads: int, head_dim: int, dtype, scale: float, rope
             if rope is not None:
                 k, v = mx.zeros_like(kv), mx.zeros_like(kv)
                 qkv = mx.zeros((1, width), dtype=dtype)
+                nsplit = append_splits(1, n_kv_heads, t) if whole_buffers else None
                 out = decode_attention_append(
-                    qkv, k, v, start, start, rope, scale, n_heads, shape=shape
+                    qkv, k, v, start, start, rope, scale, n_heads, shape=shape, nsplit=nsplit
                 )
                 mx.eval(out)
 
@@ -863,7 +902,7 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                     if kind != "combine":
                         tmpl += [("G", g), ("WARPS", w), ("LP", lanes), ("U", u), ("VEC", vec)]
                     if kind.startswith("append"):
-                        tmpl += [("TRAD", hd >= 64 and g == 4)]
+                        tmpl += [("TRAD", hd >= 64 and g == 4), ("TPOS", u == 8)]
                     name = f"{spec.name}_{dtype}_{hd}_{g}_{w}_{lanes}_{u}_{int(vec)}"
                     out.append(for_dtype(spec, dtype, name, tmpl))
     return out

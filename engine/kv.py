@@ -101,11 +101,12 @@ class BatchKV:
         self._offset = None
         return self.keys[:, :, : self.length, :], self.values[:, :, : self.length, :]
 
-    def reserve(self, n: int = 1) -> tuple[mx.array, mx.array]:
+    def reserve(self, n: int = 1, views: bool = True) -> tuple[mx.array, mx.array]:
         """Room for ``n`` more time steps, counted as written, for a kernel that
         writes them itself (engine/gpu_attention.py's append form: RoPE, the KV
         write and the attention in one kernel); returns the views
-        ``update_and_fetch`` would, the new slots last."""
+        ``update_and_fetch`` would, the new slots last, or with ``views=False`` the
+        whole buffers (their capacity past ``length`` unused)."""
         if self.keys is None or self.values is None:
             raise ValueError("reserve() needs a cache that already holds the batch")
         start = self.length
@@ -113,6 +114,8 @@ class BatchKV:
         self.values = _grow(self.values, start, start + n, self.values)
         self.length = start + n
         self._offset = None
+        if not views:
+            return self.keys, self.values
         return self.keys[:, :, : self.length, :], self.values[:, :, : self.length, :]
 
     @property

@@ -347,6 +347,49 @@ def test_decode_step_append_form_equals_model(variant):
             )
 
 
+@cuda
+def test_compiled_step_equals_model_across_splits_and_growth(monkeypatch):
+    """The whole decode step under one mx.compile (MARKBASE_GPU_STEP_COMPILE=1, the
+    attention over the whole cache buffers with T from each row's position) gives the
+    model's logits at every step while T passes the attention's split boundaries (128,
+    256 positions) and the buffers grow (256 slots at a time), retracing only there."""
+    from conftest_loading import RAGGED_PROMPTS, prefilled_batch
+
+    from engine.decode_step import make_decode_step
+    from engine.loading import build_random_model
+
+    monkeypatch.setenv("MARKBASE_GPU_STEP_COMPILE", "1")
+    cfg = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+               vocab_size=512, tie_word_embeddings=False)  # fmt: skip
+    model = build_random_model("llama", cfg, seed=5).model
+    step = make_decode_step(model)
+    assert step.step_compile and step._whole is not None
+    traces = []
+
+    def counted(*args):
+        traces.append(args[-1])
+        return step._whole_step(*args)
+
+    step._whole = mx.compile(counted)
+    mine, theirs = prefilled_batch(model, RAGGED_PROMPTS), prefilled_batch(model, RAGGED_PROMPTS)
+    tokens = mx.array([[11], [12], [13]], dtype=mx.int32)
+    splits = set()
+    for _ in range(260):
+        got = step(tokens, mine)
+        want = model(tokens, cache=theirs)[:, -1, :]
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-3, rtol=1e-3)
+        tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
+        splits.add(gpu_attention.append_splits(3, 2, mine[0].length))
+    assert len(splits) >= 3  # the run crossed two split boundaries
+    assert 3 <= len(traces) <= 6, traces  # one trace per split count and capacity
+    for a, b in zip(mine, theirs):
+        assert a.length == b.length
+        np.testing.assert_allclose(
+            np.array(a.keys[:, :, : a.length]), np.array(b.keys[:, :, : b.length]), atol=1e-3
+        )
+
+
 def test_batch_kv_reserve_counts_the_slot_and_keeps_the_rows():
     """BatchKV.reserve: the append kernel's slot is counted (length, per-row offsets),
     the buffer grows when full and keeps what it held, the views end at the new slot."""
@@ -365,3 +408,6 @@ def test_batch_kv_reserve_counts_the_slot_and_keeps_the_rows():
     assert kv.keys.shape[2] > cap
     np.testing.assert_array_equal(np.array(kv.keys[:1, :, :3]), np.array(k[:1]))
     np.testing.assert_array_equal(np.array(kv.values[1:, :, 1:3]), np.array(k[1:, :, :2] + 100))
+    length = kv.length
+    keys, values = kv.reserve(1, views=False)  # the compiled step's form: whole buffers
+    assert keys is kv.keys and values is kv.values and kv.length == length + 1

@@ -217,3 +217,22 @@ def test_one_row_norm_goes_into_the_stream_kernel(monkeypatch, recorded):
             gpu_qstream.launcher(mx.bfloat16, 128, 1024, 64, glu=True, norm=True)
     finally:
         gpu_qstream.set_knobs()
+
+
+def test_layer_kernel_shape_and_source():
+    """engine/gpu_qlayer.py (CPU): its phases are gpu_qstream's integer body with the
+    inputs read through L2, and one block a SM holds 8b's tail (K 4096 and 14336) with
+    the most slots that fit an H200's shared memory; no GPU: the kernel is not used."""
+    from engine import gpu_qlayer, gpu_qstream
+
+    src = gpu_qlayer._phase_function()
+    assert "w_shape" not in src and src.count("__ldcg(") == 2
+    s = gpu_qlayer.shape(4096, 14336, 64, sm_bytes=228 << 10)
+    assert (s["CA"], s["CC"], s["SA"], s["SC"]) == (2, 2, 8, 7)
+    assert s["smem"] == gpu_qstream.smem_bytes("q4i", 14336, 64, 7, 16, 2)
+    assert s["smem"] + 2048 <= 228 << 10 < s["smem"] + 24 * 1024 + 2048
+    s = gpu_qlayer.shape(2048, 3072, 32, sm_bytes=228 << 10)
+    assert s["CC"] == 1 and s["SC"] == 16  # K / 1024 odd: one chunk a slot, twice the slots
+    if not mx.cuda.is_available():
+        assert gpu_qlayer.sm_count() is None
+        assert not gpu_qlayer.supported(mx.bfloat16, 1, 1024, 1024, None, None, None)

@@ -59,7 +59,11 @@ now = time.perf_counter
 # "-at<shape>" = the attention kernel's loop shape (gpu_attention.LoopShape.parse, e.g.
 # "-atl16u2v"; bench/gpu/attn_bench.py times the kernel alone); "-pin" = the product
 # kernels with PIN (gpu_mma.pin_loads: every load of an iteration before its MMAs);
-# "-qn1" = the RMSNorms inside the 1-row kernels (MARKBASE_GPU_QSTREAM_NORM=1)
+# "-qn1" = the RMSNorms inside the 1-row kernels (MARKBASE_GPU_QSTREAM_NORM=1); "-wc" =
+# the whole step under one mx.compile (FusedDecodeStep.step_compile,
+# MARKBASE_GPU_STEP_COMPILE=1); "-ql" = a layer's products after the attention as one
+# kernel at one row (engine/gpu_qlayer.py, FusedDecodeStep.qlayer,
+# MARKBASE_GPU_QSTREAM_LAYER=1)
 VARIANTS = {
     "default": (True, None, None),  # what the engine does (engine/gpu_linear.py defaults)
     "mlx": (False, "1:xwt", "1:qmm"),
@@ -202,6 +206,11 @@ def main() -> None:
                     step.fold_norm = "-norm" in v
                 if hasattr(step, "rope"):
                     step.rope = None if "-noapp" in v else rope_table
+                if hasattr(step, "qlayer"):
+                    step.qlayer = "-ql" in v and any(step._qlayer_ok)
+                if hasattr(step, "step_compile"):  # a fresh trace cache per variant
+                    step.step_compile = "-wc" in v and step.rope is not None
+                    step._whole = mx.compile(step._whole_step) if step.step_compile else None
                 # the 1-row kernels with the RMSNorm inside (the routes are rebuilt by
                 # reset_plans below, and read this when they are)
                 os.environ["MARKBASE_GPU_QSTREAM_NORM"] = "1" if "-qn1" in v else "0"

@@ -77,6 +77,80 @@ def run(x, ws, n: int, k: int, residual: bool, glu: bool, stream: bool = False, 
     return outs
 
 
+def layer_tail(cfg: dict, copies: int, steps: int) -> list[dict]:
+    """A layer's tail after the attention (o_proj + residual, RMSNorm, gate_up + SwiGLU,
+    down_proj + residual) over ``copies`` layers' weights, each fed by the one before:
+    as the step runs it now (three engine/gpu_qstream.py kernels and MLX's RMSNorm; and
+    with the norm inside gate_up's kernel) against engine/gpu_qlayer.py's one kernel.
+    GPU time a layer: the sum of every kernel's, and first start to last end."""
+    from engine import gpu_qlayer
+
+    class Q:
+        def __init__(self, n, k):
+            w = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
+            self.weight, self.scales, self.biases = mx.quantize(w, group_size=GS, bits=4)
+            self.group_size, self.bits, self.mode = GS, 4, "affine"
+            mx.eval(self.weight, self.scales, self.biases)
+
+    d, f = cfg["hidden_size"], cfg["intermediate_size"]
+    layers = [
+        (Q(d, d), Q(2 * f, d), Q(d, f), mx.ones((d,), dtype=mx.bfloat16)) for _ in range(copies)
+    ]
+    x0 = mx.random.normal((1, d)).astype(mx.bfloat16)
+
+    def qmm(q, v, **kw):
+        return gpu_qstream.quantized_matmul(v, q.weight, q.scales, q.biases, GS, **kw)
+
+    def separate(norm_inside: bool):
+        x = x0
+        for wo, wgu, wd, nw in layers:
+            h = qmm(wo, x, residual=x)
+            if norm_inside:
+                z = qmm(wgu, h, glu=True, norm=(nw, 1e-5))
+            else:
+                z = qmm(wgu, mx.fast.rms_norm(h, nw, 1e-5), glu=True)
+            x = qmm(wd, z, residual=h)
+        return x
+
+    def one_kernel():
+        x = x0
+        for i, (wo, wgu, wd, nw) in enumerate(layers):
+            x = gpu_qlayer.post(x, x, wo, wgu, wd, nw, 1e-5, slot=i)
+        return x
+
+    rows = []
+    for name, fn in (("separate", lambda: separate(False)), ("norm-in", lambda: separate(True)),
+                     ("one-kernel", one_kernel)):  # fmt: skip
+        mx.eval(fn())
+        events = cupti_events(fn, steps)
+        total = sum(e["dur"] for e in events) / (steps * copies)
+        span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+        span /= steps * copies
+        rows.append(dict(product="tail", variant=name, us=total, span_us=span))
+        print(f"tail {name:>10}: kernels {total:7.1f} us a layer, first start to last end "
+              f"{span:7.1f} us (includes the gaps between the {steps} evaluations)",
+              flush=True)  # fmt: skip
+    if gpu_qlayer.timed_out():
+        print("tail one-kernel: a barrier TIMED OUT (its numbers are wrong)", flush=True)
+    return rows
+
+
+def cupti_events(fn, steps: int) -> list[dict]:
+    """Every kernel's CUPTI event (ts, dur in us) over ``steps`` evaluations of fn()."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.init()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            mx.eval(fn())
+        mx.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text()).get("traceEvents", [])
+    return [e for e in events if e.get("cat") == "kernel"]
+
+
 def cupti_us(fn, steps: int, name_part: str) -> list[float]:
     """GPU time (us) of each kernel whose name holds ``name_part`` over ``steps``
     evaluations of ``fn()``, from CUPTI (torch.profiler in this process; also used by
@@ -128,13 +202,17 @@ def main() -> None:
     ap.add_argument("--variants", default="qs,qi,qin,qi6,qi6n")
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--tail", action="store_true", help="also time a layer's tail as one kernel")
+    ap.add_argument("--tail-only", action="store_true")
     ap.add_argument("--budget-s", type=float, default=150)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     cfg = CONFIGS[args.model]
     t0 = time.perf_counter()
     rows = []
-    for name, n, k, residual, glu in products(cfg):
+    if args.tail or args.tail_only:
+        rows += layer_tail(cfg, args.copies, args.steps)
+    for name, n, k, residual, glu in [] if args.tail_only else products(cfg):
         ws = weights(n, k, args.copies)
         x = mx.random.normal((1, k)).astype(mx.bfloat16)
         nbytes = n * k // 2 + n * (k // GS) * 4

@@ -21,6 +21,9 @@
 #       bash bench/gpu/suite.sh attn-test attn-bench profile                      (session 9)
 #   bash bench/gpu/suite.sh qs-test q4-bench; TABLE_CONFIGS=8b:q4 TABLE_TAG=qstream \
 #       MARKBASE_GPU_QUANT_PLAN=1:qstream,2:qmma bash bench/gpu/suite.sh engine-table (session 10)
+#   bash bench/gpu/suite.sh s13-test tail-bench; PROFILE_CONFIGS="8b:q4 1b:q4" PROFILE_BATCHES=1,8 \
+#       PROFILE_VARIANTS=default,default-wc,default-ql,default-wc-ql bash bench/gpu/suite.sh profile
+#                                                                           (session 13, prepared)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -193,6 +196,15 @@ for stage in "$@"; do
     qs-test)  # session 10: the streamed 1-row 4-bit kernels' tests
         timeout ${QS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --tb=short \
             tests/test_gpu_qstream.py 2>&1 | tee "$OUT/test_qs.log"
+        ;;
+    s13-test)  # session 13: the compiled step and the one-kernel layer tail
+        timeout ${S13_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --tb=short \
+            tests/test_gpu_qlayer.py "tests/test_gpu_attention.py::test_compiled_step_equals_model_across_splits_and_growth" \
+            "tests/test_gpu_attention.py::test_decode_step_append_form_equals_model" 2>&1 | tee "$OUT/test_s13.log"
+        ;;
+    tail-bench)  # session 13: a layer's tail as separate kernels vs one (CUPTI)
+        timeout ${TAIL_TIMEOUT:-150} python3 bench/gpu/q4_bench.py --model ${Q4_MODEL:-8b} \
+            --tail-only --out "$OUT/tail.json" 2>&1 | tee "$OUT/tail.log"
         ;;
     read-bw)  # session 10: what an MLX kernel reads from HBM here, device vs managed memory,
         # against PyTorch's sum and copy in the same process
