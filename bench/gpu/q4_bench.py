@@ -155,18 +155,7 @@ def cupti_us(fn, steps: int, name_part: str) -> list[float]:
     """GPU time (us) of each kernel whose name holds ``name_part`` over ``steps``
     evaluations of ``fn()``, from CUPTI (torch.profiler in this process; also used by
     attn_bench.py)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.init()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            mx.eval(fn())
-        mx.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.loads(Path(f.name).read_text()).get("traceEvents", [])
-    return [e["dur"] for e in events if e.get("cat") == "kernel" and name_part in e.get("name", "")]
+    return [e["dur"] for e in cupti_events(fn, steps) if name_part in e.get("name", "")]
 
 
 def parse_stream(name: str) -> dict | None:
