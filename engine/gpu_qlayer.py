@@ -18,7 +18,9 @@ phase's arithmetic, and its result, is that of the separate kernel. The barrier 
 counter and a generation in a small int32 input per layer (``barrier``); a block that
 waits more than a second sets an error flag there and every later barrier of it is
 skipped, so a GPU that cannot hold the grid gives wrong numbers and a flag the tests
-read, not a hang.
+read, not a hang. For the same reason two launches must never run side by side (each
+needs every SM): MLX's CUDA graphs run nodes without a data dependency concurrently,
+so only chain them (the decode step does: each layer's input is the last one's output).
 
 Off unless MARKBASE_GPU_QSTREAM_LAYER=1 (``wanted``): not yet measured on a GPU.
 """
