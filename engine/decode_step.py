@@ -118,7 +118,12 @@ class FusedDecodeStep:
         # engine/gpu_qlayer.py's one-kernel layer tail at one row (MARKBASE_GPU_QSTREAM_LAYER=1;
         # off by default until measured); per layer, whether the kernel takes it
         self.qlayer = gpu_qlayer.wanted()
+        # ... and the next layer's RMSNorm + q/k/v product as its fourth phase
+        # (MARKBASE_GPU_QSTREAM_LAYER=2): the step is then two kernels a layer
+        self.qlayer_next = gpu_qlayer.wanted_next()
         self._qlayer_ok: list[bool] = []
+        self._tails: list = []  # (o_proj, gate_up, down_proj) a layer
+        self._wqkv: list = []  # the fused q/k/v product a layer (or None)
         self.fused_groups = 0  # how many of the 2 per layer got one matmul
         for layer in self.inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -200,6 +205,8 @@ class FusedDecodeStep:
                 )
             )
             self._qlayer_ok.append(bool(one_kernel))
+            self._tails.append((o_proj, wgu, down_proj))
+            self._wqkv.append(wqkv)
 
             def post(
                 x,
@@ -292,6 +299,19 @@ class FusedDecodeStep:
             self.rope is not None and os.environ.get("MARKBASE_GPU_STEP_COMPILE", "0") == "1"
         )
         self._whole = mx.compile(self._whole_step) if self.step_compile else None
+        # whether layer i's kernel can also make layer i + 1's q/k/v product
+        self._next_ok = [
+            ok
+            and i + 1 < len(self._qlayer_ok)
+            and self._wqkv[i + 1] is not None
+            and type(self.inner.layers[i + 1].input_layernorm) is nn.RMSNorm
+            and gpu_qlayer.next_supported(
+                self._wqkv[i + 1].weight.shape[1] * 8,
+                self._tails[i][0].group_size,
+                self._wqkv[i + 1],
+            )
+            for i, ok in enumerate(self._qlayer_ok)
+        ]
         if any(self._qlayer_ok):  # made now: a compiled step must find them made
             gpu_qlayer.ensure_barriers(len(self._qlayer_ok))
         self._counted: set = set()  # batch sizes whose split counters are made
@@ -353,11 +373,13 @@ class FusedDecodeStep:
             from engine import gpu_qlayer
 
             mlp = self.inner.layers[0].mlp
+            nxt = self.qlayer_next and any(self._next_ok)
             gpu_qlayer.warm(
                 dtype,
                 mlp.down_proj.weight.shape[0],
                 mlp.down_proj.weight.shape[1] * 8,
                 mlp.down_proj.group_size,
+                next_rows=self._wqkv[1].weight.shape[0] if nxt else 0,
             )
 
     def _mma_products(self) -> set:
@@ -436,10 +458,11 @@ class FusedDecodeStep:
 
         x = self.inner.embed_tokens(tokens)
         x = x.reshape(x.shape[0], -1)
+        qkv = None  # this layer's q/k/v product when the last layer's kernel made it
         for i, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             o = gpu_attention.decode_attention_append(
-                self._qkv[i](x),
+                self._qkv[i](x) if qkv is None else qkv,
                 buffers[2 * i],
                 buffers[2 * i + 1],
                 start,
@@ -450,8 +473,37 @@ class FusedDecodeStep:
                 slot=i,
                 nsplit=nsplit,
             )
-            x = self._post[i](x, o)
+            x, qkv = self._tail(i, x, o)
         return self._head(x)
+
+    def _tail(self, i: int, x, o):
+        """Layer ``i``'s part after the attention: (its output, the next layer's q/k/v
+        product when engine/gpu_qlayer.py's kernel made it too (``qlayer_next``), else
+        None)."""
+        if (
+            self.qlayer
+            and self.qlayer_next
+            and self._next_ok[i]
+            and x.ndim == 2
+            and x.shape[0] == 1
+        ):
+            from engine import gpu_qlayer
+
+            norm = self.inner.layers[i].post_attention_layernorm
+            norm1 = self.inner.layers[i + 1].input_layernorm
+            o_proj, gate_up, down_proj = self._tails[i]
+            return gpu_qlayer.post(
+                o.reshape(1, -1),
+                x,
+                o_proj,
+                gate_up,
+                down_proj,
+                norm.weight,
+                norm.eps,
+                i,
+                next_qkv=(self._wqkv[i + 1], norm1.weight, norm1.eps),
+            )
+        return self._post[i](x, o), None
 
     def __call__(self, tokens, cache):
         import mlx.core as mx
@@ -478,6 +530,7 @@ class FusedDecodeStep:
             # the whole weight: bench/gpu/NOTES.md, session 3)
             x = x.reshape(x.shape[0], -1)
         append = self.rope is not None and start is not None and x.ndim == 2 and offset.ndim == 1
+        qkv = None  # the next layer's q/k/v product when a layer's kernel made it
         for i, (layer, pre, post, c) in enumerate(
             zip(self.inner.layers, self._pre, self._post, cache)
         ):
@@ -486,7 +539,7 @@ class FusedDecodeStep:
                 # RoPE, the KV write and the attention in one kernel (gpu_attention)
                 keys, values = c.reserve(1)
                 o = gpu_attention.decode_attention_append(
-                    self._qkv[i](x),
+                    self._qkv[i](x) if qkv is None else qkv,
                     keys,
                     values,
                     start,
@@ -496,8 +549,9 @@ class FusedDecodeStep:
                     attn.n_heads,
                     slot=i,
                 )
-                x = post(x, o)
+                x, qkv = self._tail(i, x, o)
                 continue
+            qkv = None
             q, k, v = pre(x, offset)
             keys, values = c.update_and_fetch(k, v)
             # L == 1: grouped-query matmuls on the CPU and under an array mask on a

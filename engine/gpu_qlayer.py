@@ -107,6 +107,21 @@ _LAYER_BODY = r"""
       z, wd, sd, bd, h, nullptr, nullptr, y, wd_shape[0]);
 """
 
+# D (the ``layer_next`` kind): the next layer's q/k/v product of rmsnorm(y), so that the
+# step's next kernel is that layer's attention
+_NEXT_BODY = r"""
+  mb_grid_sync(barrier);
+  mb_q4i_phase<T, D, GS, WARPS, SA, CA, false, false, true>(
+      y, wq, sq, bq, nullptr, nw1, eps1, qkv, wq_shape[0]);
+"""
+_NEXT_INPUTS = [
+    ("nw1", "T", 1),
+    ("eps1", "float32", 1),
+    ("wq", "uint32", 2),
+    ("sq", "T", 2),
+    ("bq", "T", 2),
+]
+
 _INPUTS = [
     ("o", "T", 2),
     ("x", "T", 2),
@@ -131,14 +146,29 @@ def _specs() -> dict[str, KernelSpec]:
     # the barrier writes through an input (MLX passes inputs as const pointers)
     body = "  int* barrier = const_cast<int*>(barrier_in);\n" + _LAYER_BODY
     inputs = [(("barrier_in", t, nd) if n == "barrier" else (n, t, nd)) for n, t, nd in _INPUTS]
-    return {"layer": KernelSpec("mb_qlayer", inputs, _OUTPUTS, body, header)}
+    return {
+        "layer": KernelSpec("mb_qlayer", inputs, _OUTPUTS, body, header),
+        "layer_next": KernelSpec(
+            "mb_qlayer_next",
+            inputs + _NEXT_INPUTS,
+            [*_OUTPUTS, ("qkv", "T")],
+            body + _NEXT_BODY,
+            header,
+        ),
+    }
 
 
 _kernel = Baked(_specs, ensure_row_contiguous=True)
 
 
 def wanted() -> bool:
-    return os.environ.get("MARKBASE_GPU_QSTREAM_LAYER", "0") == "1"
+    """MARKBASE_GPU_QSTREAM_LAYER=1: the layer's tail as one kernel; 2: with the next
+    layer's RMSNorm + q/k/v product as a fourth phase (``wanted_next``)."""
+    return os.environ.get("MARKBASE_GPU_QSTREAM_LAYER", "0") in ("1", "2")
+
+
+def wanted_next() -> bool:
+    return os.environ.get("MARKBASE_GPU_QSTREAM_LAYER", "0") == "2"
 
 
 def sm_count() -> int | None:
@@ -240,12 +270,24 @@ def timed_out() -> bool:
 
 
 def post(
-    o, x, o_proj, gate_up, down_proj, norm_weight, eps: float, slot: int = 0, all_outputs=False
+    o,
+    x,
+    o_proj,
+    gate_up,
+    down_proj,
+    norm_weight,
+    eps: float,
+    slot: int = 0,
+    all_outputs=False,
+    next_qkv=None,
 ):
     """y = h + down(silu(gate) * up), h = x + o_proj(o), (gate, up) = gate_up(rmsnorm(h)),
     for one row: o, x [1, D]; the three ``GpuQuantizedLinear``-like products (weight,
     scales, biases, group_size); the RMSNorm's weight [D] and epsilon. One kernel.
-    ``all_outputs``: (y, h, z) (z = silu(gate) * up [1, F]), for the tests."""
+    ``next_qkv`` = (the next layer's q/k/v product, its input RMSNorm's weight, eps):
+    returns (y, that product of rmsnorm(y)) (``next_supported`` must say so).
+    ``all_outputs``: every output (y, h, z[, qkv]; z = silu(gate) * up [1, F]), for
+    the tests."""
     from engine.gpu_mma import eps_array
 
     d = x.shape[-1]
@@ -254,23 +296,43 @@ def post(
     s = shape(d, f, gs)
     template = tuple((k, s[k]) for k in ("D", "F", "GS", "WARPS", "SA", "CA", "SC", "CC"))
     template = (("T", x.dtype), *template)
-    fn = _kernel("layer", template, s["smem"])
+    fn = _kernel("layer" if next_qkv is None else "layer_next", template, s["smem"])
     blocks = sm_count()
     inputs = [o, x, o_proj.weight, o_proj.scales, o_proj.biases, norm_weight, eps_array(eps)]
     inputs += [gate_up.weight, gate_up.scales, gate_up.biases]
     inputs += [down_proj.weight, down_proj.scales, down_proj.biases, barrier(slot)]
+    shapes = [(1, d), (1, d), (1, f)]
+    if next_qkv is not None:
+        wq, nw1, eps1 = next_qkv
+        inputs += [nw1, eps_array(eps1), wq.weight, wq.scales, wq.biases]
+        shapes.append((1, wq.weight.shape[0]))
     outs = fn(
         inputs=inputs,
         grid=(blocks * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(1, d), (1, d), (1, f)],
-        output_dtypes=[x.dtype] * 3,
+        output_shapes=shapes,
+        output_dtypes=[x.dtype] * len(shapes),
     )
-    return outs if all_outputs else outs[0]
+    if all_outputs:
+        return outs
+    return outs[0] if next_qkv is None else (outs[0], outs[3])
 
 
-def warm(dtype, d: int, f: int, gs: int) -> None:
-    """Compile the kernel for this layer shape now (NVRTC), on zero weights."""
+def next_supported(d: int, gs: int, wq) -> bool:
+    """Whether the next layer's q/k/v product can be the kernel's fourth phase: 4-bit
+    affine with biases, this layer's group size, input size D."""
+    return (
+        getattr(wq, "bits", None) == 4
+        and getattr(wq, "mode", "affine") == "affine"
+        and getattr(wq, "biases", None) is not None
+        and getattr(wq, "group_size", None) == gs
+        and wq.weight.shape[1] * 8 == d
+    )
+
+
+def warm(dtype, d: int, f: int, gs: int, next_rows: int = 0) -> None:
+    """Compile the kernel for this layer shape now (NVRTC), on zero weights; with
+    ``next_rows`` (the q/k/v product's outputs), its ``layer_next`` kind too."""
     import mlx.core as mx
 
     class _Q:
@@ -281,19 +343,22 @@ def warm(dtype, d: int, f: int, gs: int) -> None:
             self.group_size = gs
 
     x = mx.zeros((1, d), dtype=dtype)
-    out = post(x, x, _Q(d, d), _Q(2 * f, d), _Q(d, f), mx.ones((d,), dtype=dtype), 1e-5, slot=-1)
-    mx.eval(out)
+    nw = mx.ones((d,), dtype=dtype)
+    mx.eval(post(x, x, _Q(d, d), _Q(2 * f, d), _Q(d, f), nw, 1e-5, slot=-1))
+    if next_rows:
+        nxt = (_Q(next_rows, d), nw, 1e-5)
+        mx.eval(post(x, x, _Q(d, d), _Q(2 * f, d), _Q(d, f), nw, 1e-5, slot=-1, next_qkv=nxt))
 
 
 def kernel_specs_for_check() -> list[KernelSpec]:
     """The layer kernel at llama 8b's and 1b's shapes (bench/gpu/nvrtc_check.py)."""
     out = []
-    spec = _specs()["layer"]
-    for dtype in ("bfloat16", "float16"):
-        for d, f, gs in ((4096, 14336, 64), (2048, 8192, 64), (1024, 3072, 32)):
-            s = shape(d, f, gs, sm_bytes=228 << 10)  # an H200's
-            tmpl = [("T", dtype)] + [
-                (k, s[k]) for k in ("D", "F", "GS", "WARPS", "SA", "CA", "SC", "CC")
-            ]
-            out.append(for_dtype(spec, dtype, f"{spec.name}_{dtype}_{d}_{f}_{gs}", tmpl))
+    for spec in _specs().values():
+        for dtype in ("bfloat16", "float16"):
+            for d, f, gs in ((4096, 14336, 64), (2048, 8192, 64), (1024, 3072, 32)):
+                s = shape(d, f, gs, sm_bytes=228 << 10)  # an H200's
+                tmpl = [("T", dtype)] + [
+                    (k, s[k]) for k in ("D", "F", "GS", "WARPS", "SA", "CA", "SC", "CC")
+                ]
+                out.append(for_dtype(spec, dtype, f"{spec.name}_{dtype}_{d}_{f}_{gs}", tmpl))
     return out

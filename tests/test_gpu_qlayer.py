@@ -73,17 +73,27 @@ def test_layer_kernel_equals_the_separate_kernels(d, f, gs, dtype):
     tol = 1e-2 if dtype == mx.bfloat16 else 2e-3
     np.testing.assert_allclose(_f32(got_z), _f32(z), rtol=tol, atol=tol)
     np.testing.assert_allclose(_f32(got), _f32(y), rtol=tol, atol=tol * 4)
+    # with the next layer's RMSNorm + q/k/v product as a fourth phase
+    wq = _Q(d + d // 2, d, gs, dtype, rng)
+    nw1 = mx.array(rng.uniform(0.5, 1.5, (d,)).astype(np.float32)).astype(dtype)
+    y2, qkv = gpu_qlayer.post(o, x, wo, wgu, wd, nw, eps, slot=slot, next_qkv=(wq, nw1, eps))
+    mx.eval(y2, qkv)
+    np.testing.assert_array_equal(_f32(y2), _f32(got))
+    want_qkv = qmm(wq, y2, norm=(nw1, eps))
+    np.testing.assert_allclose(_f32(qkv), _f32(want_qkv), rtol=tol, atol=tol)
     bar = np.array(gpu_qlayer.barrier(slot))
-    # two launches of two barriers each: the count back to 0, the generation at 4, no
+    # launches of 2, 2 and 3 barriers: the count back to 0, the generation at 7, no
     # block waited past the limit
-    assert bar.tolist()[:3] == [0, 4, 0]
+    assert bar.tolist()[:3] == [0, 7, 0]
     assert not gpu_qlayer.timed_out()
 
 
 @pytest.mark.parametrize("compiled", ["0", "1"])
-def test_decode_step_with_the_layer_kernel_matches_the_model(monkeypatch, compiled):
-    """The GPU decode step at one row with each layer's tail on the one kernel (and
-    with the whole step under mx.compile) equals the model's own call."""
+@pytest.mark.parametrize("kind", ["1", "2"])
+def test_decode_step_with_the_layer_kernel_matches_the_model(monkeypatch, compiled, kind):
+    """The GPU decode step at one row with each layer's tail on the one kernel (kind 2:
+    with the next layer's q/k/v product in it too; and with the whole step under
+    mx.compile) equals the model's own call."""
     from test_gpu_gemv import check_step_matches_model
 
     from engine.decode_step import FusedDecodeStep
@@ -94,12 +104,13 @@ def test_decode_step_with_the_layer_kernel_matches_the_model(monkeypatch, compil
                vocab_size=512, tie_word_embeddings=False)  # fmt: skip
     model = build_random_model("llama", cfg, seed=8, quantize_bits=4, group_size=64).model
     model.set_dtype(mx.bfloat16)
-    monkeypatch.setenv("MARKBASE_GPU_QSTREAM_LAYER", "1")
+    monkeypatch.setenv("MARKBASE_GPU_QSTREAM_LAYER", kind)
     monkeypatch.setenv("MARKBASE_GPU_STEP_COMPILE", compiled)
     try:
         gpu_linear.set_plans("1:xwt,2:mma,33:xwt", "1:qstream,2:qmma")
         step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
         assert step.qlayer and all(step._qlayer_ok)
+        assert step.qlayer_next == (kind == "2") and step._next_ok == [True, False]
         assert step.step_compile == (compiled == "1")
         step.warm_up()
         check_step_matches_model(step, model, ([5, 6, 7, 8, 9, 10],), steps=4)

@@ -63,7 +63,8 @@ now = time.perf_counter
 # the whole step under one mx.compile (FusedDecodeStep.step_compile,
 # MARKBASE_GPU_STEP_COMPILE=1); "-ql" = a layer's products after the attention as one
 # kernel at one row (engine/gpu_qlayer.py, FusedDecodeStep.qlayer,
-# MARKBASE_GPU_QSTREAM_LAYER=1)
+# MARKBASE_GPU_QSTREAM_LAYER=1); "-ql2" = with the next layer's RMSNorm + q/k/v product
+# inside it too (MARKBASE_GPU_QSTREAM_LAYER=2)
 VARIANTS = {
     "default": (True, None, None),  # what the engine does (engine/gpu_linear.py defaults)
     "mlx": (False, "1:xwt", "1:qmm"),
@@ -208,6 +209,7 @@ def main() -> None:
                     step.rope = None if "-noapp" in v else rope_table
                 if hasattr(step, "qlayer"):
                     step.qlayer = "-ql" in v and any(step._qlayer_ok)
+                    step.qlayer_next = "-ql2" in v
                 if hasattr(step, "step_compile"):  # a fresh trace cache per variant
                     step.step_compile = "-wc" in v and step.rope is not None
                     step._whole = mx.compile(step._whole_step) if step.step_compile else None

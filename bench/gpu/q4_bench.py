@@ -118,9 +118,28 @@ def layer_tail(cfg: dict, copies: int, steps: int) -> list[dict]:
             x = gpu_qlayer.post(x, x, wo, wgu, wd, nw, 1e-5, slot=i)
         return x
 
+    # with the next layer's RMSNorm + q/k/v product as the kernel's fourth phase,
+    # against the same product as its own kernel (norm inside) after each tail
+    kv = cfg["num_key_value_heads"] * (d // cfg["num_attention_heads"])
+    wqkv = [Q(d + 2 * kv, d) for _ in range(copies)]
+
+    def with_qkv(one: bool):
+        x, outs = x0, []
+        for i, (wo, wgu, wd, nw) in enumerate(layers):
+            if one:
+                x, q = gpu_qlayer.post(x, x, wo, wgu, wd, nw, 1e-5, slot=i,
+                                       next_qkv=(wqkv[i], nw, 1e-5))  # fmt: skip
+            else:
+                x = gpu_qlayer.post(x, x, wo, wgu, wd, nw, 1e-5, slot=i)
+                q = qmm(wqkv[i], x, norm=(nw, 1e-5))
+            outs.append(q)
+            x = x + (q[:, :1] * 0).astype(x.dtype)  # the next layer after q, as in a step
+        return [x, *outs]
+
     rows = []
     for name, fn in (("separate", lambda: separate(False)), ("norm-in", lambda: separate(True)),
-                     ("one-kernel", one_kernel)):  # fmt: skip
+                     ("one-kernel", one_kernel), ("+qkv apart", lambda: with_qkv(False)),
+                     ("+qkv inside", lambda: with_qkv(True))):  # fmt: skip
         mx.eval(fn())
         events = cupti_events(fn, steps)
         total = sum(e["dur"] for e in events) / (steps * copies)
