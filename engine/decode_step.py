@@ -88,7 +88,7 @@ class FusedDecodeStep:
         import mlx.core as mx
         import mlx.nn as nn
 
-        from engine import gpu_linear, gpu_qlayer
+        from engine import gpu_linear, gpu_qblock, gpu_qlayer
 
         why = supported(model)
         if why:
@@ -312,6 +312,20 @@ class FusedDecodeStep:
             )
             for i, ok in enumerate(self._qlayer_ok)
         ]
+        # whether layer i is one kernel, its attention included (engine/gpu_qblock.py,
+        # MARKBASE_GPU_QSTREAM_LAYER=3)
+        self.qblock = gpu_qblock.wanted()
+        self._block_ok = [
+            ok
+            and gpu_qblock.attention_supported(
+                layer.self_attn.n_heads,
+                layer.self_attn.n_kv_heads,
+                layer.self_attn.head_dim,
+                self.inner.norm.weight.shape[0],
+                self.rope,
+            )
+            for ok, layer in zip(self._qlayer_ok, self.inner.layers)
+        ]
         if any(self._qlayer_ok):  # made now: a compiled step must find them made
             gpu_qlayer.ensure_barriers(len(self._qlayer_ok))
         self._counted: set = set()  # batch sizes whose split counters are made
@@ -381,6 +395,25 @@ class FusedDecodeStep:
                 mlp.down_proj.group_size,
                 next_rows=self._wqkv[1].weight.shape[0] if nxt else 0,
             )
+        if self.qblock and any(self._block_ok) and self.rope is not None:
+            self._warm_blocks(dtype)
+
+    def _warm_blocks(self, dtype) -> None:
+        """Compile engine/gpu_qblock.py's kinds (with and without the next layer's
+        q/k/v product: a middle layer and the last) on the step's own weights, zero
+        inputs and a throwaway one-slot cache, one launch at a time."""
+        import mlx.core as mx
+
+        attn = self.inner.layers[0].self_attn
+        d = self.inner.norm.weight.shape[0]
+        zero = mx.zeros((1,), dtype=mx.int32)
+        for i in sorted({0, len(self._block_ok) - 1}):
+            if not self._block_ok[i]:
+                continue
+            kv = [mx.zeros((1, attn.n_kv_heads, 1, attn.head_dim), dtype=dtype) for _ in range(2)]
+            qkv = mx.zeros((1, self._wqkv[i].weight.shape[0]), dtype=dtype)
+            x = mx.zeros((1, d), dtype=dtype)
+            mx.eval(self._layer(i, x, qkv, kv[0], kv[1], zero, zero)[0])
 
     def _mma_products(self) -> set:
         """(group size or 0, K, N, residual, glu, norm) of every product the step can
@@ -444,6 +477,8 @@ class FusedDecodeStep:
         b = tokens.shape[0]
         hkv = self.inner.layers[0].self_attn.n_kv_heads
         nsplit = gpu_attention.append_splits(b, hkv, first.length)
+        if b == 1 and self.qblock and all(self._block_ok):
+            nsplit = 0  # every layer's attention in its kernel: T does not shape the trace
         if nsplit > 1 and b not in self._counted:
             gpu_attention.ensure_counters(b * hkv, len(cache))
             self._counted.add(b)
@@ -454,27 +489,67 @@ class FusedDecodeStep:
         with T (``buffers``: each layer's whole key and value buffers, in order), for
         ``mx.compile``; ``nsplit``, a constant of the trace, is the attention's split
         count for this T."""
-        from engine import gpu_attention
 
         x = self.inner.embed_tokens(tokens)
         x = x.reshape(x.shape[0], -1)
         qkv = None  # this layer's q/k/v product when the last layer's kernel made it
-        for i, layer in enumerate(self.inner.layers):
-            attn = layer.self_attn
-            o = gpu_attention.decode_attention_append(
-                self._qkv[i](x) if qkv is None else qkv,
-                buffers[2 * i],
-                buffers[2 * i + 1],
+        for i in range(len(self.inner.layers)):
+            qkv_i = self._qkv[i](x) if qkv is None else qkv
+            x, qkv = self._layer(
+                i, x, qkv_i, buffers[2 * i], buffers[2 * i + 1], start, offset, nsplit
+            )
+        return self._head(x)
+
+    def _layer(self, i: int, x, qkv, keys, values, start, offset, nsplit=None):
+        """Layer ``i`` of the append-form step from its q/k/v product on: (its output,
+        the next layer's q/k/v product when a kernel of this layer made it, else None).
+        One kernel (engine/gpu_qblock.py, ``qblock``), or the attention kernel and the
+        tail (``_tail``)."""
+        from engine import gpu_attention
+
+        layer = self.inner.layers[i]
+        attn = layer.self_attn
+        if self.qblock and self._block_ok[i] and x.ndim == 2 and x.shape[0] == 1:
+            from engine import gpu_qblock
+
+            norm = layer.post_attention_layernorm
+            nxt = None
+            if self.qlayer_next and self._next_ok[i]:
+                norm1 = self.inner.layers[i + 1].input_layernorm
+                nxt = (self._wqkv[i + 1], norm1.weight, norm1.eps)
+            o_proj, gate_up, down_proj = self._tails[i]
+            out = gpu_qblock.block(
+                qkv,
+                keys,
+                values,
                 start,
                 offset,
                 self.rope,
                 attn.scale,
                 attn.n_heads,
-                slot=i,
-                nsplit=nsplit,
+                x,
+                o_proj,
+                gate_up,
+                down_proj,
+                norm.weight,
+                norm.eps,
+                i,
+                next_qkv=nxt,
             )
-            x, qkv = self._tail(i, x, o)
-        return self._head(x)
+            return out if nxt is not None else (out, None)
+        o = gpu_attention.decode_attention_append(
+            qkv,
+            keys,
+            values,
+            start,
+            offset,
+            self.rope,
+            attn.scale,
+            attn.n_heads,
+            slot=i,
+            nsplit=nsplit,
+        )
+        return self._tail(i, x, o)
 
     def _tail(self, i: int, x, o):
         """Layer ``i``'s part after the attention: (its output, the next layer's q/k/v
@@ -538,18 +613,8 @@ class FusedDecodeStep:
             if append and hasattr(c, "reserve"):
                 # RoPE, the KV write and the attention in one kernel (gpu_attention)
                 keys, values = c.reserve(1)
-                o = gpu_attention.decode_attention_append(
-                    self._qkv[i](x) if qkv is None else qkv,
-                    keys,
-                    values,
-                    start,
-                    offset,
-                    self.rope,
-                    attn.scale,
-                    attn.n_heads,
-                    slot=i,
-                )
-                x, qkv = self._tail(i, x, o)
+                qkv_i = self._qkv[i](x) if qkv is None else qkv
+                x, qkv = self._layer(i, x, qkv_i, keys, values, start, offset)
                 continue
             qkv = None
             q, k, v = pre(x, offset)

@@ -164,11 +164,12 @@ _kernel = Baked(_specs, ensure_row_contiguous=True)
 def wanted() -> bool:
     """MARKBASE_GPU_QSTREAM_LAYER=1: the layer's tail as one kernel; 2: with the next
     layer's RMSNorm + q/k/v product as a fourth phase (``wanted_next``)."""
-    return os.environ.get("MARKBASE_GPU_QSTREAM_LAYER", "0") in ("1", "2")
+    return os.environ.get("MARKBASE_GPU_QSTREAM_LAYER", "0") in ("1", "2", "3")
 
 
 def wanted_next() -> bool:
-    return os.environ.get("MARKBASE_GPU_QSTREAM_LAYER", "0") == "2"
+    """(3: the attention in the kernel too, engine/gpu_qblock.py.)"""
+    return os.environ.get("MARKBASE_GPU_QSTREAM_LAYER", "0") in ("2", "3")
 
 
 def sm_count() -> int | None:
@@ -200,11 +201,11 @@ def _stages(k: int, gs: int, cps: int, sm_bytes: int) -> int:
     return stages
 
 
-def shape(d: int, f: int, gs: int, sm_bytes: int | None = None) -> dict:
+def shape(d: int, f: int, gs: int, sm_bytes: int | None = None, reserve: int = 0) -> dict:
     """Template values and dynamic shared memory of the kernel for hidden size ``d``,
     intermediate size ``f`` and group size ``gs`` (``sm_bytes``: shared memory an SM,
-    this GPU's unless given)."""
-    sm_bytes = sm_bytes or smem_per_sm()
+    this GPU's unless given; ``reserve``: bytes of it other phases' static arrays take)."""
+    sm_bytes = (sm_bytes or smem_per_sm()) - reserve
     ca, cc = _cps(d), _cps(f)
     sa, sc = _stages(d, gs, ca, sm_bytes), _stages(f, gs, cc, sm_bytes)
     smem = max(smem_bytes("q4i", d, gs, sa, WARPS, ca), smem_bytes("q4i", f, gs, sc, WARPS, cc))
@@ -241,6 +242,9 @@ def supported(dtype, rows: int, d: int, f: int, o_proj, gate_up, down_proj) -> b
         return False
     s = shape(d, f, gs)
     return s["SA"] >= 2 and s["SC"] >= 2 and s["smem"] + 2048 <= smem_per_sm()
+
+
+TEMPLATE_KEYS = ("D", "F", "GS", "WARPS", "SA", "CA", "SC", "CC")
 
 
 _BARRIERS: dict = {}

@@ -88,8 +88,69 @@ def test_layer_kernel_equals_the_separate_kernels(d, f, gs, dtype):
     assert not gpu_qlayer.timed_out()
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("t,first", [(50, 3), (600, 0), (1, 0), (300, 300)])
+def test_block_kernel_equals_attention_then_tail(t, first, dtype):
+    """engine/gpu_qblock.py: the whole layer in one kernel (attention over the whole
+    cache buffer with T = pos + start + 1, its splits merged, the tail, the next q/k/v
+    product) equals gpu_attention's append kernel followed by gpu_qlayer's tail, and
+    writes the same k and v into the cache; rows starting late (first = T - 1: only
+    the new position) included."""
+    import mlx.nn as nn
+
+    from engine import gpu_attention, gpu_qblock
+
+    rng = np.random.default_rng(t + first)
+    d, f, gs, hq, hkv, hd = 1024, 2048, 64, 8, 2, 128
+    cap = t + 40
+
+    def arr(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+    qkv = arr(1, (hq + 2 * hkv) * hd)
+    kbuf, vbuf = arr(1, hkv, cap, hd), arr(1, hkv, cap, hd)
+    first = min(first, t - 1)
+    start = mx.array([first], dtype=mx.int32)
+    pos = mx.array([t - 1 - first], dtype=mx.int32)  # the new slot: pos + start = T - 1
+    table = gpu_attention.rope_table(nn.RoPE(hd, base=10000.0), hd)
+    scale = hd**-0.5
+    wo, wgu, wd = _Q(d, d, gs, dtype, rng), _Q(2 * f, d, gs, dtype, rng), _Q(d, f, gs, dtype, rng)
+    wq = _Q((hq + 2 * hkv) * hd, d, gs, dtype, rng)
+    x = arr(1, d)
+    nw = mx.array(rng.uniform(0.5, 1.5, (d,)).astype(np.float32)).astype(dtype)
+    assert gpu_qblock.attention_supported(hq, hkv, hd, d, table)
+
+    k1, v1 = mx.array(kbuf), mx.array(vbuf)
+    mx.eval(k1, v1)
+    o = gpu_attention.decode_attention_append(
+        qkv, k1[:, :, :t], v1[:, :, :t], start, pos, table, scale, hq
+    )
+    y_ref = gpu_qlayer.post(o.reshape(1, -1), x, wo, wgu, wd, nw, 1e-5, slot=2000)
+    mx.eval(y_ref)
+    q_ref = gpu_qstream.quantized_matmul(
+        y_ref, wq.weight, wq.scales, wq.biases, gs, norm=(nw, 1e-5)
+    )
+    mx.eval(q_ref)
+
+    k2, v2 = mx.array(kbuf), mx.array(vbuf)
+    mx.eval(k2, v2)
+    outs = gpu_qblock.block(qkv, k2, v2, start, pos, table, scale, hq, x, wo, wgu, wd, nw, 1e-5,
+                            slot=2001, next_qkv=(wq, nw, 1e-5), all_outputs=True)  # fmt: skip
+    mx.eval(outs)
+    y, attn, q_next = outs[0], outs[3], outs[7]
+    tol = 1e-2 if dtype == mx.bfloat16 else 2e-3
+    # the splits merge in another order (16 a KV head here): within a rounding
+    np.testing.assert_allclose(_f32(attn), _f32(o.reshape(1, -1)), rtol=tol, atol=tol)
+    np.testing.assert_allclose(_f32(y), _f32(y_ref), rtol=4 * tol, atol=4 * tol)
+    np.testing.assert_allclose(_f32(q_next), _f32(q_ref), rtol=4 * tol, atol=4 * tol)
+    # the same new k and v in the cache (the same RoPE code), nothing else changed
+    np.testing.assert_array_equal(_f32(k2), _f32(k1))
+    np.testing.assert_array_equal(_f32(v2), _f32(v1))
+    assert not gpu_qlayer.timed_out()
+
+
 @pytest.mark.parametrize("compiled", ["0", "1"])
-@pytest.mark.parametrize("kind", ["1", "2"])
+@pytest.mark.parametrize("kind", ["1", "2", "3"])
 def test_decode_step_with_the_layer_kernel_matches_the_model(monkeypatch, compiled, kind):
     """The GPU decode step at one row with each layer's tail on the one kernel (kind 2:
     with the next layer's q/k/v product in it too; and with the whole step under
@@ -110,7 +171,8 @@ def test_decode_step_with_the_layer_kernel_matches_the_model(monkeypatch, compil
         gpu_linear.set_plans("1:xwt,2:mma,33:xwt", "1:qstream,2:qmma")
         step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
         assert step.qlayer and all(step._qlayer_ok)
-        assert step.qlayer_next == (kind == "2") and step._next_ok == [True, False]
+        assert step.qlayer_next == (kind != "1") and step._next_ok == [True, False]
+        assert step.qblock == (kind == "3") and step._block_ok == [True, True]
         assert step.step_compile == (compiled == "1")
         step.warm_up()
         check_step_matches_model(step, model, ([5, 6, 7, 8, 9, 10],), steps=4)

@@ -64,7 +64,8 @@ now = time.perf_counter
 # MARKBASE_GPU_STEP_COMPILE=1); "-ql" = a layer's products after the attention as one
 # kernel at one row (engine/gpu_qlayer.py, FusedDecodeStep.qlayer,
 # MARKBASE_GPU_QSTREAM_LAYER=1); "-ql2" = with the next layer's RMSNorm + q/k/v product
-# inside it too (MARKBASE_GPU_QSTREAM_LAYER=2)
+# inside it too (MARKBASE_GPU_QSTREAM_LAYER=2); "-ql3" = the attention too: one kernel a
+# layer (engine/gpu_qblock.py, MARKBASE_GPU_QSTREAM_LAYER=3)
 VARIANTS = {
     "default": (True, None, None),  # what the engine does (engine/gpu_linear.py defaults)
     "mlx": (False, "1:xwt", "1:qmm"),
@@ -209,7 +210,8 @@ def main() -> None:
                     step.rope = None if "-noapp" in v else rope_table
                 if hasattr(step, "qlayer"):
                     step.qlayer = "-ql" in v and any(step._qlayer_ok)
-                    step.qlayer_next = "-ql2" in v
+                    step.qlayer_next = "-ql2" in v or "-ql3" in v
+                    step.qblock = "-ql3" in v and any(step._block_ok)
                 if hasattr(step, "step_compile"):  # a fresh trace cache per variant
                     step.step_compile = "-wc" in v and step.rope is not None
                     step._whole = mx.compile(step._whole_step) if step.step_compile else None

@@ -22,7 +22,7 @@
 #   bash bench/gpu/suite.sh qs-test q4-bench; TABLE_CONFIGS=8b:q4 TABLE_TAG=qstream \
 #       MARKBASE_GPU_QUANT_PLAN=1:qstream,2:qmma bash bench/gpu/suite.sh engine-table (session 10)
 #   bash bench/gpu/suite.sh s13-test tail-bench; PROFILE_CONFIGS="8b:q4 1b:q4" PROFILE_BATCHES=1,8 \
-#       PROFILE_VARIANTS=default,default-wc,default-ql,default-wc-ql bash bench/gpu/suite.sh profile
+#       PROFILE_VARIANTS=default,default-wc,default-wc-ql,default-wc-ql2,default-wc-ql3 bash bench/gpu/suite.sh profile
 #                                                                           (session 13, prepared)
 #
 # Stages run in the order given (put the important ones first); each python run has
