@@ -509,6 +509,7 @@ class FusedDecodeStep:
 
         layer = self.inner.layers[i]
         attn = layer.self_attn
+        attention_args = (qkv, keys, values, start, offset, self.rope, attn.scale, attn.n_heads)
         if self.qblock and self._block_ok[i] and x.ndim == 2 and x.shape[0] == 1:
             from engine import gpu_qblock
 
@@ -519,14 +520,7 @@ class FusedDecodeStep:
                 nxt = (self._wqkv[i + 1], norm1.weight, norm1.eps)
             o_proj, gate_up, down_proj = self._tails[i]
             out = gpu_qblock.block(
-                qkv,
-                keys,
-                values,
-                start,
-                offset,
-                self.rope,
-                attn.scale,
-                attn.n_heads,
+                *attention_args,
                 x,
                 o_proj,
                 gate_up,
@@ -537,18 +531,7 @@ class FusedDecodeStep:
                 next_qkv=nxt,
             )
             return out if nxt is not None else (out, None)
-        o = gpu_attention.decode_attention_append(
-            qkv,
-            keys,
-            values,
-            start,
-            offset,
-            self.rope,
-            attn.scale,
-            attn.n_heads,
-            slot=i,
-            nsplit=nsplit,
-        )
+        o = gpu_attention.decode_attention_append(*attention_args, slot=i, nsplit=nsplit)
         return self._tail(i, x, o)
 
     def _tail(self, i: int, x, o):
