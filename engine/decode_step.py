@@ -397,6 +397,12 @@ class FusedDecodeStep:
             )
         if self.qblock and any(self._block_ok) and self.rope is not None:
             self._warm_blocks(dtype)
+        if self.qlayer and any(self._qlayer_ok):
+            from engine import gpu_qlayer
+
+            if gpu_qlayer.timed_out():  # a GPU that cannot hold the grid: wrong numbers
+                log.error("gpu_qlayer: a grid barrier timed out in warm-up; kernel off")
+                self.qlayer = self.qblock = False
 
     def _warm_blocks(self, dtype) -> None:
         """Compile engine/gpu_qblock.py's kinds (with and without the next layer's
