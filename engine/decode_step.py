@@ -216,11 +216,10 @@ class FusedDecodeStep:
                 wgu=wgu,
                 o_proj=o_proj,
                 down_proj=down_proj,
-                one_kernel=one_kernel,
                 slot=len(self._post),
             ):
                 b, _, length, _ = o.shape
-                if one_kernel and self.qlayer and x.ndim == 2 and b == 1:
+                if self.qlayer and self._qlayer_ok[slot] and x.ndim == 2 and b == 1:
                     norm = layer.post_attention_layernorm
                     return gpu_qlayer.post(
                         o.reshape(1, -1), x, o_proj, wgu, down_proj, norm.weight, norm.eps, slot

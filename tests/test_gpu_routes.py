@@ -236,3 +236,155 @@ def test_layer_kernel_shape_and_source():
     if not mx.cuda.is_available():
         assert gpu_qlayer.sm_count() is None
         assert not gpu_qlayer.supported(mx.bfloat16, 1, 1024, 1024, None, None, None)
+
+
+def test_compiled_step_plumbing_on_the_cpu(monkeypatch):
+    """FusedDecodeStep's whole-step compile (``_compiled_call`` -> ``_whole_step`` ->
+    ``_layer``) hands the attention the whole cache buffers and a split count, retraces
+    only when that count or the buffers' capacity changes, and gives what the step
+    over views gives. The CUDA attention kernel is replaced here by an MLX stand-in of
+    its contract (T from the views' length, or pos + start + 1 with ``nsplit``; it does
+    not write the cache, so both runs read the same stale cache); the kernel itself is
+    tests/test_gpu_attention.py's, on a GPU."""
+    from conftest_loading import RAGGED_PROMPTS, prefilled_batch
+
+    from engine import gpu_attention
+    from engine.decode_step import FusedDecodeStep, rope_for_kernel
+    from engine.loading import build_random_model
+
+    seen = []
+
+    def stand_in(qkv, keys, values, start, pos, rope, scale, n_heads, slot=0, shape=None,
+                 nsplit=None):  # fmt: skip
+        b, hkv, cap, d = keys.shape
+        seen.append((nsplit, cap))
+        end = (pos + start)[:, None] if nsplit is not None else mx.full((b, 1), cap - 1)
+        idx = mx.arange(cap)[None]
+        valid = (idx >= start[:, None]) & (idx < end)  # [B, cap]: the cache's old slots
+        q = qkv[:, : n_heads * d].reshape(b, hkv, n_heads // hkv, d)
+        k_new = qkv[:, n_heads * d : (n_heads + hkv) * d].reshape(b, hkv, 1, d)
+        v_new = qkv[:, (n_heads + hkv) * d :].reshape(b, hkv, 1, d)
+        s = (q @ keys.swapaxes(2, 3)) * scale  # [B, hkv, G, cap]
+        s = mx.where(valid[:, None, None, :], s, -mx.inf)
+        s_new = (q @ k_new.swapaxes(2, 3)) * scale
+        p = mx.softmax(mx.concatenate([s, s_new], axis=-1), axis=-1)
+        o = p[..., :cap] @ values + p[..., cap:] @ v_new
+        return o.reshape(b, n_heads, 1, d)
+
+    monkeypatch.setattr(gpu_attention, "decode_attention_append", stand_in)
+    cfg = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+               vocab_size=300, tie_word_embeddings=False)  # fmt: skip
+    model = build_random_model("llama", cfg, seed=3, quantize_bits=4, group_size=32).model
+    step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
+    step.attention_kernel, step.rope = True, rope_for_kernel(model.model.layers)
+    assert step.rope is not None
+    traces = []
+
+    def counted(*args):
+        traces.append(args[-1])
+        return step._whole_step(*args)
+
+    views, whole = prefilled_batch(model, RAGGED_PROMPTS), prefilled_batch(model, RAGGED_PROMPTS)
+    tokens = mx.array([[11], [12], [13]], dtype=mx.int32)
+    compiled = mx.compile(counted)
+    for _ in range(240):  # T 31 -> 270: split counts 1, 2, 3 and one growth (256 slots)
+        step._whole = None  # the step over views
+        want = step(tokens, views)
+        step._whole = compiled
+        got = step(tokens, whole)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
+        tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
+    assert views[0].length == whole[0].length == 30 + 240
+    assert {n for n, _ in seen if n is not None} == {1, 2, 3}
+    assert all(cap > 256 for n, cap in seen if n == 3)  # the whole (grown) buffer
+    assert 3 <= len(traces) <= 5, traces
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_one_kernel_layer_plumbing_on_the_cpu(monkeypatch, level):
+    """The decode step's routes to engine/gpu_qlayer.py (1: a layer's tail; 2: with the
+    next layer's q/k/v product) and engine/gpu_qblock.py (3: the attention too) hand
+    each kernel its layer's weights, norms and slot, carry the next q/k/v product to
+    the next layer, and give the plain step's logits, compiled and not. The CUDA
+    kernels are replaced by MLX stand-ins of their contracts (the kernels themselves
+    are tests/test_gpu_qlayer.py's, on a GPU)."""
+    from conftest_loading import prefilled_batch
+
+    from engine import gpu_attention, gpu_qblock, gpu_qlayer
+    from engine.decode_step import FusedDecodeStep, rope_for_kernel
+    from engine.loading import build_random_model
+
+    calls = []
+
+    def attention(qkv, keys, values, start, pos, rope, scale, n_heads, slot=0, shape=None,
+                  nsplit=None):  # fmt: skip
+        # one row, no RoPE (both runs the same): the cache's slots [start, pos + start)
+        # and the new position from qkv
+        b, hkv, cap, d = keys.shape
+        t = (pos + start)[:, None]
+        idx = mx.arange(cap)[None]
+        valid = (idx >= start[:, None]) & (idx < t)
+        q = qkv[:, : n_heads * d].reshape(b, hkv, n_heads // hkv, d)
+        k_new = qkv[:, n_heads * d : (n_heads + hkv) * d].reshape(b, hkv, 1, d)
+        v_new = qkv[:, (n_heads + hkv) * d :].reshape(b, hkv, 1, d)
+        s = mx.where(valid[:, None, None, :], (q @ keys.swapaxes(2, 3)) * scale, -mx.inf)
+        p = mx.softmax(mx.concatenate([s, (q @ k_new.swapaxes(2, 3)) * scale], -1), -1)
+        return (p[..., :cap] @ values + p[..., cap:] @ v_new).reshape(b, n_heads, 1, d)
+
+    def qmm(lin, v):
+        return mx.quantized_matmul(v, lin.weight, lin.scales, lin.biases, transpose=True,
+                                   group_size=lin.group_size, bits=4)  # fmt: skip
+
+    def post(o, x, o_proj, gate_up, down_proj, nw, eps, slot=0, all_outputs=False,
+             next_qkv=None):  # fmt: skip
+        calls.append(("post", slot, next_qkv is not None))
+        return tail(o, x, o_proj, gate_up, down_proj, nw, eps, next_qkv)
+
+    def tail(o, x, o_proj, gate_up, down_proj, nw, eps, next_qkv):
+        h = x + qmm(o_proj, o)
+        g, u = mx.split(qmm(gate_up, mx.fast.rms_norm(h, nw, eps)), 2, axis=-1)
+        y = h + qmm(down_proj, nn.silu(g) * u)
+        if next_qkv is None:
+            return y
+        wq, nw1, eps1 = next_qkv
+        return y, qmm(wq, mx.fast.rms_norm(y, nw1, eps1))
+
+    def block(qkv, keys, values, start, pos, rope, scale, n_heads, x, o_proj, gate_up,
+              down_proj, nw, eps, slot=0, next_qkv=None, all_outputs=False):  # fmt: skip
+        calls.append(("block", slot, next_qkv is not None))
+        o = attention(qkv, keys, values, start, pos, rope, scale, n_heads)
+        return tail(o.reshape(1, -1), x, o_proj, gate_up, down_proj, nw, eps, next_qkv)
+
+    import mlx.nn as nn
+
+    monkeypatch.setattr(gpu_attention, "decode_attention_append", attention)
+    monkeypatch.setattr(gpu_qlayer, "post", post)
+    monkeypatch.setattr(gpu_qblock, "block", block)
+    cfg = dict(hidden_size=128, num_hidden_layers=3, intermediate_size=256,
+               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+               vocab_size=300, tie_word_embeddings=False)  # fmt: skip
+    model = build_random_model("llama", cfg, seed=5, quantize_bits=4, group_size=32).model
+    step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
+    step.attention_kernel, step.rope = True, rope_for_kernel(model.model.layers)
+    n = len(model.model.layers)
+    # what a GPU that takes every layer would have (engine/gpu_qlayer.supported)
+    step._qlayer_ok, step._block_ok = [True] * n, [True] * n
+    step._next_ok = [True] * (n - 1) + [False]
+    mine, plain = prefilled_batch(model, [[5, 6, 7]]), prefilled_batch(model, [[5, 6, 7]])
+    tokens = mx.array([[9]], dtype=mx.int32)
+    compiled = mx.compile(step._whole_step)
+    for i in range(6):
+        step.qlayer = step.qlayer_next = step.qblock = False
+        step._whole = None
+        want = step(tokens, plain)
+        step.qlayer, step.qlayer_next, step.qblock = True, level >= 2, level == 3
+        step._whole = compiled if i % 2 else None
+        calls.clear()
+        got = step(tokens, mine)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
+        kind = "block" if level == 3 else "post"
+        nxt = [level >= 2 and j < n - 1 for j in range(n)]
+        if not (i % 2 and i > 1):  # (a compiled call after its trace runs no Python)
+            assert calls == [(kind, j, nxt[j]) for j in range(n)]
+        tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
