@@ -253,23 +253,7 @@ def test_compiled_step_plumbing_on_the_cpu(monkeypatch):
     from engine.loading import build_random_model
 
     seen = []
-
-    def stand_in(qkv, keys, values, start, pos, rope, scale, n_heads, slot=0, shape=None,
-                 nsplit=None):  # fmt: skip
-        b, hkv, cap, d = keys.shape
-        seen.append((nsplit, cap))
-        end = (pos + start)[:, None] if nsplit is not None else mx.full((b, 1), cap - 1)
-        idx = mx.arange(cap)[None]
-        valid = (idx >= start[:, None]) & (idx < end)  # [B, cap]: the cache's old slots
-        q = qkv[:, : n_heads * d].reshape(b, hkv, n_heads // hkv, d)
-        k_new = qkv[:, n_heads * d : (n_heads + hkv) * d].reshape(b, hkv, 1, d)
-        v_new = qkv[:, (n_heads + hkv) * d :].reshape(b, hkv, 1, d)
-        s = (q @ keys.swapaxes(2, 3)) * scale  # [B, hkv, G, cap]
-        s = mx.where(valid[:, None, None, :], s, -mx.inf)
-        s_new = (q @ k_new.swapaxes(2, 3)) * scale
-        p = mx.softmax(mx.concatenate([s, s_new], axis=-1), axis=-1)
-        o = p[..., :cap] @ values + p[..., cap:] @ v_new
-        return o.reshape(b, n_heads, 1, d)
+    stand_in = _append_stand_in(seen)
 
     monkeypatch.setattr(gpu_attention, "decode_attention_append", stand_in)
     cfg = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
@@ -317,20 +301,7 @@ def test_one_kernel_layer_plumbing_on_the_cpu(monkeypatch, level):
 
     calls = []
 
-    def attention(qkv, keys, values, start, pos, rope, scale, n_heads, slot=0, shape=None,
-                  nsplit=None):  # fmt: skip
-        # one row, no RoPE (both runs the same): the cache's slots [start, pos + start)
-        # and the new position from qkv
-        b, hkv, cap, d = keys.shape
-        t = (pos + start)[:, None]
-        idx = mx.arange(cap)[None]
-        valid = (idx >= start[:, None]) & (idx < t)
-        q = qkv[:, : n_heads * d].reshape(b, hkv, n_heads // hkv, d)
-        k_new = qkv[:, n_heads * d : (n_heads + hkv) * d].reshape(b, hkv, 1, d)
-        v_new = qkv[:, (n_heads + hkv) * d :].reshape(b, hkv, 1, d)
-        s = mx.where(valid[:, None, None, :], (q @ keys.swapaxes(2, 3)) * scale, -mx.inf)
-        p = mx.softmax(mx.concatenate([s, (q @ k_new.swapaxes(2, 3)) * scale], -1), -1)
-        return (p[..., :cap] @ values + p[..., cap:] @ v_new).reshape(b, n_heads, 1, d)
+    attention = _append_stand_in([])
 
     def qmm(lin, v):
         return mx.quantized_matmul(v, lin.weight, lin.scales, lin.biases, transpose=True,
@@ -388,3 +359,25 @@ def test_one_kernel_layer_plumbing_on_the_cpu(monkeypatch, level):
         if not (i % 2 and i > 1):  # (a compiled call after its trace runs no Python)
             assert calls == [(kind, j, nxt[j]) for j in range(n)]
         tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
+
+
+def _append_stand_in(seen: list):
+    """An MLX stand-in of gpu_attention.decode_attention_append's contract for one
+    token a row, without RoPE and without writing the cache: attention over the
+    cache's slots [start, pos + start) (views or whole buffers alike) and the new
+    position from ``qkv``; records (nsplit, buffer length) of each call in ``seen``."""
+
+    def attention(qkv, keys, values, start, pos, rope, scale, n_heads, slot=0, shape=None,
+                  nsplit=None):  # fmt: skip
+        b, hkv, cap, d = keys.shape
+        seen.append((nsplit, cap))
+        idx = mx.arange(cap)[None]
+        valid = (idx >= start[:, None]) & (idx < (pos + start)[:, None])
+        q = qkv[:, : n_heads * d].reshape(b, hkv, n_heads // hkv, d)
+        k_new = qkv[:, n_heads * d : (n_heads + hkv) * d].reshape(b, hkv, 1, d)
+        v_new = qkv[:, (n_heads + hkv) * d :].reshape(b, hkv, 1, d)
+        s = mx.where(valid[:, None, None, :], (q @ keys.swapaxes(2, 3)) * scale, -mx.inf)
+        p = mx.softmax(mx.concatenate([s, (q @ k_new.swapaxes(2, 3)) * scale], -1), -1)
+        return (p[..., :cap] @ values + p[..., cap:] @ v_new).reshape(b, n_heads, 1, d)
+
+    return attention
