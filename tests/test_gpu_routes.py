@@ -249,19 +249,12 @@ def test_compiled_step_plumbing_on_the_cpu(monkeypatch):
     from conftest_loading import RAGGED_PROMPTS, prefilled_batch
 
     from engine import gpu_attention
-    from engine.decode_step import FusedDecodeStep, rope_for_kernel
-    from engine.loading import build_random_model
 
     seen = []
     stand_in = _append_stand_in(seen)
 
     monkeypatch.setattr(gpu_attention, "decode_attention_append", stand_in)
-    cfg = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-               vocab_size=300, tie_word_embeddings=False)  # fmt: skip
-    model = build_random_model("llama", cfg, seed=3, quantize_bits=4, group_size=32).model
-    step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
-    step.attention_kernel, step.rope = True, rope_for_kernel(model.model.layers)
+    model, step = _append_step(layers=2, seed=3)
     assert step.rope is not None
     traces = []
 
@@ -296,8 +289,6 @@ def test_one_kernel_layer_plumbing_on_the_cpu(monkeypatch, level):
     from conftest_loading import prefilled_batch
 
     from engine import gpu_attention, gpu_qblock, gpu_qlayer
-    from engine.decode_step import FusedDecodeStep, rope_for_kernel
-    from engine.loading import build_random_model
 
     calls = []
 
@@ -332,12 +323,7 @@ def test_one_kernel_layer_plumbing_on_the_cpu(monkeypatch, level):
     monkeypatch.setattr(gpu_attention, "decode_attention_append", attention)
     monkeypatch.setattr(gpu_qlayer, "post", post)
     monkeypatch.setattr(gpu_qblock, "block", block)
-    cfg = dict(hidden_size=128, num_hidden_layers=3, intermediate_size=256,
-               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-               vocab_size=300, tie_word_embeddings=False)  # fmt: skip
-    model = build_random_model("llama", cfg, seed=5, quantize_bits=4, group_size=32).model
-    step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
-    step.attention_kernel, step.rope = True, rope_for_kernel(model.model.layers)
+    model, step = _append_step(layers=3, seed=5)
     n = len(model.model.layers)
     # what a GPU that takes every layer would have (engine/gpu_qlayer.supported)
     step._qlayer_ok, step._block_ok = [True] * n, [True] * n
@@ -381,3 +367,18 @@ def _append_stand_in(seen: list):
         return (p[..., :cap] @ values + p[..., cap:] @ v_new).reshape(b, n_heads, 1, d)
 
     return attention
+
+
+def _append_step(layers: int, seed: int):
+    """A small 4-bit llama and its GPU-plan decode step on this CPU, set to take the
+    append-form attention route (what a CUDA GPU gives it)."""
+    from engine.decode_step import FusedDecodeStep, rope_for_kernel
+    from engine.loading import build_random_model
+
+    cfg = dict(hidden_size=128, num_hidden_layers=layers, intermediate_size=256,
+               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+               vocab_size=300, tie_word_embeddings=False)  # fmt: skip
+    model = build_random_model("llama", cfg, seed=seed, quantize_bits=4, group_size=32).model
+    step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
+    step.attention_kernel, step.rope = True, rope_for_kernel(model.model.layers)
+    return model, step
