@@ -599,11 +599,15 @@ _SPLIT_BODY = _WRITE_PARTS + _MERGE_LAST
 _COUNTER = ("counter", "int32", 1)
 
 
+_CACHE_INPUTS = [("keys", "T", 4), ("values", "T", 4), ("start", "int32", 1)]
+# the append form's inputs (also engine/gpu_qblock.py's attention phase)
+APPEND_INPUTS = [("qkv", "T", 2), *_CACHE_INPUTS, ("pos", "int32", 1), ("inv_freq", "float32", 1)]
+
+
 def _specs(scale: float, rope_scale: float = 1.0) -> dict[str, KernelSpec]:
     header = _header(scale, rope_scale)
-    cache = [("keys", "T", 4), ("values", "T", 4), ("start", "int32", 1)]
-    inputs = [("q", "T", 4), *cache]
-    append = [("qkv", "T", 2), *cache, ("pos", "int32", 1), ("inv_freq", "float32", 1)]
+    inputs = [("q", "T", 4), *_CACHE_INPUTS]
+    append = APPEND_INPUTS
     return {
         "single": KernelSpec("mb_decode_attn", inputs, [("out", "T")], _READ + _WRITE_OUT, header),
         "parts": KernelSpec(

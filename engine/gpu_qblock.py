@@ -60,14 +60,6 @@ _MERGE_PHASE = r"""
   mb_grid_sync(barrier);
 """
 
-_ATTN_INPUTS = [
-    ("qkv", "T", 2),
-    ("keys", "T", 4),
-    ("values", "T", 4),
-    ("start", "int32", 1),
-    ("pos", "int32", 1),
-    ("inv_freq", "float32", 1),
-]
 _ATTN_OUTPUTS = [("attn", "T"), ("pm", "float32"), ("pl", "float32"), ("pacc", "float32")]
 
 
@@ -88,7 +80,7 @@ def _specs(scale: float, rope_scale: float) -> dict[str, KernelSpec]:
         for n, t, nd in gpu_qlayer._INPUTS
         if n != "o"
     ]
-    inputs = _ATTN_INPUTS + layer_inputs
+    inputs = gpu_attention.APPEND_INPUTS + layer_inputs
     outputs = [*gpu_qlayer._OUTPUTS, *_ATTN_OUTPUTS]
     nxt = gpu_qlayer._NEXT_BODY.replace(
         "y, wq, sq, bq, nullptr, nw1, eps1, qkv,", "y, wq, sq, bq, nullptr, nw1, eps1, qkv_next,"
