@@ -188,6 +188,14 @@ class _Routes:
             route = self._routes[key] = self._make_route(x, residual, glu, norm, mma_norm)
         return route
 
+    def set_plan(self, plan: Plan | None) -> None:
+        """Follow ``plan`` from the next call on (None: the global plan again); for
+        benchmarks that time one layer's forms in turn."""
+        self._plan, self._routes = plan, {}
+        for _, form in self.plan.steps:
+            if form.startswith("qmmk") and int(form[4:]) not in self._parts:
+                self._split(int(form[4:]))
+
     def __call__(self, x):
         if x.ndim == 2:
             return self._route(x, False, False, False)(x, None, None)

@@ -11,7 +11,7 @@ import os
 
 import mlx.core as mx
 
-from engine import attention, cpu_qgemm, fast_math
+from engine import attention, cpu_qgemm, fast_math, gpu_prefill
 from engine.cpu_step import CpuDecodeStep
 from engine.decode_step import make_decode_step, on_gpu
 from engine.kv import BatchKV, SequenceKV
@@ -32,6 +32,10 @@ class ModelRunner:
         # engine/cpu_step.py; GPU: the fused one, engine/decode_step.py); other
         # families, or fused_decode=False, call the model as is.
         self.decode_step = _make_decode_step(model) if fused_decode else None
+        # GPU prefill: many-row 4-bit products dequantize the weight and run a float
+        # matmul (engine/gpu_prefill.py); after the decode step took its own copies.
+        if on_gpu():
+            gpu_prefill.install(model)
         # After the step fused its weights: on the CPU, decode products read the
         # quantized copies of the float32 weights (engine/cpu_qgemm.py).
         self.qgemm = cpu_qgemm.register_model(model, cpu_shadows) if cpu_shadows else None

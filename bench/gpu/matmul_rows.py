@@ -71,7 +71,7 @@ def time_form(layers, rows: int, form: str, plan_forms, reps: int) -> float:
     plan = parse_plan(f"1:{form}", plan_forms)
     for mods in layers:
         for m in mods:
-            m.plan = plan
+            m.set_plan(plan)
     xs = {
         k: (mx.random.normal((rows, k)) * 0.1).astype(mx.bfloat16) for k in map(in_dim, layers[0])
     }
@@ -106,7 +106,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default=None)
     ap.add_argument("--plans", default=None, help="write the winning plans here (shell)")
+    ap.add_argument(
+        "--forms", default="", help="only these forms (e.g. xwt,qmm,deq: prefill's question)"
+    )
     a = ap.parse_args()
+    only = set(filter(None, a.forms.split(",")))
     rows_list = [int(r) for r in a.rows.split(",")]
     results = []
     ratios: dict[tuple[str, int, str], list[float]] = {}
@@ -116,6 +120,9 @@ def main() -> None:
     for name in a.models.split(","):
         cfg = CONFIGS[name]
         for quant, forms in ((False, FLOAT_FORMS), (True, QUANT_FORMS)):
+            forms = tuple(f for f in forms if not only or f in only)
+            if not forms:
+                continue
             bpe = 0.5 + 4 / 64 if quant else 2  # 4-bit + bf16 scale and bias per 64
             layer_bytes = sum(n * k for n, k in layer_shapes(cfg)) * bpe
             copies = a.copies or max(2, math.ceil(1e9 / layer_bytes))
@@ -140,6 +147,10 @@ def main() -> None:
             mx.clear_cache()
     plans = {}
     for kind, forms in (("bf16", FLOAT_FORMS), ("q4", QUANT_FORMS)):
+        forms = tuple(f for f in forms if not only or f in only)
+        if not forms:
+            plans[kind] = ""
+            continue
         winners = {}
         for rows in rows_list:
             score = {

@@ -1,0 +1,66 @@
+"""engine/gpu_prefill.py: the dequantize-then-matmul route for many-row quantized
+products gives quantized_matmul's results (runs on any device; on a GPU the runner
+installs it by default)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from engine import gpu_prefill
+from engine.kv import SequenceKV
+from engine.loading import build_random_model
+
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 64)])
+def test_route_equals_quantized_matmul_above_and_only_above_the_threshold(bits, group_size):
+    mx.random.seed(3)
+    layer = nn.QuantizedLinear(128, 96, bias=True, group_size=group_size, bits=bits)
+    layer.bias = mx.random.normal((96,))
+    reference = nn.QuantizedLinear(128, 96, bias=True, group_size=group_size, bits=bits)
+    reference.update(layer.parameters())
+    assert gpu_prefill.install(layer, min_rows=8) == 1
+    assert isinstance(layer, gpu_prefill.DequantPrefillLinear)
+    calls = []
+    original = mx.dequantize
+    try:
+        mx.dequantize = lambda *a, **k: calls.append(1) or original(*a, **k)
+        for rows in (1, 7, 8, 40):
+            x = mx.random.normal((1, rows, 128))
+            got, want = np.array(layer(x)), np.array(reference(x))
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+            assert len(calls) == (rows >= 8), rows
+            calls.clear()
+    finally:
+        mx.dequantize = original
+
+
+def test_prefill_logits_unchanged_by_the_route():
+    loaded = build_random_model("llama", TINY, seed=5, quantize_bits=4)
+    model = loaded.model
+    tokens = mx.array([list(range(3, 43))], dtype=mx.int32)
+    want = np.array(model(tokens, cache=[SequenceKV() for _ in model.layers]))
+    assert gpu_prefill.install(model, min_rows=16) == 7 * 2 + 1  # q,k,v,o,gate,up,down + lm_head
+    got = np.array(model(tokens, cache=[SequenceKV() for _ in model.layers]))
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_threshold_from_the_environment():
+    assert gpu_prefill.min_rows_from_env({}) == gpu_prefill.DEFAULT_MIN_ROWS
+    assert gpu_prefill.min_rows_from_env({gpu_prefill.ROWS_ENV: "0"}) == 0
+    assert gpu_prefill.install(nn.QuantizedLinear(64, 64), min_rows=0) == 0
+    with pytest.raises(ValueError, match=gpu_prefill.ROWS_ENV):
+        gpu_prefill.min_rows_from_env({gpu_prefill.ROWS_ENV: "many"})
