@@ -10,7 +10,9 @@ measured on the H200 +53-64% decode throughput at batch 128 with ragged rows
 
 mlx-lm's attention layers call the module-level name ``scaled_dot_product_attention``
 that each model module imported, so ``install`` rebinds that name in the module of
-the model being served; other shapes go to the original function unchanged.
+the model being served. On a CUDA GPU a causal prompt chunk goes to
+engine/gpu_prefill_attention.py's kernel (no per-length cuDNN graph, no score matrix
+in memory); other shapes go to the original function unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import sys
 
 import mlx.core as mx
 from mlx_lm.models import base as mlx_lm_base
+
+from engine import gpu_prefill_attention
 
 _ORIGINAL = mlx_lm_base.scaled_dot_product_attention
 
@@ -48,8 +52,11 @@ def _use_grouped(queries: mx.array, mask) -> bool:
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    if sinks is None and not hasattr(cache, "bits") and _use_grouped(queries, mask):
-        return grouped_decode_attention(queries, keys, values, scale, mask)
+    if sinks is None and not hasattr(cache, "bits"):
+        if _use_grouped(queries, mask):
+            return grouped_decode_attention(queries, keys, values, scale, mask)
+        if gpu_prefill_attention.supported(queries, keys, values, mask):
+            return gpu_prefill_attention.prefill_attention(queries, keys, values, scale)
     return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 

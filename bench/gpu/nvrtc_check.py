@@ -124,7 +124,15 @@ def main() -> None:
     ap.add_argument("--ptx", default="", help="write PTX (compute_90a) to this folder")
     ap.add_argument("--sass", default="", help="write SASS (sm_90a, nvdisasm) to this folder")
     args = ap.parse_args()
-    from engine import gpu_attention, gpu_gemv, gpu_mma, gpu_qblock, gpu_qlayer, gpu_qstream
+    from engine import (
+        gpu_attention,
+        gpu_gemv,
+        gpu_mma,
+        gpu_prefill_attention,
+        gpu_qblock,
+        gpu_qlayer,
+        gpu_qstream,
+    )
 
     failed = 0
     specs = (
@@ -134,6 +142,7 @@ def main() -> None:
         + gpu_qstream.kernel_specs_for_check()
         + gpu_qlayer.kernel_specs_for_check()
         + gpu_qblock.kernel_specs_for_check()
+        + gpu_prefill_attention.kernel_specs_for_check()
     )
     for spec in specs:
         if args.only not in spec.name:

@@ -1,0 +1,294 @@
+"""Prompt (prefill) attention as one CUDA kernel: causal, any cached prefix, GQA.
+
+Why: MLX 0.32.4's CUDA attention for many query rows is either cuDNN's, which builds
+an execution graph per (query length, key length) and so cost every prompt length
+not seen before 0.1-0.6 s of time to first token on the H200, or, with cuDNN off
+(what ``markbase serve`` sets, engine/gpu_setup.py), separate matmul / softmax /
+matmul kernels that write the whole score matrix to memory: a 2048-token prefill of
+the 1b model took 37 ms against PyTorch's 13 (bench/gpu/NOTES.md, session 5). This
+kernel is FlashAttention-2's forward pass: scores stay in registers, an online
+softmax per row, and the lengths are runtime values, so one compiled kernel serves
+every prompt length and every prefix length (a chunk after a prefix-cache hit).
+
+Layout: a block takes 64 query rows of one query head (4 warps, 16 rows each, as
+``mma.sync.m16n8k16`` A fragments held in registers for the whole pass) and walks
+the keys in tiles of 64 staged through shared memory. Per tile a warp computes its
+16 x 64 scores on tensor cores, masks past its rows' causal limit (only on the tiles
+that need it), rescales its running output, and multiplies the probabilities (kept
+as bf16/fp16 in the registers the score accumulators left, as the next MMA's A
+operand) by the V tile. Blocks that see the most keys are launched first.
+
+Queries ``q`` [B, Hq, L, D] and the cache's ``keys``/``values`` [B, Hkv, S, D] with
+S >= L (the last L keys are this chunk's: query row i sees keys ``<= S - L + i``),
+any strides with a contiguous last dim. bf16 or fp16, D of 64 or 128. Only on a CUDA
+GPU; ``bench/gpu/nvrtc_check.py`` compiles the source without one and
+``tests/test_gpu_prefill_attention.py`` checks it against MLX's attention on one.
+``MARKBASE_GPU_PREFILL_ATTENTION=mlx`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+from engine.cuda_kernels import Baked, KernelSpec, for_dtype
+
+BLOCK_Q = 64  # query rows a block (16 a warp)
+HEAD_DIMS = (64, 128)
+ENV = "MARKBASE_GPU_PREFILL_ATTENTION"
+
+_HEADER = r"""
+__device__ __forceinline__ uint32_t mb_pack2(float lo, float hi, __nv_bfloat16) {
+  const __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t mb_pack2(float lo, float hi, __half) {
+  const __half2 r = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+template <typename T>
+__device__ __forceinline__ uint32_t mb_join2(T lo, T hi) {
+  return static_cast<uint32_t>(*reinterpret_cast<const unsigned short*>(&lo)) |
+         (static_cast<uint32_t>(*reinterpret_cast<const unsigned short*>(&hi)) << 16);
+}
+"""
+
+_SOURCE = r"""
+  constexpr int BQ = 64;
+  constexpr int BK = 64;          // keys a tile
+  constexpr int RS = HD + 8;      // shared row stride (elements): spreads the banks
+  constexpr int NT = BK / 8;      // score n-tiles a warp
+  constexpr int KS = HD / 16;     // k-steps of q.k
+  constexpr int DT = HD / 8;      // output n-tiles
+  constexpr int CH = HD / 8;      // 16-byte chunks a row
+  __shared__ __align__(16) T ks[BK * RS];
+  __shared__ __align__(16) T vs[BK * RS];
+
+  const int lq = q_shape[2];
+  const int s_len = keys_shape[2];
+  const int n_q = q_shape[1];
+  const int hq = blockIdx.y;
+  const int b = blockIdx.z;
+  const int hkv = hq / (n_q / keys_shape[1]);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4;
+  const int tg = lane % 4;
+  // the blocks with the most keys to see start first
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+  const int diag = s_len - lq;  // query row r sees keys <= diag + r
+  const int r_lo = q0 + warp * 16;
+  const bool rows_here = r_lo < lq;
+  const int w_last = diag + min(lq - 1, r_lo + 15);  // this warp's last key
+  const int last_key = diag + min(lq - 1, q0 + BQ - 1);
+  const int ntiles = last_key / BK + 1;
+
+  const T* kb = keys + b * keys_strides[0] + hkv * keys_strides[1];
+  const T* vb = values + b * values_strides[0] + hkv * values_strides[1];
+  const int64_t kst = keys_strides[2];
+  const int64_t vst = values_strides[2];
+
+  // the warp's 16 rows (clamped inside the array) as A fragments for every k-step
+  uint32_t qf[KS][4];
+  {
+    const T* qb = q + b * q_strides[0] + hq * q_strides[1];
+    const T* pa = qb + min(r_lo + g, lq - 1) * q_strides[2] + tg * 2;
+    const T* pb = qb + min(r_lo + g + 8, lq - 1) * q_strides[2] + tg * 2;
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+      qf[kk][0] = *reinterpret_cast<const uint32_t*>(pa + kk * 16);
+      qf[kk][1] = *reinterpret_cast<const uint32_t*>(pb + kk * 16);
+      qf[kk][2] = *reinterpret_cast<const uint32_t*>(pa + kk * 16 + 8);
+      qf[kk][3] = *reinterpret_cast<const uint32_t*>(pb + kk * 16 + 8);
+    }
+  }
+  const float sl2 = scale[0] * 1.4426950408889634f;  // exp(x) = exp2(x * log2 e)
+  float m0 = -INFINITY, m1 = -INFINITY;  // running max of rows g and g + 8 (log2 units)
+  float l0 = 0.f, l1 = 0.f;              // this lane's share of their sums
+  float o[DT][4];
+#pragma unroll
+  for (int d = 0; d < DT; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+
+  for (int kt = 0; kt < ntiles; ++kt) {
+    const int k0 = kt * BK;
+    __syncthreads();  // the last tile is consumed
+    for (int i = threadIdx.x; i < BK * CH; i += blockDim.x) {
+      const int r = i / CH, c = (i % CH) * 8;
+      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+      if (k0 + r < s_len) {
+        kv = *reinterpret_cast<const uint4*>(kb + (k0 + r) * kst + c);
+        vv = *reinterpret_cast<const uint4*>(vb + (k0 + r) * vst + c);
+      }
+      *reinterpret_cast<uint4*>(ks + r * RS + c) = kv;
+      *reinterpret_cast<uint4*>(vs + r * RS + c) = vv;
+    }
+    __syncthreads();
+    if (!rows_here || k0 > w_last) continue;
+
+    float s[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      const T* kr = ks + (j * 8 + g) * RS + tg * 2;
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) {
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + kk * 16);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + kk * 16 + 8);
+        mb_mma(s[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b0, b1, T{});
+      }
+    }
+    // scale (log2 units); the causal limit only where this tile crosses it
+    const bool masked = k0 + BK - 1 > diag + r_lo;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = s[j][e] * sl2;
+        if (masked) {
+          const int key = k0 + j * 8 + tg * 2 + (e & 1);
+          const int row = r_lo + g + (e >> 1) * 8;
+          if (key > min(diag + row, s_len - 1)) v = -INFINITY;
+        }
+        s[j][e] = v;
+      }
+      mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    // key 0 is in every row's first tile, so the max is finite from there on
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float z0 = n0 == -INFINITY ? 0.f : n0, z1 = n1 == -INFINITY ? 0.f : n1;
+    const float a0 = exp2f(m0 - z0), a1 = exp2f(m1 - z1);
+    m0 = n0;
+    m1 = n1;
+    l0 *= a0;
+    l1 *= a1;
+#pragma unroll
+    for (int d = 0; d < DT; ++d) {
+      o[d][0] *= a0;
+      o[d][1] *= a0;
+      o[d][2] *= a1;
+      o[d][3] *= a1;
+    }
+    uint32_t pf[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const float p0 = exp2f(s[j][0] - z0), p1 = exp2f(s[j][1] - z0);
+      const float p2 = exp2f(s[j][2] - z1), p3 = exp2f(s[j][3] - z1);
+      l0 += p0 + p1;
+      l1 += p2 + p3;
+      pf[j][0] = mb_pack2(p0, p1, T{});
+      pf[j][1] = mb_pack2(p2, p3, T{});
+    }
+    // o += p v: the score tiles 2kk, 2kk + 1 are the A fragment of k-step kk
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      const T* vr = vs + (kk * 16 + tg * 2) * RS + g;
+#pragma unroll
+      for (int d = 0; d < DT; ++d) {
+        const uint32_t b0 = mb_join2<T>(vr[d * 8], vr[d * 8 + RS]);
+        const uint32_t b1 = mb_join2<T>(vr[d * 8 + 8 * RS], vr[d * 8 + 9 * RS]);
+        mb_mma(o[d], pf[2 * kk][0], pf[2 * kk][1], pf[2 * kk + 1][0], pf[2 * kk + 1][1], b0,
+               b1, T{});
+      }
+    }
+  }
+  if (!rows_here) return;
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  const float i0 = 1.f / l0, i1 = 1.f / l1;
+  const int ra = r_lo + g, rb = r_lo + g + 8;
+  T* ob = out + (static_cast<int64_t>(b) * n_q + hq) * lq * HD + tg * 2;
+#pragma unroll
+  for (int d = 0; d < DT; ++d) {
+    if (ra < lq)
+      *reinterpret_cast<uint32_t*>(ob + ra * HD + d * 8) = mb_pack2(o[d][0] * i0, o[d][1] * i0, T{});
+    if (rb < lq)
+      *reinterpret_cast<uint32_t*>(ob + rb * HD + d * 8) = mb_pack2(o[d][2] * i1, o[d][3] * i1, T{});
+  }
+"""
+
+
+@cache
+def _specs() -> dict[str, KernelSpec]:
+    from engine.gpu_mma import _HEADER as MMA_HEADER
+
+    inputs = [("q", "T", 4), ("keys", "T", 4), ("values", "T", 4), ("scale", "float32", 1)]
+    return {
+        "causal": KernelSpec(
+            "mb_prefill_attn", inputs, [("out", "T")], _SOURCE, MMA_HEADER + _HEADER
+        )
+    }
+
+
+_kernel = Baked(_specs, ensure_row_contiguous=False)
+_scales: dict[float, object] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "kernel") != "mlx"
+
+
+def shape_supported(queries, keys, values, mask) -> bool:
+    """Whether the kernel can compute this call: a causal prompt chunk (2+ query rows)
+    of bf16/fp16, head dim 64 or 128, whole query groups per KV head."""
+    import mlx.core as mx
+
+    if not (isinstance(mask, str) and mask == "causal") or queries.ndim != 4:
+        return False
+    _, hq, lq, d = queries.shape
+    if lq < 2 or d not in HEAD_DIMS or keys.ndim != 4 or keys.shape[3] != d:
+        return False
+    if keys.shape[0] != queries.shape[0] or keys.shape[2] < lq or hq % keys.shape[1]:
+        return False
+    if queries.dtype not in (mx.bfloat16, mx.float16):
+        return False
+    return (
+        keys.dtype == queries.dtype
+        and values.dtype == queries.dtype
+        and (values.shape == keys.shape)
+    )
+
+
+def supported(queries, keys, values, mask) -> bool:
+    """``shape_supported`` on a CUDA GPU, unless MARKBASE_GPU_PREFILL_ATTENTION=mlx."""
+    import mlx.core as mx
+
+    if not enabled() or mx.default_device().type != mx.DeviceType.gpu:
+        return False
+    return mx.cuda.is_available() and shape_supported(queries, keys, values, mask)
+
+
+def prefill_attention(queries, keys, values, scale: float):
+    """softmax(q k^T * scale, causal with the keys' last L rows this chunk) v: [B, Hq, L, D]."""
+    import mlx.core as mx
+
+    b, hq, lq, d = queries.shape
+    s = _scales.get(scale)
+    if s is None:
+        s = _scales[scale] = mx.array([scale], dtype=mx.float32)
+    blocks = (lq + BLOCK_Q - 1) // BLOCK_Q
+    kern = _kernel("causal", (("T", queries.dtype), ("HD", d)))
+    return kern(
+        inputs=[queries, keys, values, s],
+        grid=(blocks * 128, hq, b),
+        threadgroup=(128, 1, 1),
+        output_shapes=[(b, hq, lq, d)],
+        output_dtypes=[queries.dtype],
+    )[0]
+
+
+def kernel_specs_for_check() -> list[KernelSpec]:
+    """The source with concrete template values (bench/gpu/nvrtc_check.py)."""
+    spec = _specs()["causal"]
+    return [
+        for_dtype(spec, dtype, f"{spec.name}_{dtype}_{hd}", [("T", dtype), ("HD", hd)])
+        for dtype in ("bfloat16", "float16")
+        for hd in HEAD_DIMS
+    ]
