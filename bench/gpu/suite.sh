@@ -202,6 +202,22 @@ for stage in "$@"; do
             tests/test_gpu_qlayer.py "tests/test_gpu_attention.py::test_compiled_step_equals_model_across_splits_and_growth" \
             "tests/test_gpu_attention.py::test_decode_step_append_form_equals_model" 2>&1 | tee "$OUT/test_s13.log"
         ;;
+    prefill-test)  # session 14: the prefill attention kernel and the dequantize route
+        timeout ${PT_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short \
+            tests/test_gpu_prefill_attention.py tests/test_gpu_prefill.py 2>&1 | tee "$OUT/test_prefill.log"
+        ;;
+    prefill-ab)  # session 14: 2048-token prefill with engine/gpu_prefill_attention.py and
+        # engine/gpu_prefill.py on (default) and off, then qmm vs deq by row count
+        for v in on off; do
+            env=""
+            [ $v = off ] && env="MARKBASE_GPU_PREFILL_ATTENTION=mlx MARKBASE_GPU_PREFILL_DEQ_ROWS=0"
+            env $env timeout ${PA_TIMEOUT:-150} $B --models ${PA_MODELS:-1b,8b} --quants bf16,q4 \
+                --batches 1 --variants "" --steps 8 --prefill 2048 --chunk 512 \
+                --budget-s $(( ${PA_TIMEOUT:-150} - 20 )) --tag prefill-$v --out "$OUT/prefill-$v.json"
+        done
+        timeout ${PR_TIMEOUT:-120} python3 bench/gpu/matmul_rows.py --models 8b,1b \
+            --rows ${PR_ROWS:-64,128,256,512,2048} --forms xwt,qmm,deq --reps 3 --out "$OUT/prefill_rows.json"
+        ;;
     tail-bench)  # session 13: a layer's tail as separate kernels vs one (CUPTI)
         timeout ${TAIL_TIMEOUT:-150} python3 bench/gpu/q4_bench.py --model ${Q4_MODEL:-8b} \
             --tail-only --out "$OUT/tail.json" 2>&1 | tee "$OUT/tail.log"
