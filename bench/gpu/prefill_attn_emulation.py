@@ -74,8 +74,11 @@ def kernel(q, k, v, scale):
                     if r_lo >= lq:
                         continue
                     w_last = diag + min(lq - 1, r_lo + 15)
-                    qrow = lambda r, c: q[b, hq, min(r_lo + r, lq - 1), c]  # noqa: E731
-                    qf = [a_regs(lambda r, c, kk=kk: qrow(r, kk * 16 + c)) for kk in range(ks_n)]
+                    rows = q[b, hq, np.minimum(r_lo + np.arange(16), lq - 1)]  # clamped
+                    qf = [
+                        a_regs(lambda r, c, kk=kk, rows=rows: rows[r, kk * 16 + c])
+                        for kk in range(ks_n)
+                    ]
                     m = np.full((32, 2), -np.inf)
                     lsum = np.zeros((32, 2))
                     o = np.zeros((dt, 32, 4))
@@ -139,9 +142,7 @@ def kernel(q, k, v, scale):
                                     g, t = divmod(lane, 4)
                                     r0 = kk * 16 + 2 * t
                                     col = d * 8 + g
-                                    bregs.append(
-                                        (vs[r0 : r0 + 2, col], vs[r0 + 8 : r0 + 10, col])
-                                    )
+                                    bregs.append((vs[r0 : r0 + 2, col], vs[r0 + 8 : r0 + 10, col]))
                                 mma(o[d], aregs, bregs)
                     tot = lsum.reshape(8, 4, 2).sum(axis=1)
                     for lane in range(32):
@@ -151,8 +152,8 @@ def kernel(q, k, v, scale):
                                 continue
                             for d in range(dt):
                                 c = d * 8 + 2 * t
-                                out[b, hq, ra, c : c + 2] = o[d, lane, 2 * half : 2 * half + 2] / (
-                                    tot[g, half]
+                                out[b, hq, ra, c : c + 2] = (
+                                    o[d, lane, 2 * half : 2 * half + 2] / (tot[g, half])
                                 )
     return out
 
