@@ -29,9 +29,9 @@ def _qkv(b, hq, hkv, lq, s, d, dtype, seed=0):
     return q, k, v
 
 
-def reference(q, k, v, scale):
-    """Causal attention in float64 numpy, the last L keys being the queries' own."""
-    q, k, v = (np.array(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v))
+def causal_attention(q, k, v, scale):
+    """Causal attention in numpy (float64 in, float64 out), the last L keys being the
+    queries' own (bench/gpu/prefill_attn_emulation.py checks against it too)."""
     b, hq, lq, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     k = np.repeat(k, hq // hkv, axis=1)
@@ -39,9 +39,15 @@ def reference(q, k, v, scale):
     scores = q @ k.swapaxes(-1, -2) * scale
     visible = np.arange(s)[None, :] <= (s - lq + np.arange(lq))[:, None]
     scores = np.where(visible, scores, -np.inf)
-    scores -= scores.max(-1, keepdims=True)
-    p = np.exp(scores)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
     return (p / p.sum(-1, keepdims=True)) @ v
+
+
+def reference(q, k, v, scale):
+    """``causal_attention`` of MLX arrays, in float64."""
+    return causal_attention(
+        *(np.array(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v)), scale
+    )
 
 
 def test_support_rule():

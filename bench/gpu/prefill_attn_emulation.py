@@ -14,7 +14,15 @@ throughout): this checks the indices, the GPU test checks the numbers.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from test_gpu_prefill_attention import causal_attention as reference  # noqa: E402
 
 BQ = BK = 64
 
@@ -156,18 +164,6 @@ def kernel(q, k, v, scale):
                                     o[d, lane, 2 * half : 2 * half + 2] / (tot[g, half])
                                 )
     return out
-
-
-def reference(q, k, v, scale):
-    b, hq, lq, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    k = np.repeat(k, hq // hkv, axis=1)
-    v = np.repeat(v, hq // hkv, axis=1)
-    scores = q @ k.swapaxes(-1, -2) * scale
-    visible = np.arange(s)[None, :] <= (s - lq + np.arange(lq))[:, None]
-    scores = np.where(visible, scores, -np.inf)
-    p = np.exp(scores - scores.max(-1, keepdims=True))
-    return (p / p.sum(-1, keepdims=True)) @ v
 
 
 def main() -> None:
