@@ -12,7 +12,8 @@ every prompt length and every prefix length (a chunk after a prefix-cache hit).
 
 Layout: a block takes 64 query rows of one query head (4 warps, 16 rows each, as
 ``mma.sync.m16n8k16`` A fragments held in registers for the whole pass) and walks
-the keys in tiles of 64 staged through shared memory. Per tile a warp computes its
+the keys in tiles of 64 staged through shared memory (by default two buffers: the
+next tile's ``cp.async`` copies run while this one is used; ``STAGES_ENV``). Per tile a warp computes its
 16 x 64 scores on tensor cores, masks past its rows' causal limit (only on the tiles
 that need it), rescales its running output, and multiplies the probabilities (kept
 as bf16/fp16 in the registers the score accumulators left, as the next MMA's A
@@ -34,8 +35,12 @@ from functools import cache
 from engine.cuda_kernels import Baked, KernelSpec, for_dtype
 
 BLOCK_Q = 64  # query rows a block (16 a warp)
+BLOCK_K = 64  # keys a tile
 HEAD_DIMS = (64, 128)
 ENV = "MARKBASE_GPU_PREFILL_ATTENTION"
+# 2: the next K/V tile is copied by cp.async while this one is used (2 buffers, 70 KB
+# of shared memory at D 128); 1: loaded through registers between two barriers
+STAGES_ENV = "MARKBASE_GPU_PREFILL_ATTN_STAGES"
 
 _HEADER = r"""
 __device__ __forceinline__ uint32_t mb_pack2(float lo, float hi, __nv_bfloat16) {
@@ -46,6 +51,14 @@ __device__ __forceinline__ uint32_t mb_pack2(float lo, float hi, __half) {
   const __half2 r = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&r);
 }
+// 16 bytes global -> shared without a register; zeros when !valid (src-size 0)
+__device__ __forceinline__ void mb_cp16z(void* dst, const void* src, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void mb_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void mb_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 template <typename T>
 __device__ __forceinline__ uint32_t mb_join2(T lo, T hi) {
   return static_cast<uint32_t>(*reinterpret_cast<const unsigned short*>(&lo)) |
@@ -61,8 +74,11 @@ _SOURCE = r"""
   constexpr int KS = HD / 16;     // k-steps of q.k
   constexpr int DT = HD / 8;      // output n-tiles
   constexpr int CH = HD / 8;      // 16-byte chunks a row
-  __shared__ __align__(16) T ks[BK * RS];
-  __shared__ __align__(16) T vs[BK * RS];
+  constexpr int TILE = BK * RS;
+  // STAGES tiles of K, then STAGES of V (dynamic shared memory)
+  extern __shared__ __align__(16) unsigned char mb_smem[];
+  T* const ks0 = reinterpret_cast<T*>(mb_smem);
+  T* const vs0 = ks0 + STAGES * TILE;
 
   const int lq = q_shape[2];
   const int s_len = keys_shape[2];
@@ -109,93 +125,116 @@ _SOURCE = r"""
 #pragma unroll
   for (int d = 0; d < DT; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
 
-  for (int kt = 0; kt < ntiles; ++kt) {
+  // tile kt's K and V into stage st: cp.async (STAGES 2) or through registers
+  auto load = [&](int kt, int st) {
     const int k0 = kt * BK;
-    __syncthreads();  // the last tile is consumed
     for (int i = threadIdx.x; i < BK * CH; i += blockDim.x) {
       const int r = i / CH, c = (i % CH) * 8;
-      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-      if (k0 + r < s_len) {
-        kv = *reinterpret_cast<const uint4*>(kb + (k0 + r) * kst + c);
-        vv = *reinterpret_cast<const uint4*>(vb + (k0 + r) * vst + c);
+      const bool in = k0 + r < s_len;
+      const int64_t row = in ? k0 + r : 0;
+      T* kd = ks0 + st * TILE + r * RS + c;
+      T* vd = vs0 + st * TILE + r * RS + c;
+      if constexpr (STAGES == 2) {
+        mb_cp16z(kd, kb + row * kst + c, in);
+        mb_cp16z(vd, vb + row * vst + c, in);
+      } else {
+        const uint4 z = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(kd) = in ? *reinterpret_cast<const uint4*>(kb + row * kst + c) : z;
+        *reinterpret_cast<uint4*>(vd) = in ? *reinterpret_cast<const uint4*>(vb + row * vst + c) : z;
       }
-      *reinterpret_cast<uint4*>(ks + r * RS + c) = kv;
-      *reinterpret_cast<uint4*>(vs + r * RS + c) = vv;
+    }
+  };
+  if constexpr (STAGES == 2) {
+    load(0, 0);
+    mb_commit();
+  }
+  for (int kt = 0; kt < ntiles; ++kt) {
+    const int k0 = kt * BK;
+    const int st = STAGES == 2 ? kt & 1 : 0;
+    if constexpr (STAGES == 2) {
+      if (kt + 1 < ntiles) load(kt + 1, st ^ 1);  // its stage was freed by the last barrier
+      mb_commit();
+      mb_wait1();  // tile kt has landed
+    } else {
+      load(kt, 0);
     }
     __syncthreads();
-    if (!rows_here || k0 > w_last) continue;
-
-    float s[NT][4];
+    const T* ks = ks0 + st * TILE;
+    const T* vs = vs0 + st * TILE;
+    if (rows_here && k0 <= w_last) {
+      float s[NT][4];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-      const T* kr = ks + (j * 8 + g) * RS + tg * 2;
+      for (int j = 0; j < NT; ++j) {
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        const T* kr = ks + (j * 8 + g) * RS + tg * 2;
 #pragma unroll
-      for (int kk = 0; kk < KS; ++kk) {
-        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + kk * 16);
-        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + kk * 16 + 8);
-        mb_mma(s[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b0, b1, T{});
-      }
-    }
-    // scale (log2 units); the causal limit only where this tile crosses it
-    const bool masked = k0 + BK - 1 > diag + r_lo;
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[j][e] * sl2;
-        if (masked) {
-          const int key = k0 + j * 8 + tg * 2 + (e & 1);
-          const int row = r_lo + g + (e >> 1) * 8;
-          if (key > min(diag + row, s_len - 1)) v = -INFINITY;
+        for (int kk = 0; kk < KS; ++kk) {
+          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + kk * 16);
+          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + kk * 16 + 8);
+          mb_mma(s[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b0, b1, T{});
         }
-        s[j][e] = v;
       }
-      mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    // key 0 is in every row's first tile, so the max is finite from there on
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    const float z0 = n0 == -INFINITY ? 0.f : n0, z1 = n1 == -INFINITY ? 0.f : n1;
-    const float a0 = exp2f(m0 - z0), a1 = exp2f(m1 - z1);
-    m0 = n0;
-    m1 = n1;
-    l0 *= a0;
-    l1 *= a1;
+      // scale (log2 units); the causal limit only where this tile crosses it
+      const bool masked = k0 + BK - 1 > diag + r_lo;
+      float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-    for (int d = 0; d < DT; ++d) {
-      o[d][0] *= a0;
-      o[d][1] *= a0;
-      o[d][2] *= a1;
-      o[d][3] *= a1;
-    }
-    uint32_t pf[NT][2];
+      for (int j = 0; j < NT; ++j) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const float p0 = exp2f(s[j][0] - z0), p1 = exp2f(s[j][1] - z0);
-      const float p2 = exp2f(s[j][2] - z1), p3 = exp2f(s[j][3] - z1);
-      l0 += p0 + p1;
-      l1 += p2 + p3;
-      pf[j][0] = mb_pack2(p0, p1, T{});
-      pf[j][1] = mb_pack2(p2, p3, T{});
-    }
-    // o += p v: the score tiles 2kk, 2kk + 1 are the A fragment of k-step kk
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      const T* vr = vs + (kk * 16 + tg * 2) * RS + g;
+        for (int e = 0; e < 4; ++e) {
+          float v = s[j][e] * sl2;
+          if (masked) {
+            const int key = k0 + j * 8 + tg * 2 + (e & 1);
+            const int row = r_lo + g + (e >> 1) * 8;
+            if (key > min(diag + row, s_len - 1)) v = -INFINITY;
+          }
+          s[j][e] = v;
+        }
+        mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      // key 0 is in every row's first tile, so the max is finite from there on
+      const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+      const float z0 = n0 == -INFINITY ? 0.f : n0, z1 = n1 == -INFINITY ? 0.f : n1;
+      const float a0 = exp2f(m0 - z0), a1 = exp2f(m1 - z1);
+      m0 = n0;
+      m1 = n1;
+      l0 *= a0;
+      l1 *= a1;
 #pragma unroll
       for (int d = 0; d < DT; ++d) {
-        const uint32_t b0 = mb_join2<T>(vr[d * 8], vr[d * 8 + RS]);
-        const uint32_t b1 = mb_join2<T>(vr[d * 8 + 8 * RS], vr[d * 8 + 9 * RS]);
-        mb_mma(o[d], pf[2 * kk][0], pf[2 * kk][1], pf[2 * kk + 1][0], pf[2 * kk + 1][1], b0,
-               b1, T{});
+        o[d][0] *= a0;
+        o[d][1] *= a0;
+        o[d][2] *= a1;
+        o[d][3] *= a1;
+      }
+      uint32_t pf[NT][2];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const float p0 = exp2f(s[j][0] - z0), p1 = exp2f(s[j][1] - z0);
+        const float p2 = exp2f(s[j][2] - z1), p3 = exp2f(s[j][3] - z1);
+        l0 += p0 + p1;
+        l1 += p2 + p3;
+        pf[j][0] = mb_pack2(p0, p1, T{});
+        pf[j][1] = mb_pack2(p2, p3, T{});
+      }
+      // o += p v: the score tiles 2kk, 2kk + 1 are the A fragment of k-step kk
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        const T* vr = vs + (kk * 16 + tg * 2) * RS + g;
+#pragma unroll
+        for (int d = 0; d < DT; ++d) {
+          const uint32_t b0 = mb_join2<T>(vr[d * 8], vr[d * 8 + RS]);
+          const uint32_t b1 = mb_join2<T>(vr[d * 8 + 8 * RS], vr[d * 8 + 9 * RS]);
+          mb_mma(o[d], pf[2 * kk][0], pf[2 * kk][1], pf[2 * kk + 1][0], pf[2 * kk + 1][1], b0,
+                 b1, T{});
+        }
       }
     }
+    __syncthreads();  // every warp is done with this stage
   }
   if (!rows_here) return;
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -265,6 +304,18 @@ def supported(queries, keys, values, mask) -> bool:
     return mx.cuda.is_available() and shape_supported(queries, keys, values, mask)
 
 
+def stages() -> int:
+    text = os.environ.get(STAGES_ENV, "2")
+    if text not in ("1", "2"):
+        raise ValueError(f"{STAGES_ENV}={text!r}: want 1 or 2")
+    return int(text)
+
+
+def shared_bytes(head_dim: int, itemsize: int, n_stages: int) -> int:
+    """Dynamic shared memory a block: K and V tiles, rows padded by 8 elements."""
+    return 2 * n_stages * BLOCK_K * (head_dim + 8) * itemsize
+
+
 def prefill_attention(queries, keys, values, scale: float):
     """softmax(q k^T * scale, causal with the keys' last L rows this chunk) v: [B, Hq, L, D]."""
     import mlx.core as mx
@@ -274,7 +325,12 @@ def prefill_attention(queries, keys, values, scale: float):
     if s is None:
         s = _scales[scale] = mx.array([scale], dtype=mx.float32)
     blocks = (lq + BLOCK_Q - 1) // BLOCK_Q
-    kern = _kernel("causal", (("T", queries.dtype), ("HD", d)))
+    n = stages()
+    kern = _kernel(
+        "causal",
+        (("T", queries.dtype), ("HD", d), ("STAGES", n)),
+        shared_bytes(d, queries.dtype.size, n),
+    )
     return kern(
         inputs=[queries, keys, values, s],
         grid=(blocks * 128, hq, b),
@@ -288,7 +344,10 @@ def kernel_specs_for_check() -> list[KernelSpec]:
     """The source with concrete template values (bench/gpu/nvrtc_check.py)."""
     spec = _specs()["causal"]
     return [
-        for_dtype(spec, dtype, f"{spec.name}_{dtype}_{hd}", [("T", dtype), ("HD", hd)])
+        for_dtype(
+            spec, dtype, f"{spec.name}_{dtype}_{hd}_{n}", [("T", dtype), ("HD", hd), ("STAGES", n)]
+        )
         for dtype in ("bfloat16", "float16")
         for hd in HEAD_DIMS
+        for n in (1, 2)
     ]

@@ -67,6 +67,14 @@ def test_support_rule():
         assert not gpu_prefill_attention.supported(q, k, v, "causal")
 
 
+def test_stages_and_shared_memory(monkeypatch):
+    monkeypatch.setenv(gpu_prefill_attention.STAGES_ENV, "3")
+    with pytest.raises(ValueError, match=gpu_prefill_attention.STAGES_ENV):
+        gpu_prefill_attention.stages()
+    # two stages of K and V tiles at head dim 128, bf16: under an H100/H200 SM's 227 KB
+    assert gpu_prefill_attention.shared_bytes(128, 2, 2) == 2 * 2 * 64 * 136 * 2 < 227 << 10
+
+
 CASES = [
     # b, hq, hkv, lq, s, d
     (1, 8, 2, 2, 2, 64),
@@ -83,7 +91,9 @@ CASES = [
 @cuda
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
-def test_kernel_equals_float_attention(case, dtype):
+@pytest.mark.parametrize("stages", ["2", "1"])
+def test_kernel_equals_float_attention(monkeypatch, case, dtype, stages):
+    monkeypatch.setenv(gpu_prefill_attention.STAGES_ENV, stages)
     b, hq, hkv, lq, s, d = case
     q, k, v = _qkv(b, hq, hkv, lq, s, d, dtype, seed=lq + s)
     scale = d**-0.5
