@@ -41,6 +41,9 @@ ENV = "MARKBASE_GPU_PREFILL_ATTENTION"
 # 2: the next K/V tile is copied by cp.async while this one is used (2 buffers, 70 KB
 # of shared memory at D 128); 1: loaded through registers between two barriers
 STAGES_ENV = "MARKBASE_GPU_PREFILL_ATTN_STAGES"
+# 1: K and V fragments by ldmatrix (one instruction feeds two MMAs; V transposed on
+# the way); 0: 32-bit (K) and 16-bit (V) shared loads, two and four an MMA
+LDM_ENV = "MARKBASE_GPU_PREFILL_ATTN_LDM"
 
 _HEADER = r"""
 __device__ __forceinline__ uint32_t mb_pack2(float lo, float hi, __nv_bfloat16) {
@@ -59,6 +62,18 @@ __device__ __forceinline__ void mb_cp16z(void* dst, const void* src, bool valid)
 }
 __device__ __forceinline__ void mb_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void mb_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+// four 8x8 b16 matrices from shared memory; lane l gives row l % 8 of matrix l / 8,
+// and gets in r[i] what an MMA fragment holds of matrix i (.trans: of its transpose)
+__device__ __forceinline__ void mb_ldm4(uint32_t* r, const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void mb_ldm4t(uint32_t* r, const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
 template <typename T>
 __device__ __forceinline__ uint32_t mb_join2(T lo, T hi) {
   return static_cast<uint32_t>(*reinterpret_cast<const unsigned short*>(&lo)) |
@@ -166,12 +181,25 @@ _SOURCE = r"""
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-        const T* kr = ks + (j * 8 + g) * RS + tg * 2;
+        if constexpr (LDM) {
+          // matrices: keys j*8.. x dims kk*16 + 0, 8, 16, 24: b0, b1 of k-steps kk, kk+1
+          const T* kr = ks + (j * 8 + (lane & 7)) * RS + (lane >> 3) * 8;
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + kk * 16);
-          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + kk * 16 + 8);
-          mb_mma(s[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b0, b1, T{});
+          for (int kk = 0; kk < KS; kk += 2) {
+            uint32_t r[4];
+            mb_ldm4(r, kr + kk * 16);
+            mb_mma(s[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], r[0], r[1], T{});
+            mb_mma(s[j], qf[kk + 1][0], qf[kk + 1][1], qf[kk + 1][2], qf[kk + 1][3], r[2],
+                   r[3], T{});
+          }
+        } else {
+          const T* kr = ks + (j * 8 + g) * RS + tg * 2;
+#pragma unroll
+          for (int kk = 0; kk < KS; ++kk) {
+            const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + kk * 16);
+            const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + kk * 16 + 8);
+            mb_mma(s[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b0, b1, T{});
+          }
         }
       }
       // scale (log2 units); the causal limit only where this tile crosses it
@@ -224,13 +252,26 @@ _SOURCE = r"""
       // o += p v: the score tiles 2kk, 2kk + 1 are the A fragment of k-step kk
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) {
-        const T* vr = vs + (kk * 16 + tg * 2) * RS + g;
+        const uint32_t pa0 = pf[2 * kk][0], pa1 = pf[2 * kk][1];
+        const uint32_t pa2 = pf[2 * kk + 1][0], pa3 = pf[2 * kk + 1][1];
+        if constexpr (LDM) {
+          // transposed matrices: keys kk*16 + 0, 8 x dims d*8, (d+1)*8: b0, b1 of d, d+1
+          const T* vr = vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * RS + (lane >> 4) * 8;
 #pragma unroll
-        for (int d = 0; d < DT; ++d) {
-          const uint32_t b0 = mb_join2<T>(vr[d * 8], vr[d * 8 + RS]);
-          const uint32_t b1 = mb_join2<T>(vr[d * 8 + 8 * RS], vr[d * 8 + 9 * RS]);
-          mb_mma(o[d], pf[2 * kk][0], pf[2 * kk][1], pf[2 * kk + 1][0], pf[2 * kk + 1][1], b0,
-                 b1, T{});
+          for (int d = 0; d < DT; d += 2) {
+            uint32_t r[4];
+            mb_ldm4t(r, vr + d * 8);
+            mb_mma(o[d], pa0, pa1, pa2, pa3, r[0], r[1], T{});
+            mb_mma(o[d + 1], pa0, pa1, pa2, pa3, r[2], r[3], T{});
+          }
+        } else {
+          const T* vr = vs + (kk * 16 + tg * 2) * RS + g;
+#pragma unroll
+          for (int d = 0; d < DT; ++d) {
+            const uint32_t b0 = mb_join2<T>(vr[d * 8], vr[d * 8 + RS]);
+            const uint32_t b1 = mb_join2<T>(vr[d * 8 + 8 * RS], vr[d * 8 + 9 * RS]);
+            mb_mma(o[d], pa0, pa1, pa2, pa3, b0, b1, T{});
+          }
         }
       }
     }
@@ -311,6 +352,10 @@ def stages() -> int:
     return int(text)
 
 
+def use_ldmatrix() -> bool:
+    return os.environ.get(LDM_ENV, "1") != "0"
+
+
 def shared_bytes(head_dim: int, itemsize: int, n_stages: int) -> int:
     """Dynamic shared memory a block: K and V tiles, rows padded by 8 elements."""
     return 2 * n_stages * BLOCK_K * (head_dim + 8) * itemsize
@@ -328,7 +373,7 @@ def prefill_attention(queries, keys, values, scale: float):
     n = stages()
     kern = _kernel(
         "causal",
-        (("T", queries.dtype), ("HD", d), ("STAGES", n)),
+        (("T", queries.dtype), ("HD", d), ("STAGES", n), ("LDM", use_ldmatrix())),
         shared_bytes(d, queries.dtype.size, n),
     )
     return kern(
@@ -345,9 +390,13 @@ def kernel_specs_for_check() -> list[KernelSpec]:
     spec = _specs()["causal"]
     return [
         for_dtype(
-            spec, dtype, f"{spec.name}_{dtype}_{hd}_{n}", [("T", dtype), ("HD", hd), ("STAGES", n)]
+            spec,
+            dtype,
+            f"{spec.name}_{dtype}_{hd}_{n}_{int(ldm)}",
+            [("T", dtype), ("HD", hd), ("STAGES", n), ("LDM", ldm)],
         )
         for dtype in ("bfloat16", "float16")
         for hd in HEAD_DIMS
         for n in (1, 2)
+        for ldm in (False, True)
     ]

@@ -91,9 +91,10 @@ CASES = [
 @cuda
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("stages", ["2", "1"])
-def test_kernel_equals_float_attention(monkeypatch, case, dtype, stages):
-    monkeypatch.setenv(gpu_prefill_attention.STAGES_ENV, stages)
+@pytest.mark.parametrize("form", ["2-ldm", "1-ldm", "2-lds"])
+def test_kernel_equals_float_attention(monkeypatch, case, dtype, form):
+    monkeypatch.setenv(gpu_prefill_attention.STAGES_ENV, form[0])
+    monkeypatch.setenv(gpu_prefill_attention.LDM_ENV, "1" if form.endswith("ldm") else "0")
     b, hq, hkv, lq, s, d = case
     q, k, v = _qkv(b, hq, hkv, lq, s, d, dtype, seed=lq + s)
     scale = d**-0.5

@@ -61,8 +61,31 @@ def mma(c, a, b):
         c[lane] += [cm[g, 2 * t], cm[g, 2 * t + 1], cm[g + 8, 2 * t], cm[g + 8, 2 * t + 1]]
 
 
-def kernel(q, k, v, scale):
-    """The CUDA source's statements for every block, warp and lane."""
+def ldm4(smem, addr, trans):
+    """``ldmatrix.x4`` (``.trans``): lane l names (row, col) of row l % 8 of matrix l // 8
+    (8 consecutive elements); lane l gets for each matrix i the pair an MMA fragment
+    holds: (M[l//4][2(l%4)], M[l//4][2(l%4)+1]), of M's transpose with .trans."""
+    mats = []
+    for i in range(4):
+        rows = []
+        for r in range(8):
+            row, col = addr(8 * i + r)
+            rows.append(smem[row, col : col + 8])
+        mats.append(np.array(rows))
+    out = []
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        regs = []
+        for m in mats:
+            mm = m.T if trans else m
+            regs.append(mm[g, 2 * t : 2 * t + 2])
+        out.append(regs)
+    return out
+
+
+def kernel(q, k, v, scale, ldm=False):
+    """The CUDA source's statements for every block, warp and lane (``ldm``: the
+    fragments by ldmatrix, as with the kernel's LDM)."""
     b_n, n_q, lq, hd = q.shape
     n_kv, s_len = k.shape[1], k.shape[2]
     ks_n, dt = hd // 16, hd // 8
@@ -100,6 +123,19 @@ def kernel(q, k, v, scale):
                             continue
                         s = np.zeros((BK // 8, 32, 4))
                         for j in range(BK // 8):
+                            if ldm:
+                                for kk in range(0, ks_n, 2):
+                                    r = ldm4(
+                                        ks,
+                                        lambda ln, j=j, kk=kk: (
+                                            j * 8 + (ln & 7),
+                                            (ln >> 3) * 8 + kk * 16,
+                                        ),
+                                        False,
+                                    )
+                                    mma(s[j], qf[kk], [(x[0], x[1]) for x in r])
+                                    mma(s[j], qf[kk + 1], [(x[2], x[3]) for x in r])
+                                continue
                             for kk in range(ks_n):
                                 bregs = []
                                 for lane in range(32):
@@ -144,6 +180,19 @@ def kernel(q, k, v, scale):
                                 ]
                                 for lane in range(32)
                             ]
+                            if ldm:
+                                for d in range(0, dt, 2):
+                                    r = ldm4(
+                                        vs,
+                                        lambda ln, kk=kk, d=d: (
+                                            kk * 16 + (ln & 7) + ((ln >> 3) & 1) * 8,
+                                            (ln >> 4) * 8 + d * 8,
+                                        ),
+                                        True,
+                                    )
+                                    mma(o[d], aregs, [(x[0], x[1]) for x in r])
+                                    mma(o[d + 1], aregs, [(x[2], x[3]) for x in r])
+                                continue
                             for d in range(dt):
                                 bregs = []
                                 for lane in range(32):
@@ -174,10 +223,11 @@ def main() -> None:
         q = rng.standard_normal((b, hq, lq, d))
         k = rng.standard_normal((b, hkv, s, d))
         v = rng.standard_normal((b, hkv, s, d))
-        got = kernel(q, k, v, d**-0.5)
-        err = np.abs(got - reference(q, k, v, d**-0.5)).max()
-        print(f"b={b} hq={hq} hkv={hkv} L={lq} S={s} D={d}: max abs error {err:.2e}")
-        assert err < 1e-9, err
+        for ldm in (False, True):
+            got = kernel(q, k, v, d**-0.5, ldm=ldm)
+            err = np.abs(got - reference(q, k, v, d**-0.5)).max()
+            print(f"b={b} hq={hq} hkv={hkv} L={lq} S={s} D={d} ldm={ldm}: max abs error {err:.2e}")
+            assert err < 1e-9, err
     print("ok")
 
 

@@ -206,8 +206,11 @@ for stage in "$@"; do
         timeout ${PT_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short \
             tests/test_gpu_prefill_attention.py tests/test_gpu_prefill.py 2>&1 | tee "$OUT/test_prefill.log"
         ;;
-    prefill-ab)  # session 14: 2048-token prefill with engine/gpu_prefill_attention.py and
-        # engine/gpu_prefill.py on (default) and off, then qmm vs deq by row count
+    prefill-ab)  # session 14: the prefill attention kernel's forms alone against MLX's; then
+        # 2048-token prefill with engine/gpu_prefill_attention.py and engine/gpu_prefill.py
+        # on (default) and off; then qmm vs deq by row count
+        timeout ${PK_TIMEOUT:-90} python3 bench/gpu/prefill_attn_bench.py --out "$OUT/prefill_attn.json" \
+            2>&1 | tee "$OUT/prefill_attn.log"
         for v in on off; do
             env=""
             [ $v = off ] && env="MARKBASE_GPU_PREFILL_ATTENTION=mlx MARKBASE_GPU_PREFILL_DEQ_ROWS=0"
