@@ -14,7 +14,8 @@ product is memory-bound and reading the 4-bit weight once is what wins, so
 ``DequantPrefillLinear`` in place (same parameters, same results up to the float
 product's rounding); the GPU decode step does not call these modules (it has its own
 routes, engine/gpu_linear.py), so only prefill and models without a fused step see
-it. ``MARKBASE_GPU_PREFILL_DEQ_ROWS`` sets the row threshold; 0 turns it off.
+it. ``MARKBASE_GPU_PREFILL_DEQ_ROWS`` sets the row threshold (e.g. 256); 0, the
+default until a GPU run measures it, turns it off.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 ROWS_ENV = "MARKBASE_GPU_PREFILL_DEQ_ROWS"
-DEFAULT_MIN_ROWS = 256
+# 0 (off) until measured on a GPU (session 14 got no machine); 256 is the planned value
+DEFAULT_MIN_ROWS = 0
 
 
 class DequantPrefillLinear(nn.QuantizedLinear):

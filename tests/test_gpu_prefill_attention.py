@@ -67,6 +67,16 @@ def test_support_rule():
         assert not gpu_prefill_attention.supported(q, k, v, "causal")
 
 
+def test_switch(monkeypatch):
+    monkeypatch.setenv(gpu_prefill_attention.ENV, "fast")
+    with pytest.raises(ValueError, match=gpu_prefill_attention.ENV):
+        gpu_prefill_attention.enabled()
+    monkeypatch.setenv(gpu_prefill_attention.ENV, "kernel")
+    assert gpu_prefill_attention.enabled()
+    monkeypatch.setenv(gpu_prefill_attention.ENV, "mlx")
+    assert not gpu_prefill_attention.enabled()
+
+
 def test_stages_and_shared_memory(monkeypatch):
     monkeypatch.setenv(gpu_prefill_attention.STAGES_ENV, "3")
     with pytest.raises(ValueError, match=gpu_prefill_attention.STAGES_ENV):
@@ -145,6 +155,7 @@ def test_model_prefill_logits_unchanged(monkeypatch, head_dim):
         model(mx.array([tokens[:90]], dtype=mx.int32), cache=kv)  # then a chunk after 90
         return np.array(model(mx.array([tokens[90:]], dtype=mx.int32), cache=kv).astype(mx.float32))
 
+    monkeypatch.setenv(gpu_prefill_attention.ENV, "kernel")
     calls = []
     real = gpu_prefill_attention.prefill_attention
     monkeypatch.setattr(

@@ -208,11 +208,11 @@ for stage in "$@"; do
         ;;
     prefill-ab)  # session 14: the prefill attention kernel's forms alone against MLX's; then
         # 2048-token prefill with engine/gpu_prefill_attention.py and engine/gpu_prefill.py
-        # on (default) and off; then qmm vs deq by row count
+        # on and off (off is the default until measured); then qmm vs deq by row count
         timeout ${PK_TIMEOUT:-90} python3 bench/gpu/prefill_attn_bench.py --out "$OUT/prefill_attn.json" \
             2>&1 | tee "$OUT/prefill_attn.log"
         for v in on off; do
-            env=""
+            env="MARKBASE_GPU_PREFILL_ATTENTION=kernel MARKBASE_GPU_PREFILL_DEQ_ROWS=256"
             [ $v = off ] && env="MARKBASE_GPU_PREFILL_ATTENTION=mlx MARKBASE_GPU_PREFILL_DEQ_ROWS=0"
             env $env timeout ${PA_TIMEOUT:-150} $B --models ${PA_MODELS:-1b,8b} --quants bf16,q4 \
                 --batches 1 --variants "" --steps 8 --prefill 2048 --chunk 512 \
