@@ -13,6 +13,10 @@ from engine import gpu_prefill
 from engine.kv import SequenceKV
 from engine.loading import build_random_model
 
+# float32 products on a CUDA GPU may round their inputs to TF32 (10-bit mantissa):
+# measured on an H100, the routes differ by up to 6e-4 there (1e-6 on the CPU)
+TOL = 3e-3 if mx.default_device().type == mx.DeviceType.gpu else 1e-4
+
 TINY = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
@@ -41,7 +45,7 @@ def test_route_equals_quantized_matmul_above_and_only_above_the_threshold(bits, 
         for rows in (1, 7, 8, 40):
             x = mx.random.normal((1, rows, 128))
             got, want = np.array(layer(x)), np.array(reference(x))
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
             assert len(calls) == (rows >= 8), rows
             calls.clear()
     finally:
@@ -55,7 +59,7 @@ def test_prefill_logits_unchanged_by_the_route():
     want = np.array(model(tokens, cache=[SequenceKV() for _ in model.layers]))
     assert gpu_prefill.install(model, min_rows=16) == 7 * 2 + 1  # q,k,v,o,gate,up,down + lm_head
     got = np.array(model(tokens, cache=[SequenceKV() for _ in model.layers]))
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(got, want, rtol=10 * TOL, atol=10 * TOL)
 
 
 def test_threshold_from_the_environment():
