@@ -26,7 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 ROWS_ENV = "MARKBASE_GPU_PREFILL_DEQ_ROWS"
-# 0 (off) until measured on a GPU (session 14 got no machine); 256 is the planned value
+# 0 (off) until its speed is measured on a GPU (session 14's one call did not reach
+# it; bench/gpu/suite.sh prefill-ab); 256 is the planned value
 DEFAULT_MIN_ROWS = 0
 
 

@@ -345,12 +345,13 @@ def shape_supported(queries, keys, values, mask) -> bool:
 
 
 def supported(queries, keys, values, mask) -> bool:
-    """``shape_supported`` on a CUDA GPU, unless MARKBASE_GPU_PREFILL_ATTENTION=mlx."""
+    """``shape_supported`` on a CUDA GPU, unless MARKBASE_GPU_PREFILL_ATTENTION=mlx
+    (the shape first: every attention call of a model asks)."""
     import mlx.core as mx
 
-    if not enabled() or mx.default_device().type != mx.DeviceType.gpu:
+    if not shape_supported(queries, keys, values, mask) or not enabled():
         return False
-    return mx.cuda.is_available() and shape_supported(queries, keys, values, mask)
+    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
 
 
 def stages() -> int:
