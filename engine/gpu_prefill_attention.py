@@ -36,6 +36,7 @@ from engine.cuda_kernels import Baked, KernelSpec, for_dtype
 
 BLOCK_Q = 64  # query rows a block (16 a warp)
 BLOCK_K = 64  # keys a tile
+THREADS = BLOCK_Q // 16 * 32  # a warp a 16-row MMA tile of queries
 HEAD_DIMS = (64, 128)
 ENV = "MARKBASE_GPU_PREFILL_ATTENTION"
 # 2: the next K/V tile is copied by cp.async while this one is used (2 buffers, 70 KB
@@ -311,7 +312,7 @@ _kernel = Baked(_specs, ensure_row_contiguous=False)
 _scales: dict[float, object] = {}
 
 
-# on: its GPU tests pass on an H100 and alone it is 2.8-5.0x faster than MLX's
+# on: its GPU tests pass on an H100 and alone it is 2.8-4.6x faster than MLX's
 # attention in the same process (bench/gpu/NOTES.md, session 14)
 DEFAULT = "kernel"
 
@@ -387,8 +388,8 @@ def prefill_attention(queries, keys, values, scale: float):
     )
     return kern(
         inputs=[queries, keys, values, s],
-        grid=(blocks * 128, hq, b),
-        threadgroup=(128, 1, 1),
+        grid=(blocks * THREADS, hq, b),
+        threadgroup=(THREADS, 1, 1),
         output_shapes=[(b, hq, lq, d)],
         output_dtypes=[queries.dtype],
     )[0]

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from test_gpu_prefill_attention import causal_attention as reference  # noqa: E402
 
-BQ = BK = 64
+from engine.gpu_prefill_attention import BLOCK_K as BK  # noqa: E402
+from engine.gpu_prefill_attention import BLOCK_Q as BQ  # noqa: E402
 
 
 def a_regs(lane_val):
