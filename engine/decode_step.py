@@ -287,15 +287,19 @@ class FusedDecodeStep:
         if self.attention_kernel and all(f is not None for f in self._qkv) and self.flat:
             if os.environ.get("MARKBASE_GPU_ROPE_APPEND", "1") != "0":
                 self.rope = rope_for_kernel(self.inner.layers)
-        # the whole append-form step under one mx.compile (MARKBASE_GPU_STEP_COMPILE=1):
-        # the H200's decode step at one row is host-bound, about half of it Python
-        # building ~233 kernel calls a step (bench/gpu/NOTES.md, sessions 11-13); a
-        # compiled step replays them from MLX's tape instead. Its inputs keep their
-        # shapes from step to step (the attention kernel takes the whole cache buffers
-        # and T from each row's position), so it retraces only when the batch size, the
-        # buffers' capacity (every 256 steps) or the attention's split count changes
+        # the whole append-form step under one mx.compile (on unless
+        # MARKBASE_GPU_STEP_COMPILE=0): the decode step at one row is host-bound, about
+        # half of it Python building ~233 kernel calls a step (bench/gpu/NOTES.md,
+        # sessions 11-13); a compiled step replays them from MLX's tape instead
+        # (measured on an H100, session 15: 1b bf16 B=1 398 -> 659 tok/s, B=8 3379 ->
+        # 5226; 8b 4-bit B=8 1725 -> 2037). Its inputs keep their shapes from step to
+        # step (the attention kernel takes the whole cache buffers and T from each
+        # row's position), so it retraces only when the batch size, the buffers'
+        # capacity (every 256 steps) or the attention's split count changes; the
+        # warm-up traces the batch sizes it runs, and a retrace later cost no step over
+        # ~80 ms in the session-15 table (max step at B=32/128, as without it)
         self.step_compile = (
-            self.rope is not None and os.environ.get("MARKBASE_GPU_STEP_COMPILE", "0") == "1"
+            self.rope is not None and os.environ.get("MARKBASE_GPU_STEP_COMPILE", "1") != "0"
         )
         self._whole = mx.compile(self._whole_step) if self.step_compile else None
         # whether layer i's kernel can also make layer i + 1's q/k/v product
@@ -661,11 +665,13 @@ def fuse_linears(linears, quantized: bool = False, gpu_plans: bool = False):
     import mlx.core as mx
     import mlx.nn as nn
 
+    from engine import gpu_prefill
+
     if any("bias" in lin for lin in linears):
         return None
     if all(type(lin) is nn.Linear for lin in linears):
         names = ("weight",)
-    elif quantized and all(type(lin) is nn.QuantizedLinear for lin in linears):
+    elif quantized and all(gpu_prefill.is_plain_quantized(lin) for lin in linears):
         first = linears[0]
         settings = {(lin.bits, lin.group_size, getattr(lin, "mode", "affine")) for lin in linears}
         has_biases = {lin.get("biases") is not None for lin in linears}

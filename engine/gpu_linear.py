@@ -443,11 +443,13 @@ def for_module(linear):
     without bias, or None (then the module is called as it is)."""
     import mlx.nn as nn
 
+    from engine import gpu_prefill
+
     if "bias" in linear:
         return None
     if type(linear) is nn.Linear:
         return GpuLinear(linear.weight)
-    if type(linear) is nn.QuantizedLinear:
+    if gpu_prefill.is_plain_quantized(linear):
         return GpuQuantizedLinear(
             linear.weight,
             linear.scales,

@@ -14,8 +14,13 @@ product is memory-bound and reading the 4-bit weight once is what wins, so
 ``DequantPrefillLinear`` in place (same parameters, same results up to the float
 product's rounding); the GPU decode step does not call these modules (it has its own
 routes, engine/gpu_linear.py), so only prefill and models without a fused step see
-it. ``MARKBASE_GPU_PREFILL_DEQ_ROWS`` sets the row threshold (e.g. 256); 0, the
-default until a GPU run measures it, turns it off.
+it. ``MARKBASE_GPU_PREFILL_DEQ_ROWS`` sets the row threshold (default 256); 0 turns
+it off.
+
+Measured on an H100 (session 15, bench/gpu/NOTES.md): one layer's products at 256
+rows 0.82x (8b) and 0.95x (1b) of ``quantized_matmul``'s time, at 2048 rows 0.25x;
+below 256 rows slower (1.4x at 128). A 2048-token prefill of the 8b 4-bit model, with
+engine/gpu_prefill_attention.py: 8,741 -> 24,694 tok/s.
 """
 
 from __future__ import annotations
@@ -26,9 +31,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 ROWS_ENV = "MARKBASE_GPU_PREFILL_DEQ_ROWS"
-# 0 (off) until its speed is measured on a GPU (session 14's one call did not reach
-# it; bench/gpu/suite.sh prefill-ab); 256 is the planned value
-DEFAULT_MIN_ROWS = 0
+# where dequantizing first starts to win (bench/gpu/matmul_rows.py --forms qmm,deq)
+DEFAULT_MIN_ROWS = 256
 
 
 class DequantPrefillLinear(nn.QuantizedLinear):
@@ -53,6 +57,16 @@ class DequantPrefillLinear(nn.QuantizedLinear):
         return y
 
 
+def is_plain_quantized(module) -> bool:
+    """Whether ``module`` is an ``nn.QuantizedLinear`` with nothing changed but this
+    route: the GPU decode step fuses and replans exactly these. A second
+    ``ModelRunner`` on one model (the benchmarks build one per variant) finds the first
+    one's ``DequantPrefillLinear`` modules; taking them for something else sent every
+    decode product to MLX's ``quantized_matmul`` (8b 4-bit at 8 rows: 546 tok/s against
+    1,725, bench/gpu/NOTES.md, session 15)."""
+    return type(module) is nn.QuantizedLinear or type(module) is DequantPrefillLinear
+
+
 def min_rows_from_env(env=None) -> int:
     """The row threshold in effect: ``MARKBASE_GPU_PREFILL_DEQ_ROWS``, else the default."""
     text = (os.environ if env is None else env).get(ROWS_ENV, "")
@@ -71,7 +85,7 @@ def install(model: nn.Module, min_rows: int | None = None) -> int:
         return 0
     count = 0
     for _, module in model.named_modules():
-        if type(module) is nn.QuantizedLinear or isinstance(module, DequantPrefillLinear):
+        if is_plain_quantized(module):
             module.__class__ = DequantPrefillLinear
             module.min_rows = min_rows
             count += 1

@@ -32,9 +32,9 @@ class ModelRunner:
         # engine/cpu_step.py; GPU: the fused one, engine/decode_step.py); other
         # families, or fused_decode=False, call the model as is.
         self.decode_step = _make_decode_step(model) if fused_decode else None
-        # GPU prefill: many-row 4-bit products may dequantize the weight and run a float
-        # matmul (engine/gpu_prefill.py; off unless MARKBASE_GPU_PREFILL_DEQ_ROWS is
-        # set); after the decode step took its own copies.
+        # GPU prefill: quantized products of 256+ rows dequantize the weight and run a
+        # float matmul (engine/gpu_prefill.py; MARKBASE_GPU_PREFILL_DEQ_ROWS=0 turns it
+        # off); after the decode step took its own copies.
         if on_gpu():
             gpu_prefill.install(model)
         # After the step fused its weights: on the CPU, decode products read the

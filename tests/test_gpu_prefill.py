@@ -68,3 +68,20 @@ def test_threshold_from_the_environment():
     assert gpu_prefill.install(nn.QuantizedLinear(64, 64), min_rows=0) == 0
     with pytest.raises(ValueError, match=gpu_prefill.ROWS_ENV):
         gpu_prefill.min_rows_from_env({gpu_prefill.ROWS_ENV: "many"})
+
+
+def test_the_decode_step_still_fuses_and_replans_the_routes_modules():
+    """A second runner on one model (the benchmarks build one per variant) meets the
+    first one's routed modules: the decode step must still fuse and plan them, else
+    every decode product falls back to quantized_matmul (measured: 3x slower)."""
+    from engine import gpu_linear
+    from engine.decode_step import fuse_linears
+
+    model = build_random_model("llama", TINY, seed=6, quantize_bits=4).model
+    assert gpu_prefill.install(model, min_rows=16) > 0
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert isinstance(attn.q_proj, gpu_prefill.DequantPrefillLinear)
+    assert fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj], quantized=True) is not None
+    assert fuse_linears([mlp.gate_proj, mlp.up_proj], quantized=True, gpu_plans=True) is not None
+    assert isinstance(gpu_linear.for_module(mlp.down_proj), gpu_linear.GpuQuantizedLinear)
+    assert not gpu_prefill.is_plain_quantized(nn.Linear(8, 8))
