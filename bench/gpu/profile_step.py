@@ -60,8 +60,9 @@ now = time.perf_counter
 # "-atl16u2v"; bench/gpu/attn_bench.py times the kernel alone); "-pin" = the product
 # kernels with PIN (gpu_mma.pin_loads: every load of an iteration before its MMAs);
 # "-qn1" = the RMSNorms inside the 1-row kernels (MARKBASE_GPU_QSTREAM_NORM=1); "-wc" =
-# the whole step under one mx.compile (FusedDecodeStep.step_compile,
-# MARKBASE_GPU_STEP_COMPILE=1); "-ql" = a layer's products after the attention as one
+# the whole step under one mx.compile (FusedDecodeStep.step_compile; the engine's
+# default since session 15, but here only variants with "-wc" compile, so that
+# "default" stays the uncompiled baseline of earlier sessions' profiles); "-ql" = a layer's products after the attention as one
 # kernel at one row (engine/gpu_qlayer.py, FusedDecodeStep.qlayer,
 # MARKBASE_GPU_QSTREAM_LAYER=1); "-ql2" = with the next layer's RMSNorm + q/k/v product
 # inside it too (MARKBASE_GPU_QSTREAM_LAYER=2); "-ql3" = the attention too: one kernel a

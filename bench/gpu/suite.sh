@@ -208,7 +208,7 @@ for stage in "$@"; do
         ;;
     prefill-ab)  # session 14: the prefill attention kernel's forms alone against MLX's; then
         # 2048-token prefill with engine/gpu_prefill_attention.py and engine/gpu_prefill.py
-        # on and off (off is the default until measured); then qmm vs deq by row count
+        # on and off (both on by default since session 15); then qmm vs deq by row count
         timeout ${PK_TIMEOUT:-90} python3 bench/gpu/prefill_attn_bench.py --out "$OUT/prefill_attn.json" \
             2>&1 | tee "$OUT/prefill_attn.log"
         for v in on off; do
