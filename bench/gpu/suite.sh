@@ -250,12 +250,12 @@ for stage in "$@"; do
         # each from a copy of the caches as they are now)
         snapshot_caches off on cudnn0
         for w in off on; do
-            MLX_PTX_CACHE_DIR=/tmp/ptx-$w CUDA_CACHE_PATH=/tmp/nv-$w timeout 60 $E first-request \
+            MLX_PTX_CACHE_DIR=/tmp/ptx-$w CUDA_CACHE_PATH=/tmp/nv-$w timeout ${FR_TIMEOUT:-150} $E first-request \
                 --warmup $w $EM --out "$OUT/engine-first-$w.json"
         done
         # MLX's cuDNN attention off: prefill attention without a per-shape cuDNN graph
         MLX_CUDA_USE_CUDNN_SDPA=0 MLX_PTX_CACHE_DIR=/tmp/ptx-cudnn0 CUDA_CACHE_PATH=/tmp/nv-cudnn0 \
-            timeout 60 $E first-request --warmup on $EM --out "$OUT/engine-first-on-cudnn0.json"
+            timeout ${FR_TIMEOUT:-150} $E first-request --warmup on $EM --out "$OUT/engine-first-on-cudnn0.json"
         ;;
     cudnn)  # session 5: prefill with MLX's cuDNN attention on (MLX's default) and off
         # (markbase's default since session 5): what the per-shape-compile fix costs
