@@ -24,6 +24,7 @@
 #   bash bench/gpu/suite.sh s13-test tail-bench; PROFILE_CONFIGS="8b:q4 1b:q4" PROFILE_BATCHES=1,8 \
 #       PROFILE_VARIANTS=default,default-wc,default-wc-ql,default-wc-ql2,default-wc-ql3 bash bench/gpu/suite.sh profile
 #                                                                           (session 13, prepared)
+#   bash bench/gpu/suite.sh prefill-profile                                 (session 15, prepared)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -220,6 +221,12 @@ for stage in "$@"; do
         done
         timeout ${PR_TIMEOUT:-120} python3 bench/gpu/matmul_rows.py --models 8b,1b \
             --rows ${PR_ROWS:-64,128,256,512,2048} --forms xwt,qmm,deq --reps 3 --out "$OUT/prefill_rows.json"
+        ;;
+    prefill-profile)  # session 15: a 2048-token chunk's kernels (CUPTI): bf16 vs 4-bit, the
+        # dequantize route vs quantized_matmul, the prompt attention kernel vs MLX's
+        timeout ${PP_TIMEOUT:-200} python3 bench/gpu/profile_prefill.py --models ${PP_MODELS:-1b,8b} \
+            --budget-s $(( ${PP_TIMEOUT:-200} - 30 )) --out "$OUT/prefill_profile.json" 2>&1 \
+            | grep -v Warn | tee "$OUT/prefill_profile.log"
         ;;
     tail-bench)  # session 13: a layer's tail as separate kernels vs one (CUPTI)
         timeout ${TAIL_TIMEOUT:-150} python3 bench/gpu/q4_bench.py --model ${Q4_MODEL:-8b} \
