@@ -386,6 +386,10 @@ class FusedDecodeStep:
             from engine import gpu_qstream
 
             gpu_qstream.warm(dtype, self._qstream_products())
+        if gpu_linear.uses("qgemm"):
+            from engine import gpu_qgemm
+
+            gpu_qgemm.warm(dtype, self._qgemm_products())
         if self.qlayer and any(self._qlayer_ok):
             from engine import gpu_qlayer
 
@@ -445,6 +449,23 @@ class FusedDecodeStep:
                 n, k = linear.weight.shape
                 if gpu_mma.float_supported(dtype, linear.weight.dtype, n, k):
                     out.add((0, k, n, residual, glu, norm))
+        return out
+
+    def _qgemm_products(self) -> set:
+        """(group size, K, N, residual, glu) of every product the step can send to
+        engine/gpu_qgemm.py (gpu_qgemm.warm compiles their variants)."""
+        from engine import gpu_qgemm
+
+        dtype = self.inner.norm.weight.dtype
+        out = set()
+        for linear, residual, glu, _ in self._products:
+            if not isinstance(linear, GpuQuantizedLinear):
+                continue
+            n, k = linear.weight.shape[0], linear.scales.shape[-1] * linear.group_size
+            if gpu_qgemm.supported(
+                dtype, n, k, linear.bits, linear.group_size, linear.mode, linear.biases
+            ):
+                out.add((linear.group_size, k, n, residual, glu))
         return out
 
     def _qstream_products(self) -> set:

@@ -16,6 +16,8 @@ a step). The same product can be written in ways that reach other kernels:
   ``qmma`` = engine/gpu_mma.py's 4-bit tensor-core kernel (the same);
   ``qstream`` = engine/gpu_qstream.py's 1-row 4-bit kernel (loads through shared
   memory, the RMSNorm before it folded in where asked; other row counts go to ``qmma``);
+  ``qgemm`` = engine/gpu_qgemm.py's 4-bit kernel for many rows (x staged in shared
+  memory, 64-128 rows a block; not in the default plan until measured);
   ``qmm`` = ``mx.quantized_matmul``; ``deq`` = dequantize the weight to
   the activations' dtype, then ``xwt`` (reads the 4-bit weight, writes and reads a
   bf16 copy: about 3x the bytes of a bf16 product, but at bf16 speed); ``deqwxt``;
@@ -39,7 +41,7 @@ import os
 from dataclasses import dataclass
 
 FLOAT_FORMS = ("xwt", "wxt", "gemv", "mma")
-QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv", "qmma", "qstream")
+QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv", "qmma", "qstream", "qgemm")
 # measured on the H200 (bench/gpu/NOTES.md, sessions 6-7): engine/gpu_mma.py's
 # tensor-core kernels from 2 to 32 rows (8b 4-bit B=8 630 -> 1,131-1,512 tok/s, B=32
 # 1,373 -> 4,258-4,345; 1b bf16 B=8 1.5-1.7x, B=32 1.4-2.4x, with the residual adds
@@ -307,6 +309,14 @@ class GpuQuantizedLinear(_Routes):
                     return None
                 return gpu_qstream.launcher(dtype, n, k, self.group_size, residual, glu, norm)
             form = "qmma"
+        if form == "qgemm":
+            if norm:  # not a form of this kernel: the norm as its own op (_make_route)
+                return None
+            if self._kernel_ok("qgemm", dtype):
+                from engine import gpu_qgemm
+
+                return gpu_qgemm.launcher(dtype, rows, n, k, self.group_size, residual, glu)
+            form = "qmma"
         if form != "qmma" or not self._kernel_ok("qmma", dtype):
             return None
         if norm and not mma_norm:
@@ -320,10 +330,14 @@ class GpuQuantizedLinear(_Routes):
         key = (form, dtype)
         ok = self._ok.get(key)
         if ok is None:
-            from engine import gpu_gemv, gpu_mma, gpu_qstream
+            from engine import gpu_gemv, gpu_mma, gpu_qgemm, gpu_qstream
 
             n, k = self.weight.shape[0], self.scales.shape[-1] * self.group_size
-            if form == "qstream":
+            if form == "qgemm":
+                ok = gpu_qgemm.supported(
+                    dtype, n, k, self.bits, self.group_size, self.mode, self.biases
+                )
+            elif form == "qstream":
                 ok = gpu_qstream.supported(
                     dtype, 1, n, k, self.bits, self.group_size, self.mode, self.biases
                 )
@@ -366,10 +380,12 @@ class GpuQuantizedLinear(_Routes):
 
         if form == "qstream":  # the [B, 1, K] path, not the decode step's
             form = "qmma"
-        if form in ("qmma", "qgemv"):
-            from engine import gpu_gemv, gpu_mma
+        if form == "qgemm" and not self._kernel_ok("qgemm", x.dtype):
+            form = "qmma"
+        if form in ("qmma", "qgemv", "qgemm"):
+            from engine import gpu_gemv, gpu_mma, gpu_qgemm
 
-            module = gpu_mma if form == "qmma" else gpu_gemv
+            module = {"qmma": gpu_mma, "qgemv": gpu_gemv, "qgemm": gpu_qgemm}[form]
             if self._kernel_ok(form, x.dtype):
                 if x.ndim == 2:  # the GPU step's [B, D]: no reshapes (each is host time)
                     return module.quantized_matmul(

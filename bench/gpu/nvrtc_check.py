@@ -130,6 +130,7 @@ def main() -> None:
         gpu_mma,
         gpu_prefill_attention,
         gpu_qblock,
+        gpu_qgemm,
         gpu_qlayer,
         gpu_qstream,
     )
@@ -143,6 +144,7 @@ def main() -> None:
         + gpu_qlayer.kernel_specs_for_check()
         + gpu_qblock.kernel_specs_for_check()
         + gpu_prefill_attention.kernel_specs_for_check()
+        + gpu_qgemm.kernel_specs_for_check()
     )
     for spec in specs:
         if args.only not in spec.name:

@@ -24,7 +24,9 @@
 #   bash bench/gpu/suite.sh s13-test tail-bench; PROFILE_CONFIGS="8b:q4 1b:q4" PROFILE_BATCHES=1,8 \
 #       PROFILE_VARIANTS=default,default-wc,default-wc-ql,default-wc-ql2,default-wc-ql3 bash bench/gpu/suite.sh profile
 #                                                                           (session 13, prepared)
-#   bash bench/gpu/suite.sh prefill-profile                                 (session 15, prepared)
+#   bash bench/gpu/suite.sh qgemm-test prefill-profile; MARKBASE_GPU_QUANT_PLAN=1:qstream,2:qmma,33:qgemm \
+#       TABLE_CONFIGS="8b:q4 1b:q4" TABLE_BATCHES=32,128 TABLE_TAG=qgemm bash bench/gpu/suite.sh engine-table
+#                                                                           (session 15, prepared)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -221,6 +223,13 @@ for stage in "$@"; do
         done
         timeout ${PR_TIMEOUT:-120} python3 bench/gpu/matmul_rows.py --models 8b,1b \
             --rows ${PR_ROWS:-64,128,256,512,2048} --forms xwt,qmm,deq --reps 3 --out "$OUT/prefill_rows.json"
+        ;;
+    qgemm-test)  # session 15: engine/gpu_qgemm.py's tests, then its products per layer
+        # against gpu_mma's (qmma) at 33-128 rows
+        timeout ${QG_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short \
+            tests/test_gpu_qgemm.py 2>&1 | tee "$OUT/test_qgemm.log"
+        timeout ${QR_TIMEOUT:-120} python3 bench/gpu/matmul_rows.py --models 8b,1b \
+            --rows 33,64,128 --forms qmma,qgemm --reps 3 --out "$OUT/qgemm_rows.json"
         ;;
     prefill-profile)  # session 15: a 2048-token chunk's kernels (CUPTI): bf16 vs 4-bit, the
         # dequantize route vs quantized_matmul, the prompt attention kernel vs MLX's

@@ -1,0 +1,153 @@
+"""engine/gpu_qgemm.py's index logic, lane by lane, in numpy: a CPU check of its layout.
+
+It transcribes the kernel for every block of a launch: the ``cp.async`` copies of x
+into the shared buffer (``MB_STAGE``: unit u -> row, inputs, destination unit), each
+lane's weight words, scales and biases (``MB_WLOAD``) and their dequantized MMA
+fragments, the fragment reads from the buffer, ``mma.sync.m16n8k16`` with the PTX
+ISA's fragment layouts (bench/gpu/mma_emulation.py's ``mma``), and the epilogue
+(residual, silu(gate) * up), then compares with numpy's product. It checks the
+mapping, not the CUDA code itself: change both together.
+
+    .venv/bin/python bench/gpu/qgemm_emulation.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from mma_emulation import mma  # noqa: E402
+
+from engine.gpu_qgemm import geometry  # noqa: E402
+
+
+def pack(q: np.ndarray) -> np.ndarray:
+    """4-bit values [N, K] -> uint32 words [N, K/8] as MLX packs them (input 8i + j in
+    bits 4j..4j+3 of word i)."""
+    n, k = q.shape
+    words = np.zeros((n, k // 8), dtype=np.uint64)
+    for j in range(8):
+        words |= q[:, j::8].astype(np.uint64) << np.uint64(4 * j)
+    return words.astype(np.uint32)
+
+
+def deq2(v: int, s: float, b: float) -> tuple[float, float]:
+    """mb_deq2: bits 0-3 and 4-7 of v as the pair (q0 * s + b, q1 * s + b)."""
+    return ((v & 0xF) * s + b, ((v >> 4) & 0xF) * s + b)
+
+
+def run(x, words, scales, biases, gs, shape=None, residual=None, glu=False):
+    """``shape`` = (x rows a block, warps a block); None: ``geometry``'s choice."""
+    m_rows, k = x.shape
+    nw = words.shape[0]
+    n = nw // 2 if glu else nw
+    bm, wm = shape or geometry(m_rows, nw // 16)
+    ntw = bm // 8
+    xu = bm * 16
+    rc = -(-m_rows // bm)
+    blocks = nw // 16 // wm * rc
+    y = np.full((m_rows, n), np.nan)
+    for block in range(blocks):
+        m0 = (block % rc) * bm
+        steps = k // 128
+        # the shared buffer of one step: 16-byte units of 8 inputs (one per stage; the
+        # double buffering changes when, not where)
+        acc = {w: np.zeros((ntw, 32, 4)) for w in range(wm)}
+        for ks in range(steps):
+            xs = [None] * xu
+            for u in range(xu):  # MB_STAGE
+                rr, q = u >> 4, u & 15
+                ok = m0 + rr < m_rows
+                src = x[m0 + rr, ks * 128 + q * 8 : ks * 128 + q * 8 + 8] if ok else np.zeros(8)
+                dst = (((rr >> 3) * 4 + (q & 3)) * 8 + (rr & 7)) * 4 + (q >> 2)
+                assert xs[dst] is None, "two copies into one unit"
+                xs[dst] = src
+            assert all(v is not None for v in xs)
+            for warp in range(wm):
+                tile = (block // rc) * wm + warp
+                regs = []
+                for lane in range(32):  # MB_WLOAD
+                    g, t = lane >> 2, lane & 3
+                    f = tile * (8 if glu else 16) + g
+                    row0, row1 = f, (n + f if glu else f + 8)
+                    gi = (ks * 128 + t * 32) // gs
+                    q0 = words[row0, ks * 16 + t * 4 : ks * 16 + t * 4 + 4]
+                    q1 = words[row1, ks * 16 + t * 4 : ks * 16 + t * 4 + 4]
+                    regs.append((q0, q1, scales[row0, gi], scales[row1, gi], biases[row0, gi],
+                                 biases[row1, gi]))  # fmt: skip
+                for hp in range(4):
+                    a_first, a_second = [], []
+                    for lane in range(32):
+                        q0, q1, s0, s1, b0, b1 = regs[lane]
+                        v0, v1 = int(q0[hp]), int(q1[hp])
+                        a_first.append((deq2(v0, s0, b0), deq2(v1, s1, b1),
+                                        deq2(v0 >> 8, s0, b0), deq2(v1 >> 8, s1, b1)))  # fmt: skip
+                        a_second.append((deq2(v0 >> 16, s0, b0), deq2(v1 >> 16, s1, b1),
+                                         deq2(v0 >> 24, s0, b0), deq2(v1 >> 24, s1, b1)))  # fmt: skip
+                    for j in range(ntw):
+                        xv = [xs[(j * 4 + hp) * 32 + lane] for lane in range(32)]
+                        mma(acc[warp][j], a_first, [(v[0:2], v[2:4]) for v in xv])
+                        mma(acc[warp][j], a_second, [(v[4:6], v[6:8]) for v in xv])
+        for warp in range(wm):  # the epilogue
+            tile = (block // rc) * wm + warp
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                f = tile * (8 if glu else 16) + g
+                row0, row1 = f, (n + f if glu else f + 8)
+                for j in range(ntw):
+                    c = acc[warp][j][lane]
+                    for e in range(2):
+                        m = m0 + j * 8 + 2 * t + e
+                        if m >= m_rows:
+                            continue
+                        if glu:
+                            gs_, us = c[e], c[2 + e]
+                            assert np.isnan(y[m, f])
+                            y[m, f] = gs_ / (1 + np.exp(-gs_)) * us
+                        else:
+                            v0, v1 = c[e], c[2 + e]
+                            if residual is not None:
+                                v0, v1 = v0 + residual[m, row0], v1 + residual[m, row1]
+                            assert np.isnan(y[m, row0]) and np.isnan(y[m, row1])
+                            y[m, row0], y[m, row1] = v0, v1
+    assert not np.isnan(y).any(), "an output nobody wrote"
+    return y
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    # (rows, weight rows, K, group size, block shape): 8, 4, 2 and 1 warps, 64- and
+    # 128-row blocks, rows that are not a multiple of the block's, several row chunks
+    for m, nw, k, gs, shape in [(40, 256, 256, 64, (64, 8)), (100, 128, 128, 32, (128, 8)),
+                                (130, 64, 384, 128, (64, 4)), (64, 32, 256, 64, (64, 2)),
+                                (33, 2048, 128, 64, None), (200, 64, 128, 64, (128, 2))]:  # fmt: skip
+        x = 0.1 * rng.standard_normal((m, k))
+        q = rng.integers(0, 16, (nw, k))
+        s = 0.1 * rng.standard_normal((nw, k // gs))
+        b = 0.1 * rng.standard_normal((nw, k // gs))
+        wd = q * np.repeat(s, gs, axis=1) + np.repeat(b, gs, axis=1)
+        words = pack(q)
+        res = rng.standard_normal((m, nw))
+        err = np.abs(run(x, words, s, b, gs, shape) - x @ wd.T).max()
+        err_r = np.abs(run(x, words, s, b, gs, shape, res) - (res + x @ wd.T)).max()
+        gate, up = x @ wd[: nw // 2].T, x @ wd[nw // 2 :].T
+        want = gate / (1 + np.exp(-gate)) * up
+        err_g = np.abs(run(x, words, s, b, gs, shape, glu=True) - want).max()
+        bm, wm = shape or geometry(m, nw // 16)
+        print(
+            f"rows {m:3d} weight {nw:4d} x {k} group {gs:3d} (block {bm} rows, {wm} warps): "
+            f"plain {err:.1e}  residual {err_r:.1e}  glu {err_g:.1e}"
+        )
+        worst = max(worst, err, err_r, err_g)
+    print("ok" if worst < 1e-9 else "MISMATCH")
+    raise SystemExit(0 if worst < 1e-9 else 1)
+
+
+if __name__ == "__main__":
+    main()

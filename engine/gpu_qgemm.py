@@ -1,0 +1,297 @@
+"""4-bit decode products of many rows (33-128+) on tensor cores, x staged in shared memory.
+
+Why: engine/gpu_mma.py's kernel holds x in registers, 32 rows a block, and splits the
+input dim over its warps. At 128 rows every weight tile is then dequantized by 4
+blocks, and each block's warps wait on their own loads with nothing staged: the 8b
+4-bit step at B=128 takes 20.9 ms on an H100 against 16.1 ms in bf16 (bench/gpu/NOTES.md,
+session 15), its products running at ~130 TFLOP/s. Widening that kernel's blocks
+does not help (4x the L2 traffic of x, NOTES.md).
+
+Here a block takes 64 or 128 rows of x and ``WM`` m-tiles of 16 weight rows, one a
+warp. x goes through shared memory in steps of 128 inputs, copied by ``cp.async``
+into two buffers (the next step's copy runs while this one is used) and read by every
+warp, so each weight fragment is dequantized once for all of the block's rows. A
+warp's weight words for the next step are loaded into registers while it computes
+this one. No warp splits the input dim, so there is no reduction at the end: each
+lane writes its outputs (plus the residual, or silu(gate) * up) from its accumulators.
+
+Layout: the MMA is ``y.T = W @ x.T`` as in gpu_mma.py (``mma.sync.m16n8k16``, weight
+rows on the 16-row side, x rows on the 8-column side) with the same input permutation:
+lane ``t`` of a quad holds physical inputs ``32t..32t+31`` of a step and feeds them as
+the logical inputs ``2t, 2t+1, 2t+8, 2t+9`` of 8 MMA steps, for the weight and for x
+alike. x's shared buffer is ``[n-tile][pair of MMA steps][g][t]`` of 16-byte units
+(one global 16-byte load each), so the warp reads a fragment as 512 contiguous bytes.
+``bench/gpu/qgemm_emulation.py`` checks this mapping lane by lane in numpy.
+
+Off unless the quantized plan names ``qgemm`` (e.g. ``MARKBASE_GPU_QUANT_PLAN=
+1:qstream,2:qmma,33:qgemm``): not yet measured on a GPU.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from engine.cuda_kernels import Baked, KernelSpec, for_dtype, one_output_call
+
+KSTEP = 128  # inputs a step: 4 lanes of a quad x 32
+MIN_BLOCKS = 128  # about one a SM of an H100/H200 (132)
+
+_SOURCE = r"""
+  constexpr int BM = NTW * 8;        // x rows a block
+  constexpr int XU = BM * 16;        // 16-byte units of x a step (BM rows x 128 inputs)
+  constexpr int NTH = WM * 32;
+  extern __shared__ __align__(16) unsigned char mb_smem[];
+  uint4* xs = reinterpret_cast<uint4*>(mb_smem);  // [2][NTW][4][8][4] units
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int M = x_shape[0];
+  const int K = x_shape[1];
+  const int NW = w_shape[0];
+  const int N = GLU ? NW / 2 : NW;  // outputs a row
+  const int RC = (M + BM - 1) / BM;
+  // the row chunks of one weight tile are neighbouring blocks (the tile from HBM once)
+  const int m0 = (blockIdx.x % RC) * BM;
+  const int tile = (blockIdx.x / RC) * WM + warp;
+  // GLU: an m-tile is 8 gate rows (MMA rows 0-7) and their 8 up rows (8-15)
+  const int f = tile * (GLU ? 8 : 16) + g;
+  const int row0 = f;
+  const int row1 = GLU ? N + f : f + 8;
+  const int words = K / 8;
+  const int groups = K / GS;
+  const uint32_t* w0 = w + (int64_t)row0 * words + t * 4;
+  const uint32_t* w1 = w + (int64_t)row1 * words + t * 4;
+  const T* s0 = scales + (int64_t)row0 * groups;
+  const T* s1 = scales + (int64_t)row1 * groups;
+  const T* b0p = biases + (int64_t)row0 * groups;
+  const T* b1p = biases + (int64_t)row1 * groups;
+  const int steps = K / 128;
+
+  float c[NTW][4];
+#pragma unroll
+  for (int j = 0; j < NTW; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      c[j][e] = 0.f;
+    }
+  }
+
+  // step ks of x into buffer st: unit u = row rr (u / 16) and inputs q * 8.. (q = u % 16,
+  // lane t = q / 4's 32 inputs, pair hp = q % 4 of its MMA steps); rows past M are zeros
+#define MB_STAGE(ks, st)                                                                   \
+  for (int u = threadIdx.x; u < XU; u += NTH) {                                            \
+    const int rr = u >> 4, q = u & 15;                                                     \
+    const bool ok = m0 + rr < M;                                                           \
+    const T* src = x + (int64_t)(ok ? m0 + rr : 0) * K + (ks) * 128 + q * 8;               \
+    mb_cp16z(xs + (st) * XU + (((rr >> 3) * 4 + (q & 3)) * 8 + (rr & 7)) * 4 + (q >> 2), src, ok); \
+  }
+
+  // a step's weight words of rows row0/row1 (32 inputs: one quantization group's part)
+  // and their groups' scale and bias, as pairs
+#define MB_WLOAD(ks, Q0, Q1, SC0, SC1, BI0, BI1)                                          \
+  {                                                                                        \
+    Q0 = mb_ldg(w0 + (ks) * 16);                                                           \
+    Q1 = mb_ldg(w1 + (ks) * 16);                                                           \
+    const int gi = ((ks) * 128 + t * 32) / GS;                                             \
+    const T sv0 = s0[gi], sv1 = s1[gi], bv0 = b0p[gi], bv1 = b1p[gi];                      \
+    const uint32_t hs0 = *reinterpret_cast<const uint16_t*>(&sv0);                         \
+    const uint32_t hs1 = *reinterpret_cast<const uint16_t*>(&sv1);                         \
+    const uint32_t hb0 = *reinterpret_cast<const uint16_t*>(&bv0);                         \
+    const uint32_t hb1 = *reinterpret_cast<const uint16_t*>(&bv1);                         \
+    SC0 = hs0 | (hs0 << 16);                                                               \
+    SC1 = hs1 | (hs1 << 16);                                                               \
+    BI0 = hb0 | (hb0 << 16);                                                               \
+    BI1 = hb1 | (hb1 << 16);                                                               \
+  }
+
+  MB_STAGE(0, 0)
+  mb_commit();
+  uint4 q0, q1;
+  uint32_t sc0, sc1, bi0, bi1;
+  MB_WLOAD(0, q0, q1, sc0, sc1, bi0, bi1)
+  for (int ks = 0; ks < steps; ++ks) {
+    const int st = ks & 1;
+    uint4 nq0 = q0, nq1 = q1;
+    uint32_t nsc0 = sc0, nsc1 = sc1, nbi0 = bi0, nbi1 = bi1;
+    if (ks + 1 < steps) {
+      MB_STAGE(ks + 1, st ^ 1)
+      MB_WLOAD(ks + 1, nq0, nq1, nsc0, nsc1, nbi0, nbi1)
+    }
+    mb_commit();
+    mb_wait1();  // this thread's copies of step ks are in
+    __syncthreads();  // and everyone's
+    const uint4* xb = xs + st * XU + lane;
+#pragma unroll
+    for (int hp = 0; hp < 4; ++hp) {
+      // MMA steps 2hp and 2hp + 1: inputs 8hp..8hp+3 and 8hp+4..8hp+7 of the lane's 32
+      const uint32_t v0 = mb_word(q0, hp), v1 = mb_word(q1, hp);
+      const uint32_t a00 = mb_deq2(v0, sc0, bi0, T{}), a01 = mb_deq2(v1, sc1, bi1, T{});
+      const uint32_t a02 = mb_deq2(v0 >> 8, sc0, bi0, T{}), a03 = mb_deq2(v1 >> 8, sc1, bi1, T{});
+      const uint32_t a10 = mb_deq2(v0 >> 16, sc0, bi0, T{}), a11 = mb_deq2(v1 >> 16, sc1, bi1, T{});
+      const uint32_t a12 = mb_deq2(v0 >> 24, sc0, bi0, T{}), a13 = mb_deq2(v1 >> 24, sc1, bi1, T{});
+#pragma unroll
+      for (int j = 0; j < NTW; ++j) {
+        const uint4 xv = xb[(j * 4 + hp) * 32];
+        mb_mma(c[j], a00, a01, a02, a03, xv.x, xv.y, T{});
+        mb_mma(c[j], a10, a11, a12, a13, xv.z, xv.w, T{});
+      }
+    }
+    __syncthreads();  // buffer st is free for step ks + 2
+    q0 = nq0; q1 = nq1; sc0 = nsc0; sc1 = nsc1; bi0 = nbi0; bi1 = nbi1;
+  }
+#undef MB_STAGE
+#undef MB_WLOAD
+
+  // lane (g, t) holds weight rows g / g + 8 (c[.][0..1] / c[.][2..3]) of x rows
+  // j * 8 + 2t and 2t + 1
+#pragma unroll
+  for (int j = 0; j < NTW; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int m = m0 + j * 8 + 2 * t + e;
+      if (m < M) {
+        if constexpr (GLU) {
+          const float gs = c[j][e], us = c[j][2 + e];
+          y[(int64_t)m * N + f] = static_cast<T>(gs / (1.f + __expf(-gs)) * us);
+        } else {
+          float v0 = c[j][e], v1 = c[j][2 + e];
+          if constexpr (RES) {
+            v0 += static_cast<float>(r[(int64_t)m * N + row0]);
+            v1 += static_cast<float>(r[(int64_t)m * N + row1]);
+          }
+          y[(int64_t)m * N + row0] = static_cast<T>(v0);
+          y[(int64_t)m * N + row1] = static_cast<T>(v1);
+        }
+      }
+    }
+  }
+"""
+
+
+@cache
+def _specs() -> dict[str, KernelSpec]:
+    """Kinds ``q4``, ``q4_res`` (a residual ``r`` [M, N] added) and ``q4_glu`` (w =
+    [gate; up], the output silu(gate) * up): the decode step's products at many rows."""
+    from engine.gpu_mma import _HEADER as MMA_HEADER
+    from engine.gpu_prefill_attention import _HEADER as CP_HEADER
+
+    inputs = [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)]
+    out = {}
+    for kind, glu, res in (("q4", False, False), ("q4_res", False, True), ("q4_glu", True, False)):
+        flags = f"  constexpr bool GLU = {'true' if glu else 'false'};\n"
+        flags += f"  constexpr bool RES = {'true' if res else 'false'};\n"
+        if not res:
+            flags += "  const T* r = nullptr;\n"
+        out[kind] = KernelSpec(
+            "mb_qgemm" + kind[2:],
+            inputs + ([("r", "T", 2)] if res else []),
+            [("y", "T")],
+            flags + _SOURCE,
+            MMA_HEADER + CP_HEADER,
+        )
+    return out
+
+
+_kernel = Baked(_specs, ensure_row_contiguous=True)
+
+
+def supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: str, biases) -> bool:
+    """bf16/fp16 x, 4-bit affine weights with biases, group size 32/64/128, K a multiple
+    of 128, N a multiple of 16, on a CUDA GPU."""
+    import mlx.core as mx
+
+    return (
+        mx.cuda.is_available()
+        and x_dtype in (mx.bfloat16, mx.float16)
+        and bits == 4
+        and mode == "affine"
+        and biases is not None
+        and group_size in (32, 64, 128)
+        and k % KSTEP == 0
+        and n % 16 == 0
+        and n > 0
+    )
+
+
+def geometry(rows: int, m_tiles: int) -> tuple[int, int]:
+    """(x rows a block, warps a block) for ``rows`` rows and ``m_tiles`` m-tiles of the
+    weight: 128 rows a block from 65 rows (64 below), 8 warps, fewer warps (then fewer
+    rows) while that leaves under MIN_BLOCKS blocks (o_proj at 8b has 256 m-tiles)."""
+    options = [(128 if rows > 64 else 64, wm) for wm in (8, 4, 2)] + [(64, 2), (64, 1)]
+    for bm, wm in options:
+        if m_tiles % wm == 0 and m_tiles // wm * -(-rows // bm) >= MIN_BLOCKS:
+            return bm, wm
+    for bm, wm in reversed(options):
+        if m_tiles % wm == 0:
+            return bm, wm
+    return 64, 1
+
+
+def shared_bytes(bm: int) -> int:
+    """Two buffers of a step of x: bm rows x 128 inputs x 2 bytes."""
+    return 2 * bm * KSTEP * 2
+
+
+@cache
+def _template(dtype, gs: int, ntw: int, wm: int) -> tuple:
+    return (("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm))
+
+
+def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, glu: bool = False):
+    """``call(inputs) -> y`` for ``rows`` rows of x [rows, K] and a 4-bit weight of ``n``
+    rows; ``inputs``: x, weight, scales, biases, then the residual (``residual``).
+    Worked out once (engine/gpu_linear.py keeps one per layer and row count)."""
+    if glu and residual:
+        raise ValueError("gpu_qgemm: glu and residual together are not a kernel")
+    kind = "q4_glu" if glu else "q4_res" if residual else "q4"
+    m_tiles = n // 16
+    bm, wm = geometry(rows, m_tiles)
+    fn = _kernel(kind, _template(dtype, gs, bm // 8, wm), shared_bytes(bm))
+    grid = (m_tiles // wm * -(-rows // bm) * wm * 32, 1, 1)
+    shape = (rows, n // 2 if glu else n)
+    return one_output_call(fn, grid, (wm * 32, 1, 1), shape, dtype)
+
+
+def quantized_matmul(x, w, scales, biases, group_size: int, residual=None, glu: bool = False):
+    """``x @ dequantize(w).T`` for x [M, K] and a 4-bit affine ``w`` [N, K/8];
+    ``residual`` [M, N] added, or with ``glu`` (w = [gate; up]) silu(gate) * up."""
+    n, k = w.shape[0], w.shape[1] * 8
+    run = launcher(x.dtype, x.shape[0], n, k, group_size, residual is not None, glu)
+    inputs = [x, w, scales, biases] + ([residual] if residual is not None else [])
+    return run(inputs)
+
+
+def warm(dtype, products) -> None:
+    """Compile now every variant the decode step can call: ``products`` = (group size,
+    K, N, residual, glu) per product; rows 33-64 and 65-128+ pick their geometry."""
+    import mlx.core as mx
+
+    outs = []
+    for gs, k, n_rows, residual, glu in sorted(set(products)):
+        for rows in (64, 128):
+            bm, wm = geometry(rows, n_rows // 16)
+            n = 16 * wm  # a small weight with the same template
+            s = mx.ones((n, k // gs), dtype=dtype)
+            ins = [mx.zeros((rows, k), dtype=dtype), mx.zeros((n, k // 8), dtype=mx.uint32), s, s]
+            if residual:
+                ins.append(mx.zeros((rows, n), dtype=dtype))
+            kind = "q4_glu" if glu else "q4_res" if residual else "q4"
+            fn = _kernel(kind, _template(dtype, gs, bm // 8, wm), shared_bytes(bm))
+            shape = (rows, n // 2 if glu else n)
+            call = one_output_call(
+                fn, (-(-rows // bm) * wm * 32, 1, 1), (wm * 32, 1, 1), shape, dtype
+            )
+            outs.append(call(ins))
+    mx.eval(outs)
+
+
+def kernel_specs_for_check() -> list[KernelSpec]:
+    """The sources with concrete template values (bench/gpu/nvrtc_check.py)."""
+    out = []
+    for spec in _specs().values():
+        for dtype in ("bfloat16", "float16"):
+            for ntw, wm in ((16, 8), (8, 8), (8, 2)):
+                tmpl = [("T", dtype), ("GS", 64), ("NTW", ntw), ("WM", wm)]
+                out.append(for_dtype(spec, dtype, f"{spec.name}_{dtype}_{ntw}_{wm}", tmpl))
+    return out

@@ -1,0 +1,163 @@
+"""engine/gpu_qgemm.py: 4-bit products of many rows with x staged in shared memory equal
+float32 products of the dequantized weights (33-257 rows: 64- and 128-row blocks, 1-8
+warps, rows past the last block's), exactly on small integers; the residual and SwiGLU
+forms; the plan form ``qgemm``; the decode step with it equals the model.
+
+The launch geometry and the kernel's index logic (bench/gpu/qgemm_emulation.py, lane by
+lane in numpy) are checked on any machine; the rest needs MLX's CUDA backend. On the
+GPU machine, after bench/gpu/env.sh: ``python3 -m pytest -q tests/test_gpu_qgemm.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from test_gpu_gemv import _close, check_quantized_product, check_step_matches_model  # noqa: E402
+
+from engine import gpu_linear, gpu_qgemm  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
+
+needs_gpu = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+
+# (rows, N, K)
+SHAPES = [(33, 256, 512), (64, 64, 256), (65, 2048, 1024), (100, 16, 128), (128, 6144, 4096),
+          (130, 256, 384), (257, 512, 256), (8, 256, 512)]  # fmt: skip
+
+
+def test_geometry_keeps_the_gpu_busy():
+    """128-row blocks from 65 rows, 8 warps for large weights, fewer warps (then
+    64-row blocks) until there are MIN_BLOCKS blocks, a divisor of the m-tiles always."""
+    assert gpu_qgemm.geometry(128, 28672 // 16) == (128, 8)  # 8b gate_up: 224 blocks
+    assert gpu_qgemm.geometry(64, 28672 // 16) == (64, 8)
+    assert gpu_qgemm.geometry(128, 4096 // 16) == (128, 2)  # 8b o_proj: 128 blocks
+    assert gpu_qgemm.geometry(128, 2048 // 16) == (64, 2)  # 1b o_proj: 64 x 2 chunks
+    assert gpu_qgemm.geometry(40, 6) == (64, 1)  # too small for MIN_BLOCKS: the most blocks
+    for rows in (33, 64, 65, 128, 300):
+        for tiles in (1, 2, 3, 6, 96, 128, 1792):
+            bm, wm = gpu_qgemm.geometry(rows, tiles)
+            assert bm in (64, 128) and tiles % wm == 0
+
+
+def test_emulated_layout_equals_the_product():
+    """The kernel's copies, fragments and epilogue, lane by lane (numpy), give the
+    product, the residual form and the SwiGLU form (64- and 128-row blocks)."""
+    from qgemm_emulation import pack, run
+
+    rng = np.random.default_rng(1)
+    for m, nw, k, gs, shape in [(70, 64, 256, 64, (128, 2)), (40, 32, 128, 32, (64, 1))]:
+        x = 0.1 * rng.standard_normal((m, k))
+        q = rng.integers(0, 16, (nw, k))
+        s, b = 0.1 * rng.standard_normal((nw, k // gs)), 0.1 * rng.standard_normal((nw, k // gs))
+        wd = q * np.repeat(s, gs, axis=1) + np.repeat(b, gs, axis=1)
+        res = rng.standard_normal((m, nw))
+        np.testing.assert_allclose(run(x, pack(q), s, b, gs, shape), x @ wd.T, atol=1e-9)
+        got = run(x, pack(q), s, b, gs, shape, residual=res)
+        np.testing.assert_allclose(got, res + x @ wd.T, atol=1e-9)
+        gate, up = x @ wd[: nw // 2].T, x @ wd[nw // 2 :].T
+        got = run(x, pack(q), s, b, gs, shape, glu=True)
+        np.testing.assert_allclose(got, gate / (1 + np.exp(-gate)) * up, atol=1e-9)
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_quantized_qgemm(shape, dtype):
+    check_quantized_product(gpu_qgemm.quantized_matmul, shape, dtype)
+
+
+@needs_gpu
+def test_exact_on_small_integers():
+    """4-bit values with scale 1 and bias -8 and small integer inputs: every product
+    and sum is exact in float32, so the kernel must equal the exact result rounded
+    once to bf16 (a layout error cannot hide in a tolerance)."""
+    from qgemm_emulation import pack
+
+    rng = np.random.default_rng(4)
+    k, n = 384, 256
+    q = rng.integers(0, 16, (n, k))
+    wq = mx.array(pack(q))
+    s = mx.ones((n, k // 64), dtype=mx.bfloat16)
+    b = mx.full((n, k // 64), -8.0, dtype=mx.bfloat16)
+    for m in (33, 64, 77, 128, 160):
+        x = rng.integers(-3, 4, (m, k)).astype(np.float32)
+        got = gpu_qgemm.quantized_matmul(mx.array(x).astype(mx.bfloat16), wq, s, b, 64)
+        want = mx.array(x @ (q - 8).T.astype(np.float32)).astype(mx.bfloat16)
+        np.testing.assert_array_equal(
+            np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+        )
+
+
+@needs_gpu
+@pytest.mark.parametrize("m", [33, 64, 100, 128, 200])
+def test_residual_and_glu(m):
+    rng = np.random.default_rng(m)
+    n, k = 512, 512
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(mx.bfloat16)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    wf = mx.dequantize(wq, s, b, group_size=64, bits=4).astype(mx.float32)
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(mx.bfloat16)
+    r = mx.array(rng.standard_normal((m, n)).astype(np.float32)).astype(mx.bfloat16)
+    x32 = x.astype(mx.float32)
+    got = gpu_qgemm.quantized_matmul(x, wq, s, b, 64, residual=r)
+    _close(got, r.astype(mx.float32) + x32 @ wf.T)
+    got = gpu_qgemm.quantized_matmul(x, wq, s, b, 64, glu=True)
+    assert got.shape == (m, n // 2)
+    gate, up = x32 @ wf[: n // 2].T, x32 @ wf[n // 2 :].T
+    _close(got, gate * mx.sigmoid(gate) * up)
+    with pytest.raises(ValueError, match="glu and residual"):
+        gpu_qgemm.quantized_matmul(x, wq, s, b, 64, residual=r, glu=True)
+
+
+@needs_gpu
+def test_plan_form_reaches_the_kernel():
+    rng = np.random.default_rng(6)
+    w = mx.array(rng.standard_normal((256, 512)).astype(np.float32) / 20).astype(mx.bfloat16)
+    x = mx.array(rng.standard_normal((40, 512)).astype(np.float32)).astype(mx.bfloat16)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    deq = mx.dequantize(wq, s, b, group_size=64, bits=4).astype(mx.float32)
+    try:
+        gpu_linear.set_plans(None, "1:qmm,33:qgemm")
+        q = gpu_linear.GpuQuantizedLinear(wq, s, b, 64, 4, "affine")
+        _close(q(x), x.astype(mx.float32) @ deq.T)  # the [B, D] route
+        got = q(x[:, None, :])  # [B, 1, K] as the model's modules see it
+        assert got.shape == (40, 1, 256)
+        _close(got[:, 0], x.astype(mx.float32) @ deq.T)
+        assert gpu_linear.uses("qgemm")
+    finally:
+        gpu_linear.reset_plans()
+
+
+@needs_gpu
+def test_warm_compiles_without_error():
+    gpu_qgemm.warm(mx.bfloat16, [(64, 512, 4096, True, False), (64, 512, 28672, False, True)])
+
+
+@needs_gpu
+def test_gpu_decode_step_with_the_kernel_matches_the_model():
+    """The GPU decode step with its products of 33+ rows on this kernel (the residual
+    adds in o_proj/down_proj, the SwiGLU in gate_up) equals the model's own call, 40
+    ragged rows."""
+    from engine.decode_step import FusedDecodeStep
+    from engine.loading import build_random_model
+
+    cfg = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+               vocab_size=512, tie_word_embeddings=False)  # fmt: skip
+    model = build_random_model("llama", cfg, seed=9, quantize_bits=4, group_size=64).model
+    model.set_dtype(mx.bfloat16)
+    try:
+        gpu_linear.set_plans(None, "1:qmm,2:qmma,33:qgemm")
+        step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
+        step.warm_up()
+        prompts = [[(7 * i + j) % 500 + 1 for j in range(3 + i % 6)] for i in range(40)]
+        check_step_matches_model(step, model, prompts)
+    finally:
+        gpu_linear.reset_plans()
