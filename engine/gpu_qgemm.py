@@ -262,15 +262,20 @@ def quantized_matmul(x, w, scales, biases, group_size: int, residual=None, glu: 
     return run(inputs)
 
 
+WARM_ROWS = 1024  # warm() covers every geometry of up to this many rows
+
+
 def warm(dtype, products) -> None:
     """Compile now every variant the decode step can call: ``products`` = (group size,
-    K, N, residual, glu) per product; rows 33-64 and 65-128+ pick their geometry."""
+    K, N, residual, glu) per product; each geometry any row count up to WARM_ROWS
+    picks (a new one mid-serving would be an NVRTC compile, ~1 s, in a step)."""
     import mlx.core as mx
 
     outs = []
     for gs, k, n_rows, residual, glu in sorted(set(products)):
-        for rows in (64, 128):
-            bm, wm = geometry(rows, n_rows // 16)
+        shapes = {geometry(r, n_rows // 16) for r in range(1, WARM_ROWS + 1)}
+        for bm, wm in sorted(shapes):
+            rows = bm
             n = 16 * wm  # a small weight with the same template
             s = mx.ones((n, k // gs), dtype=dtype)
             ins = [mx.zeros((rows, k), dtype=dtype), mx.zeros((n, k // 8), dtype=mx.uint32), s, s]
