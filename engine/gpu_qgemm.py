@@ -197,20 +197,15 @@ _kernel = Baked(_specs, ensure_row_contiguous=True)
 
 
 def supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: str, biases) -> bool:
-    """bf16/fp16 x, 4-bit affine weights with biases, group size 32/64/128, K a multiple
-    of 128, N a multiple of 16, on a CUDA GPU."""
-    import mlx.core as mx
+    """engine/gpu_gemv.py's 4-bit conditions (CUDA, bf16/fp16 x, 4-bit affine with
+    biases), and a group size of 32/64/128, K a multiple of 128, N of 16."""
+    from engine import gpu_gemv
 
     return (
-        mx.cuda.is_available()
-        and x_dtype in (mx.bfloat16, mx.float16)
-        and bits == 4
-        and mode == "affine"
-        and biases is not None
+        gpu_gemv.quant_supported(x_dtype, n, k, bits, group_size, mode, biases)
         and group_size in (32, 64, 128)
         and k % KSTEP == 0
         and n % 16 == 0
-        and n > 0
     )
 
 
