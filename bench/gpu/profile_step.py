@@ -84,6 +84,8 @@ VARIANTS = {
     "qmma128": (True, "1:mma,33:xwt", "1:qmma"),
     # bf16 products of 33-128 rows on the kernel too (one call; the folding at B=128)
     "mma128": (True, "1:xwt,2:mma", None),
+    # session 15: 4-bit products of 33+ rows on engine/gpu_qgemm.py (x in shared memory)
+    "qgemm": (True, None, "1:qstream,2:qmma,33:qgemm"),
 }
 
 
