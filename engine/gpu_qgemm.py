@@ -239,11 +239,15 @@ def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, 
     Worked out once (engine/gpu_linear.py keeps one per layer and row count)."""
     if glu and residual:
         raise ValueError("gpu_qgemm: glu and residual together are not a kernel")
+    bm, wm = geometry(rows, n // 16)
+    return _launch(dtype, rows, n, gs, residual, glu, bm, wm)
+
+
+def _launch(dtype, rows: int, n: int, gs: int, residual: bool, glu: bool, bm: int, wm: int):
+    """The launch of ``launcher`` with its geometry given (``warm`` gives each one)."""
     kind = "q4_glu" if glu else "q4_res" if residual else "q4"
-    m_tiles = n // 16
-    bm, wm = geometry(rows, m_tiles)
     fn = _kernel(kind, _template(dtype, gs, bm // 8, wm), shared_bytes(bm))
-    grid = (m_tiles // wm * -(-rows // bm) * wm * 32, 1, 1)
+    grid = (n // 16 // wm * -(-rows // bm) * wm * 32, 1, 1)
     shape = (rows, n // 2 if glu else n)
     return one_output_call(fn, grid, (wm * 32, 1, 1), shape, dtype)
 
@@ -270,19 +274,12 @@ def warm(dtype, products) -> None:
     for gs, k, n_rows, residual, glu in sorted(set(products)):
         shapes = {geometry(r, n_rows // 16) for r in range(1, WARM_ROWS + 1)}
         for bm, wm in sorted(shapes):
-            rows = bm
-            n = 16 * wm  # a small weight with the same template
+            rows, n = bm, 16 * wm  # a small weight with the same template
             s = mx.ones((n, k // gs), dtype=dtype)
             ins = [mx.zeros((rows, k), dtype=dtype), mx.zeros((n, k // 8), dtype=mx.uint32), s, s]
             if residual:
                 ins.append(mx.zeros((rows, n), dtype=dtype))
-            kind = "q4_glu" if glu else "q4_res" if residual else "q4"
-            fn = _kernel(kind, _template(dtype, gs, bm // 8, wm), shared_bytes(bm))
-            shape = (rows, n // 2 if glu else n)
-            call = one_output_call(
-                fn, (-(-rows // bm) * wm * 32, 1, 1), (wm * 32, 1, 1), shape, dtype
-            )
-            outs.append(call(ins))
+            outs.append(_launch(dtype, rows, n, gs, residual, glu, bm, wm)(ins))
     mx.eval(outs)
 
 
