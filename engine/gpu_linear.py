@@ -310,6 +310,11 @@ class GpuQuantizedLinear(_Routes):
                 return gpu_qstream.launcher(dtype, n, k, self.group_size, residual, glu, norm)
             form = "qmma"
         if form == "qgemm":
+            from engine import gpu_qgemm
+
+            if not gpu_qgemm.wide_enough(rows, n // 16):
+                form = "qmma"  # narrow products: gpu_mma's kernel (see wide_enough)
+        if form == "qgemm":
             if norm:  # not a form of this kernel: the norm as its own op (_make_route)
                 return None
             if self._kernel_ok("qgemm", dtype):

@@ -29,6 +29,7 @@ Off unless the quantized plan names ``qgemm`` (e.g. ``MARKBASE_GPU_QUANT_PLAN=
 
 from __future__ import annotations
 
+import os
 from functools import cache
 
 from engine.cuda_kernels import Baked, KernelSpec, for_dtype, one_output_call
@@ -105,21 +106,41 @@ _SOURCE = r"""
     BI1 = hb1 | (hb1 << 16);                                                               \
   }
 
+  // ST buffers of x: step ks + ST - 1's copy is issued while step ks is computed, and
+  // each warp's weight words (registers) are loaded as many steps ahead
   MB_STAGE(0, 0)
   mb_commit();
   uint4 q0, q1;
   uint32_t sc0, sc1, bi0, bi1;
   MB_WLOAD(0, q0, q1, sc0, sc1, bi0, bi1)
-  for (int ks = 0; ks < steps; ++ks) {
-    const int st = ks & 1;
-    uint4 nq0 = q0, nq1 = q1;
-    uint32_t nsc0 = sc0, nsc1 = sc1, nbi0 = bi0, nbi1 = bi1;
-    if (ks + 1 < steps) {
-      MB_STAGE(ks + 1, st ^ 1)
-      MB_WLOAD(ks + 1, nq0, nq1, nsc0, nsc1, nbi0, nbi1)
+  uint4 nq0 = q0, nq1 = q1;
+  uint32_t nsc0 = sc0, nsc1 = sc1, nbi0 = bi0, nbi1 = bi1;
+  if constexpr (ST == 3) {
+    if (steps > 1) {
+      MB_STAGE(1, 1)
+      MB_WLOAD(1, nq0, nq1, nsc0, nsc1, nbi0, nbi1)
     }
     mb_commit();
-    mb_wait1();  // this thread's copies of step ks are in
+  }
+  for (int ks = 0; ks < steps; ++ks) {
+    const int st = ks % ST;
+    // the registers of step ks + ST - 1 (ST == 2: ks + 1 into nq; ST == 3: ks + 2 into mq)
+    uint4 mq0 = nq0, mq1 = nq1;
+    uint32_t msc0 = nsc0, msc1 = nsc1, mbi0 = nbi0, mbi1 = nbi1;
+    if (ks + ST - 1 < steps) {
+      MB_STAGE(ks + ST - 1, (ks + ST - 1) % ST)
+      if constexpr (ST == 3) {
+        MB_WLOAD(ks + 2, mq0, mq1, msc0, msc1, mbi0, mbi1)
+      } else {
+        MB_WLOAD(ks + 1, nq0, nq1, nsc0, nsc1, nbi0, nbi1)
+      }
+    }
+    mb_commit();
+    if constexpr (ST == 3) {
+      mb_wait2();  // this thread's copies of step ks are in (ks + 1, ks + 2 may not be)
+    } else {
+      mb_wait1();
+    }
     __syncthreads();  // and everyone's
     const uint4* xb = xs + st * XU + lane;
 #pragma unroll
@@ -137,8 +158,11 @@ _SOURCE = r"""
         mb_mma(c[j], a10, a11, a12, a13, xv.z, xv.w, T{});
       }
     }
-    __syncthreads();  // buffer st is free for step ks + 2
+    __syncthreads();  // buffer st is free for step ks + ST
     q0 = nq0; q1 = nq1; sc0 = nsc0; sc1 = nsc1; bi0 = nbi0; bi1 = nbi1;
+    if constexpr (ST == 3) {
+      nq0 = mq0; nq1 = mq1; nsc0 = msc0; nsc1 = msc1; nbi0 = mbi0; nbi1 = mbi1;
+    }
   }
 #undef MB_STAGE
 #undef MB_WLOAD
@@ -169,6 +193,11 @@ _SOURCE = r"""
 """
 
 
+_WAIT2 = (
+    '__device__ __forceinline__ void mb_wait2() { asm volatile("cp.async.wait_group 2;\\n" ::: "memory"); }\n'
+)
+
+
 @cache
 def _specs() -> dict[str, KernelSpec]:
     """Kinds ``q4``, ``q4_res`` (a residual ``r`` [M, N] added) and ``q4_glu`` (w =
@@ -188,7 +217,7 @@ def _specs() -> dict[str, KernelSpec]:
             inputs + ([("r", "T", 2)] if res else []),
             [("y", "T")],
             flags + _SOURCE,
-            MMA_HEADER + CP_HEADER,
+            MMA_HEADER + CP_HEADER + _WAIT2,
         )
     return out
 
@@ -223,14 +252,34 @@ def geometry(rows: int, m_tiles: int) -> tuple[int, int]:
     return 64, 1
 
 
-def shared_bytes(bm: int) -> int:
-    """Two buffers of a step of x: bm rows x 128 inputs x 2 bytes."""
-    return 2 * bm * KSTEP * 2
+def shared_bytes(bm: int, stages: int) -> int:
+    """``stages`` buffers of a step of x: bm rows x 128 inputs x 2 bytes."""
+    return stages * bm * KSTEP * 2
+
+
+STAGES_ENV = "MARKBASE_GPU_QGEMM_STAGES"
+
+
+def stages() -> int:
+    """Buffers of x (and steps the weight registers are loaded ahead, less one): 3
+    unless ``MARKBASE_GPU_QGEMM_STAGES=2`` (session 15's form, for A/B runs)."""
+    text = os.environ.get(STAGES_ENV, "3")
+    if text not in ("2", "3"):
+        raise ValueError(f"{STAGES_ENV}={text!r}: want 2 or 3")
+    return int(text)
+
+
+def wide_enough(rows: int, m_tiles: int) -> bool:
+    """Whether ``geometry`` gives this product blocks of 4+ warps. With fewer, each
+    block reads all of x from L2 for 32 weight rows or less: o_proj and down_proj of
+    the 8b model at 128 rows took 3.2x gpu_mma's time (session 16), so the plan's
+    ``qgemm`` falls back to ``qmma`` for them (engine/gpu_linear.py)."""
+    return geometry(rows, m_tiles)[1] >= 4
 
 
 @cache
-def _template(dtype, gs: int, ntw: int, wm: int) -> tuple:
-    return (("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm))
+def _template(dtype, gs: int, ntw: int, wm: int, st: int) -> tuple:
+    return (("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm), ("ST", st))
 
 
 def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, glu: bool = False):
@@ -246,7 +295,8 @@ def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, 
 def _launch(dtype, rows: int, n: int, gs: int, residual: bool, glu: bool, bm: int, wm: int):
     """The launch of ``launcher`` with its geometry given (``warm`` gives each one)."""
     kind = "q4_glu" if glu else "q4_res" if residual else "q4"
-    fn = _kernel(kind, _template(dtype, gs, bm // 8, wm), shared_bytes(bm))
+    st = stages()
+    fn = _kernel(kind, _template(dtype, gs, bm // 8, wm, st), shared_bytes(bm, st))
     grid = (n // 16 // wm * -(-rows // bm) * wm * 32, 1, 1)
     shape = (rows, n // 2 if glu else n)
     return one_output_call(fn, grid, (wm * 32, 1, 1), shape, dtype)
@@ -288,7 +338,8 @@ def kernel_specs_for_check() -> list[KernelSpec]:
     out = []
     for spec in _specs().values():
         for dtype in ("bfloat16", "float16"):
-            for ntw, wm in ((16, 8), (8, 8), (8, 2)):
-                tmpl = [("T", dtype), ("GS", 64), ("NTW", ntw), ("WM", wm)]
-                out.append(for_dtype(spec, dtype, f"{spec.name}_{dtype}_{ntw}_{wm}", tmpl))
+            for ntw, wm, st in ((16, 8, 3), (16, 8, 2), (8, 8, 3), (8, 2, 3)):
+                tmpl = [("T", dtype), ("GS", 64), ("NTW", ntw), ("WM", wm), ("ST", st)]
+                name = f"{spec.name}_{dtype}_{ntw}_{wm}_{st}"
+                out.append(for_dtype(spec, dtype, name, tmpl))
     return out

@@ -28,6 +28,12 @@ class ModelRunner:
         # The inner transformer (no lm_head): prompt positions whose logits nobody
         # needs skip the vocabulary projection, the largest matmul for small models.
         self.body = getattr(model, "model", None)
+        # The output layer alone, for families whose logits are exactly head(body(x)):
+        # the chunk whose last logits are wanted then runs once over all its rows. The
+        # fallback feeds the last token alone, a second pass that reads every weight
+        # again for one row (a 2048-token GPU prefill of the 8b model: ~12 ms of ~54 ms
+        # busy in 1-row products, bench/gpu/NOTES.md, session 16).
+        self.head = output_head(model) if self.body is not None else None
         # Llama-family models decode through a step of their own (CPU: the lean step,
         # engine/cpu_step.py; GPU: the fused one, engine/decode_step.py); other
         # families, or fused_decode=False, call the model as is.
@@ -55,6 +61,9 @@ class ModelRunner:
             self._forward_body(kv, tokens)
             mx.eval([c.keys for c in kv] + [c.values for c in kv])
             return None
+        if self.head is not None:
+            hidden = self.body(mx.array([tokens], dtype=mx.int32), cache=kv)
+            return self.head(hidden[:, -1:, :])[0, -1]
         if len(tokens) > 1:
             self._forward_body(kv, tokens[:-1])
         logits = self.model(mx.array([tokens[-1:]], dtype=mx.int32), cache=kv)
@@ -88,3 +97,23 @@ def _make_decode_step(model):
         if step is not None:
             return step
     return make_decode_step(model)
+
+
+# mlx-lm families whose ``Model.__call__`` is ``body`` then the tied embedding or the
+# lm_head, nothing else (no soft-capping, no scaling): checked in their sources.
+PLAIN_HEAD_FAMILIES = frozenset({"llama", "gemma3_text", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
+
+
+def output_head(model):
+    """``hidden -> logits`` of ``model`` as its own ``__call__`` computes them, or None
+    for a family not known to be plain (then prefill takes the two-pass fallback)."""
+    family = type(model).__module__.rsplit(".", 1)[-1]
+    if family not in PLAIN_HEAD_FAMILIES:
+        return None
+    if hasattr(model, "tie_word_embeddings"):  # gemma3_text keeps the flag on the model
+        tied = bool(model.tie_word_embeddings)
+    else:
+        tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
+    if tied:
+        return model.model.embed_tokens.as_linear
+    return getattr(model, "lm_head", None)

@@ -73,15 +73,33 @@ def test_quantized_qgemm(shape, dtype):
     check_quantized_product(gpu_qgemm.quantized_matmul, shape, dtype)
 
 
+def test_wide_enough_and_stages_switch(monkeypatch):
+    """qgemm only for products whose blocks get 4+ warps (the 8b model's gate/up at
+    128 rows, not its o_proj); the stage count comes from the environment, checked."""
+    assert gpu_qgemm.wide_enough(128, 28672 // 16)
+    assert not gpu_qgemm.wide_enough(128, 4096 // 16)
+    monkeypatch.setenv(gpu_qgemm.STAGES_ENV, "2")
+    assert gpu_qgemm.stages() == 2
+    monkeypatch.setenv(gpu_qgemm.STAGES_ENV, "4")
+    with pytest.raises(ValueError, match="want 2 or 3"):
+        gpu_qgemm.stages()
+    monkeypatch.delenv(gpu_qgemm.STAGES_ENV)
+    assert gpu_qgemm.stages() == 3
+
+
 @needs_gpu
-def test_exact_on_small_integers():
+@pytest.mark.parametrize("stages", ["2", "3"])
+@pytest.mark.parametrize("k", [128, 256, 384, 640])
+def test_exact_on_small_integers(k, stages, monkeypatch):
     """4-bit values with scale 1 and bias -8 and small integer inputs: every product
     and sum is exact in float32, so the kernel must equal the exact result rounded
-    once to bf16 (a layout error cannot hide in a tolerance)."""
+    once to bf16 (a layout error cannot hide in a tolerance). K from 1 step (fewer
+    than the pipeline's depth) to 5, both pipeline depths."""
     from qgemm_emulation import pack
 
+    monkeypatch.setenv(gpu_qgemm.STAGES_ENV, stages)
     rng = np.random.default_rng(4)
-    k, n = 384, 256
+    n = 256
     q = rng.integers(0, 16, (n, k))
     wq = mx.array(pack(q))
     s = mx.ones((n, k // 64), dtype=mx.bfloat16)
@@ -119,8 +137,9 @@ def test_residual_and_glu(m):
 @needs_gpu
 def test_plan_form_reaches_the_kernel():
     rng = np.random.default_rng(6)
-    w = mx.array(rng.standard_normal((256, 512)).astype(np.float32) / 20).astype(mx.bfloat16)
-    x = mx.array(rng.standard_normal((40, 512)).astype(np.float32)).astype(mx.bfloat16)
+    # 8192 weight rows: wide enough at 40 rows (narrower products fall back to qmma)
+    w = mx.array(rng.standard_normal((8192, 256)).astype(np.float32) / 20).astype(mx.bfloat16)
+    x = mx.array(rng.standard_normal((40, 256)).astype(np.float32)).astype(mx.bfloat16)
     wq, s, b = mx.quantize(w, group_size=64, bits=4)
     deq = mx.dequantize(wq, s, b, group_size=64, bits=4).astype(mx.float32)
     try:
@@ -128,7 +147,7 @@ def test_plan_form_reaches_the_kernel():
         q = gpu_linear.GpuQuantizedLinear(wq, s, b, 64, 4, "affine")
         _close(q(x), x.astype(mx.float32) @ deq.T)  # the [B, D] route
         got = q(x[:, None, :])  # [B, 1, K] as the model's modules see it
-        assert got.shape == (40, 1, 256)
+        assert got.shape == (40, 1, 8192)
         _close(got[:, 0], x.astype(mx.float32) @ deq.T)
         assert gpu_linear.uses("qgemm")
     finally:

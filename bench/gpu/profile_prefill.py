@@ -144,6 +144,14 @@ def main() -> None:
                 log(msg)
                 for k in row.get("top", [])[:10]:
                     log(f"    {k['us_per_step']:9.1f} us {k['per_step']:6.1f}x  {k['name']}")
+                for k in row.get("api_top", [])[:6]:
+                    log(f"    host {k['us_per_step']:9.1f} us {k['per_step']:6.1f}x  {k['name']}")
+                if "gaps_over_20us" in row:
+                    gp = row["gaps_over_20us"]
+                    log(
+                        f"    idle gaps >20 us: {gp['per_step']:.0f} a chunk, {gp['us_per_step']:.0f} us;"
+                        f" largest {[round(x) for x in gp['largest_us']]}"
+                    )
                 rows.append(row)
             os.environ.pop("MARKBASE_GPU_PREFILL_ATTENTION", None)
             del runner, model

@@ -137,12 +137,25 @@ def kernel_stats(trace_path: Path, steps: int) -> dict:
         by[name][0] += 1
         by[name][1] += e["dur"]
     top = sorted(by.items(), key=lambda kv: -kv[1][1])[:14]
+    # the host side: CUDA runtime/driver calls (a synchronisation or an allocation in
+    # the middle of a step shows here), and the idle stretches between kernels
+    api = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e:
+            api[e["name"][:60]][0] += 1
+            api[e["name"][:60]][1] += e["dur"]
+    api_top = sorted(api.items(), key=lambda kv: -kv[1][1])[:8]
+    gaps = [s - e for (_, e), (s, _) in zip(spans, spans[1:]) if s - e > 20]
     return dict(
         kernels_per_step=len(ks) / steps,
         kernel_us_per_step=sum(e["dur"] for e in ks) / steps,
         busy_us_per_step=busy / steps,
         span_us_per_step=(spans[-1][1] - spans[0][0]) / steps,
         top=[dict(name=n, per_step=c / steps, us_per_step=d / steps) for n, (c, d) in top],
+        api_top=[dict(name=n, per_step=c / steps, us_per_step=d / steps) for n, (c, d) in api_top],
+        gaps_over_20us=dict(
+            per_step=len(gaps) / steps, us_per_step=sum(gaps) / steps, largest_us=sorted(gaps)[-5:]
+        ),
     )
 
 

@@ -1,0 +1,59 @@
+"""Prefill's last logits come from one pass over the chunk (engine/runner.py): the
+body over every row, then the output layer on the last row only. They must equal
+the model's own logits for that position, tied and untied, every plain family; a
+family not known to be plain keeps the two-pass fallback."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest_loading import TINY_CONFIGS
+
+from engine.loading.random_model import build_random_model
+from engine.runner import ModelRunner, output_head
+
+PROMPT = [3, 17, 5, 99, 42, 7, 7, 1, 250, 64, 8, 33]
+
+
+def _cases():
+    for family, cfg in TINY_CONFIGS.items():
+        yield family, dict(cfg)
+        if family in ("llama", "qwen3"):  # the other tying of the same family
+            yield family, dict(cfg, tie_word_embeddings=not cfg.get("tie_word_embeddings"))
+
+
+@pytest.mark.parametrize(
+    "family,cfg",
+    list(_cases()),
+    ids=[f"{f}-tie{c.get('tie_word_embeddings')}" for f, c in _cases()],
+)
+def test_one_pass_prefill_equals_the_model(family, cfg) -> None:
+    loaded = build_random_model(family, cfg, seed=3)
+    model = loaded.model
+    runner = ModelRunner(model, fused_decode=False)
+    assert runner.head is not None, f"{family}: expected the one-pass head"
+    want = np.array(model(mx.array([PROMPT], dtype=mx.int32))[0, -1].astype(mx.float32))
+    got = np.array(runner.prefill(runner.new_sequence_kv(), PROMPT, True).astype(mx.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # and the two-pass fallback agrees, on the same chunk split in two
+    runner.head = None
+    kv = runner.new_sequence_kv()
+    runner.prefill(kv, PROMPT[:5], False)
+    two = np.array(runner.prefill(kv, PROMPT[5:], True).astype(mx.float32))
+    np.testing.assert_allclose(two, want, rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_family_keeps_the_fallback() -> None:
+    loaded = build_random_model("llama", dict(TINY_CONFIGS["llama"]), seed=1)
+    model = loaded.model
+
+    class Wrapped(type(model)):  # a subclass from another module: maybe not plain
+        __module__ = "somewhere.custom_family"
+
+    model.__class__ = Wrapped
+    assert output_head(model) is None
+    runner = ModelRunner(model, fused_decode=False)
+    want = np.array(model(mx.array([PROMPT], dtype=mx.int32))[0, -1].astype(mx.float32))
+    got = np.array(runner.prefill(runner.new_sequence_kv(), PROMPT, True).astype(mx.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
