@@ -193,9 +193,7 @@ _SOURCE = r"""
 """
 
 
-_WAIT2 = (
-    '__device__ __forceinline__ void mb_wait2() { asm volatile("cp.async.wait_group 2;\\n" ::: "memory"); }\n'
-)
+_WAIT2 = '__device__ __forceinline__ void mb_wait2() { asm volatile("cp.async.wait_group 2;\\n" ::: "memory"); }\n'
 
 
 @cache
