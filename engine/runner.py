@@ -34,6 +34,12 @@ class ModelRunner:
         # again for one row (a 2048-token GPU prefill of the 8b model: ~12 ms of ~54 ms
         # busy in 1-row products, bench/gpu/NOTES.md, session 16).
         self.head = output_head(model) if self.body is not None else None
+        # MARKBASE_PREFILL_ASYNC=1: a chunk whose logits nobody wants is queued, not
+        # waited on, so the host builds the next chunk (or decode step) while the device
+        # runs it. Why: on a GPU each chunk's graph takes the host ~2-3 ms (1b model)
+        # during which the device idled (bench/gpu/NOTES.md, session 16). Opt-in until
+        # measured (`bash bench/gpu/suite.sh prefill-async`).
+        self.async_prefill = os.environ.get("MARKBASE_PREFILL_ASYNC", "0") == "1"
         # Llama-family models decode through a step of their own (CPU: the lean step,
         # engine/cpu_step.py; GPU: the fused one, engine/decode_step.py); other
         # families, or fused_decode=False, call the model as is.
@@ -59,7 +65,10 @@ class ModelRunner:
         """Feed ``tokens`` of one sequence; return the last position's logits [V] if asked."""
         if not want_logits:
             self._forward_body(kv, tokens)
-            mx.eval([c.keys for c in kv] + [c.values for c in kv])
+            if self.async_prefill:
+                mx.async_eval([c.keys for c in kv] + [c.values for c in kv])
+            else:
+                mx.eval([c.keys for c in kv] + [c.values for c in kv])
             return None
         if self.head is not None:
             hidden = self.body(mx.array([tokens], dtype=mx.int32), cache=kv)

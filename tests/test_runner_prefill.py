@@ -57,3 +57,22 @@ def test_unknown_family_keeps_the_fallback() -> None:
     want = np.array(model(mx.array([PROMPT], dtype=mx.int32))[0, -1].astype(mx.float32))
     got = np.array(runner.prefill(runner.new_sequence_kv(), PROMPT, True).astype(mx.float32))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_async_chunks_equal_sync_chunks(monkeypatch) -> None:
+    """MARKBASE_PREFILL_ASYNC=1 queues the chunks without logits; the last chunk's
+    logits and the KV cache must be what the synchronous chunks give."""
+    loaded = build_random_model("llama", dict(TINY_CONFIGS["llama"]), seed=5)
+    results = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MARKBASE_PREFILL_ASYNC", flag)
+        runner = ModelRunner(loaded.model, fused_decode=False)
+        assert runner.async_prefill is (flag == "1")
+        kv = runner.new_sequence_kv()
+        for s in range(0, len(PROMPT) - 4, 4):
+            assert runner.prefill(kv, PROMPT[s : s + 4], False) is None
+        logits = runner.prefill(kv, PROMPT[-4:], True)
+        keys = np.array(kv[0].keys.astype(mx.float32))
+        results.append((np.array(logits.astype(mx.float32)), keys))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)

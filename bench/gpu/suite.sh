@@ -27,6 +27,7 @@
 #   bash bench/gpu/suite.sh qgemm-test prefill-profile; MARKBASE_GPU_QUANT_PLAN=1:qstream,2:qmma,33:qgemm \
 #       TABLE_CONFIGS="8b:q4 1b:q4" TABLE_BATCHES=32,128 TABLE_TAG=qgemm bash bench/gpu/suite.sh engine-table
 #                                                                           (session 15, prepared)
+#   bash bench/gpu/suite.sh prefill-async                                   (session 16, prepared)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -230,6 +231,14 @@ for stage in "$@"; do
             tests/test_gpu_qgemm.py 2>&1 | tee "$OUT/test_qgemm.log"
         timeout ${QR_TIMEOUT:-120} python3 bench/gpu/matmul_rows.py --models 8b,1b \
             --rows 33,64,128 --forms qmma,qgemm --reps 3 --out "$OUT/qgemm_rows.json"
+        ;;
+    prefill-async)  # session 16: MARKBASE_PREFILL_ASYNC=0/1 (engine/runner.py): an 8192-token
+        # prompt in chunks of 512, each chunk waited on (0) or queued (1)
+        for v in 0 1; do
+            MARKBASE_PREFILL_ASYNC=$v timeout ${PS_TIMEOUT:-120} $B --models ${PS_MODELS:-1b,8b} \
+                --quants bf16,q4 --batches 1 --variants "" --steps 8 --prefill 8192 --chunk 512 \
+                --budget-s $(( ${PS_TIMEOUT:-120} - 20 )) --tag prefill-async$v --out "$OUT/prefill-async$v.json"
+        done
         ;;
     prefill-profile)  # session 15: a 2048-token chunk's kernels (CUPTI): bf16 vs 4-bit, the
         # dequantize route vs quantized_matmul, the prompt attention kernel vs MLX's
