@@ -23,8 +23,17 @@ alike. x's shared buffer is ``[n-tile][pair of MMA steps][g][t]`` of 16-byte uni
 (one global 16-byte load each), so the warp reads a fragment as 512 contiguous bytes.
 ``bench/gpu/qgemm_emulation.py`` checks this mapping lane by lane in numpy.
 
+x has ``ST`` buffers (3 by default: step ks + 2's copy and weight registers are
+loaded while step ks is computed; ``MARKBASE_GPU_QGEMM_STAGES=2`` for the first form).
+``MT`` m-tiles a warp (1 in the plan's geometry; ``_launch(..., mt=2)`` for
+bench/gpu/qgemm_sweep.py) make each x fragment read from shared memory feed that many
+weight tiles.
+
 Off unless the quantized plan names ``qgemm`` (e.g. ``MARKBASE_GPU_QUANT_PLAN=
-1:qstream,2:qmma,33:qgemm``): not yet measured on a GPU.
+1:qstream,2:qmma,33:qgemm``). Measured on an H100 (session 16, bench/gpu/NOTES.md):
+the 2-stage form lost to gpu_mma everywhere; 3 stages, with narrow products left on
+gpu_mma (``wide_enough``), take 0.82-0.90x gpu_mma's time a layer at 64-128 rows, but
+the engine's B=128 step did not move outside its noise.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ _SOURCE = r"""
   constexpr int XU = BM * 16;        // 16-byte units of x a step (BM rows x 128 inputs)
   constexpr int NTH = WM * 32;
   extern __shared__ __align__(16) unsigned char mb_smem[];
-  uint4* xs = reinterpret_cast<uint4*>(mb_smem);  // [2][NTW][4][8][4] units
+  uint4* xs = reinterpret_cast<uint4*>(mb_smem);  // [ST][NTW][4][8][4] units
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;
@@ -54,27 +63,29 @@ _SOURCE = r"""
   const int RC = (M + BM - 1) / BM;
   // the row chunks of one weight tile are neighbouring blocks (the tile from HBM once)
   const int m0 = (blockIdx.x % RC) * BM;
-  const int tile = (blockIdx.x / RC) * WM + warp;
-  // GLU: an m-tile is 8 gate rows (MMA rows 0-7) and their 8 up rows (8-15)
-  const int f = tile * (GLU ? 8 : 16) + g;
-  const int row0 = f;
-  const int row1 = GLU ? N + f : f + 8;
+  // a warp's MT m-tiles are neighbours; each x fragment read feeds all of them
+  const int tile0 = ((blockIdx.x / RC) * WM + warp) * MT;
   const int words = K / 8;
   const int groups = K / GS;
-  const uint32_t* w0 = w + (int64_t)row0 * words + t * 4;
-  const uint32_t* w1 = w + (int64_t)row1 * words + t * 4;
-  const T* s0 = scales + (int64_t)row0 * groups;
-  const T* s1 = scales + (int64_t)row1 * groups;
-  const T* b0p = biases + (int64_t)row0 * groups;
-  const T* b1p = biases + (int64_t)row1 * groups;
   const int steps = K / 128;
+  // GLU: an m-tile is 8 gate rows (MMA rows 0-7) and their 8 up rows (8-15)
+  int f[MT], row0[MT], row1[MT];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    f[i] = (tile0 + i) * (GLU ? 8 : 16) + g;
+    row0[i] = f[i];
+    row1[i] = GLU ? N + f[i] : f[i] + 8;
+  }
 
-  float c[NTW][4];
+  float c[MT][NTW][4];
 #pragma unroll
-  for (int j = 0; j < NTW; ++j) {
+  for (int i = 0; i < MT; ++i) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      c[j][e] = 0.f;
+    for (int j = 0; j < NTW; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        c[i][j][e] = 0.f;
+      }
     }
   }
 
@@ -88,51 +99,55 @@ _SOURCE = r"""
     mb_cp16z(xs + (st) * XU + (((rr >> 3) * 4 + (q & 3)) * 8 + (rr & 7)) * 4 + (q >> 2), src, ok); \
   }
 
-  // a step's weight words of rows row0/row1 (32 inputs: one quantization group's part)
-  // and their groups' scale and bias, as pairs
-#define MB_WLOAD(ks, Q0, Q1, SC0, SC1, BI0, BI1)                                          \
-  {                                                                                        \
-    Q0 = mb_ldg(w0 + (ks) * 16);                                                           \
-    Q1 = mb_ldg(w1 + (ks) * 16);                                                           \
-    const int gi = ((ks) * 128 + t * 32) / GS;                                             \
-    const T sv0 = s0[gi], sv1 = s1[gi], bv0 = b0p[gi], bv1 = b1p[gi];                      \
-    const uint32_t hs0 = *reinterpret_cast<const uint16_t*>(&sv0);                         \
-    const uint32_t hs1 = *reinterpret_cast<const uint16_t*>(&sv1);                         \
-    const uint32_t hb0 = *reinterpret_cast<const uint16_t*>(&bv0);                         \
-    const uint32_t hb1 = *reinterpret_cast<const uint16_t*>(&bv1);                         \
-    SC0 = hs0 | (hs0 << 16);                                                               \
-    SC1 = hs1 | (hs1 << 16);                                                               \
-    BI0 = hb0 | (hb0 << 16);                                                               \
-    BI1 = hb1 | (hb1 << 16);                                                               \
-  }
+  // a step's weight words of rows row0/row1 of each m-tile (32 inputs: one quantization
+  // group's part) and their groups' scale and bias, as pairs
+  auto wload = [&](int ks, MbQw* dst) {
+    const int gi = (ks * 128 + t * 32) / GS;
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      dst[i].q0 = mb_ldg(w + (int64_t)row0[i] * words + t * 4 + ks * 16);
+      dst[i].q1 = mb_ldg(w + (int64_t)row1[i] * words + t * 4 + ks * 16);
+      const T sv0 = scales[(int64_t)row0[i] * groups + gi];
+      const T sv1 = scales[(int64_t)row1[i] * groups + gi];
+      const T bv0 = biases[(int64_t)row0[i] * groups + gi];
+      const T bv1 = biases[(int64_t)row1[i] * groups + gi];
+      const uint32_t hs0 = *reinterpret_cast<const uint16_t*>(&sv0);
+      const uint32_t hs1 = *reinterpret_cast<const uint16_t*>(&sv1);
+      const uint32_t hb0 = *reinterpret_cast<const uint16_t*>(&bv0);
+      const uint32_t hb1 = *reinterpret_cast<const uint16_t*>(&bv1);
+      dst[i].sc0 = hs0 | (hs0 << 16);
+      dst[i].sc1 = hs1 | (hs1 << 16);
+      dst[i].bi0 = hb0 | (hb0 << 16);
+      dst[i].bi1 = hb1 | (hb1 << 16);
+    }
+  };
 
   // ST buffers of x: step ks + ST - 1's copy is issued while step ks is computed, and
   // each warp's weight words (registers) are loaded as many steps ahead
+  MbQw cur[MT], nxt[MT], nn[MT];
   MB_STAGE(0, 0)
   mb_commit();
-  uint4 q0, q1;
-  uint32_t sc0, sc1, bi0, bi1;
-  MB_WLOAD(0, q0, q1, sc0, sc1, bi0, bi1)
-  uint4 nq0 = q0, nq1 = q1;
-  uint32_t nsc0 = sc0, nsc1 = sc1, nbi0 = bi0, nbi1 = bi1;
+  wload(0, cur);
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    nxt[i] = cur[i];
+    nn[i] = cur[i];
+  }
   if constexpr (ST == 3) {
     if (steps > 1) {
       MB_STAGE(1, 1)
-      MB_WLOAD(1, nq0, nq1, nsc0, nsc1, nbi0, nbi1)
+      wload(1, nxt);
     }
     mb_commit();
   }
   for (int ks = 0; ks < steps; ++ks) {
     const int st = ks % ST;
-    // the registers of step ks + ST - 1 (ST == 2: ks + 1 into nq; ST == 3: ks + 2 into mq)
-    uint4 mq0 = nq0, mq1 = nq1;
-    uint32_t msc0 = nsc0, msc1 = nsc1, mbi0 = nbi0, mbi1 = nbi1;
     if (ks + ST - 1 < steps) {
       MB_STAGE(ks + ST - 1, (ks + ST - 1) % ST)
       if constexpr (ST == 3) {
-        MB_WLOAD(ks + 2, mq0, mq1, msc0, msc1, mbi0, mbi1)
+        wload(ks + 2, nn);
       } else {
-        MB_WLOAD(ks + 1, nq0, nq1, nsc0, nsc1, nbi0, nbi1)
+        wload(ks + 1, nxt);
       }
     }
     mb_commit();
@@ -146,46 +161,63 @@ _SOURCE = r"""
 #pragma unroll
     for (int hp = 0; hp < 4; ++hp) {
       // MMA steps 2hp and 2hp + 1: inputs 8hp..8hp+3 and 8hp+4..8hp+7 of the lane's 32
-      const uint32_t v0 = mb_word(q0, hp), v1 = mb_word(q1, hp);
-      const uint32_t a00 = mb_deq2(v0, sc0, bi0, T{}), a01 = mb_deq2(v1, sc1, bi1, T{});
-      const uint32_t a02 = mb_deq2(v0 >> 8, sc0, bi0, T{}), a03 = mb_deq2(v1 >> 8, sc1, bi1, T{});
-      const uint32_t a10 = mb_deq2(v0 >> 16, sc0, bi0, T{}), a11 = mb_deq2(v1 >> 16, sc1, bi1, T{});
-      const uint32_t a12 = mb_deq2(v0 >> 24, sc0, bi0, T{}), a13 = mb_deq2(v1 >> 24, sc1, bi1, T{});
+      uint32_t a[MT][8];
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        const uint32_t v0 = mb_word(cur[i].q0, hp), v1 = mb_word(cur[i].q1, hp);
+        const uint32_t s0 = cur[i].sc0, s1 = cur[i].sc1, b0 = cur[i].bi0, b1 = cur[i].bi1;
+        a[i][0] = mb_deq2(v0, s0, b0, T{});
+        a[i][1] = mb_deq2(v1, s1, b1, T{});
+        a[i][2] = mb_deq2(v0 >> 8, s0, b0, T{});
+        a[i][3] = mb_deq2(v1 >> 8, s1, b1, T{});
+        a[i][4] = mb_deq2(v0 >> 16, s0, b0, T{});
+        a[i][5] = mb_deq2(v1 >> 16, s1, b1, T{});
+        a[i][6] = mb_deq2(v0 >> 24, s0, b0, T{});
+        a[i][7] = mb_deq2(v1 >> 24, s1, b1, T{});
+      }
 #pragma unroll
       for (int j = 0; j < NTW; ++j) {
         const uint4 xv = xb[(j * 4 + hp) * 32];
-        mb_mma(c[j], a00, a01, a02, a03, xv.x, xv.y, T{});
-        mb_mma(c[j], a10, a11, a12, a13, xv.z, xv.w, T{});
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          mb_mma(c[i][j], a[i][0], a[i][1], a[i][2], a[i][3], xv.x, xv.y, T{});
+          mb_mma(c[i][j], a[i][4], a[i][5], a[i][6], a[i][7], xv.z, xv.w, T{});
+        }
       }
     }
     __syncthreads();  // buffer st is free for step ks + ST
-    q0 = nq0; q1 = nq1; sc0 = nsc0; sc1 = nsc1; bi0 = nbi0; bi1 = nbi1;
-    if constexpr (ST == 3) {
-      nq0 = mq0; nq1 = mq1; nsc0 = msc0; nsc1 = msc1; nbi0 = mbi0; nbi1 = mbi1;
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      cur[i] = nxt[i];
+      if constexpr (ST == 3) {
+        nxt[i] = nn[i];
+      }
     }
   }
 #undef MB_STAGE
-#undef MB_WLOAD
 
-  // lane (g, t) holds weight rows g / g + 8 (c[.][0..1] / c[.][2..3]) of x rows
-  // j * 8 + 2t and 2t + 1
+  // lane (g, t) holds weight rows g / g + 8 (c[i][.][0..1] / c[i][.][2..3]) of m-tile i,
+  // x rows j * 8 + 2t and 2t + 1
 #pragma unroll
-  for (int j = 0; j < NTW; ++j) {
+  for (int i = 0; i < MT; ++i) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int m = m0 + j * 8 + 2 * t + e;
-      if (m < M) {
-        if constexpr (GLU) {
-          const float gs = c[j][e], us = c[j][2 + e];
-          y[(int64_t)m * N + f] = static_cast<T>(gs / (1.f + __expf(-gs)) * us);
-        } else {
-          float v0 = c[j][e], v1 = c[j][2 + e];
-          if constexpr (RES) {
-            v0 += static_cast<float>(r[(int64_t)m * N + row0]);
-            v1 += static_cast<float>(r[(int64_t)m * N + row1]);
+    for (int j = 0; j < NTW; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int m = m0 + j * 8 + 2 * t + e;
+        if (m < M) {
+          if constexpr (GLU) {
+            const float gs = c[i][j][e], us = c[i][j][2 + e];
+            y[(int64_t)m * N + f[i]] = static_cast<T>(gs / (1.f + __expf(-gs)) * us);
+          } else {
+            float v0 = c[i][j][e], v1 = c[i][j][2 + e];
+            if constexpr (RES) {
+              v0 += static_cast<float>(r[(int64_t)m * N + row0[i]]);
+              v1 += static_cast<float>(r[(int64_t)m * N + row1[i]]);
+            }
+            y[(int64_t)m * N + row0[i]] = static_cast<T>(v0);
+            y[(int64_t)m * N + row1[i]] = static_cast<T>(v1);
           }
-          y[(int64_t)m * N + row0] = static_cast<T>(v0);
-          y[(int64_t)m * N + row1] = static_cast<T>(v1);
         }
       }
     }
@@ -194,6 +226,8 @@ _SOURCE = r"""
 
 
 _WAIT2 = '__device__ __forceinline__ void mb_wait2() { asm volatile("cp.async.wait_group 2;\\n" ::: "memory"); }\n'
+# one m-tile's weight registers for one k-step: words of its two rows, scale/bias pairs
+_QW = "struct MbQw {\n  uint4 q0, q1;\n  uint32_t sc0, sc1, bi0, bi1;\n};\n"
 
 
 @cache
@@ -215,7 +249,7 @@ def _specs() -> dict[str, KernelSpec]:
             inputs + ([("r", "T", 2)] if res else []),
             [("y", "T")],
             flags + _SOURCE,
-            MMA_HEADER + CP_HEADER + _WAIT2,
+            MMA_HEADER + CP_HEADER + _WAIT2 + _QW,
         )
     return out
 
@@ -276,8 +310,8 @@ def wide_enough(rows: int, m_tiles: int) -> bool:
 
 
 @cache
-def _template(dtype, gs: int, ntw: int, wm: int, st: int) -> tuple:
-    return (("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm), ("ST", st))
+def _template(dtype, gs: int, ntw: int, wm: int, st: int, mt: int) -> tuple:
+    return (("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm), ("ST", st), ("MT", mt))
 
 
 def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, glu: bool = False):
@@ -290,12 +324,18 @@ def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, 
     return _launch(dtype, rows, n, gs, residual, glu, bm, wm)
 
 
-def _launch(dtype, rows: int, n: int, gs: int, residual: bool, glu: bool, bm: int, wm: int):
-    """The launch of ``launcher`` with its geometry given (``warm`` gives each one)."""
+def _launch(
+    dtype, rows: int, n: int, gs: int, residual: bool, glu: bool, bm: int, wm: int, mt: int = 1
+):
+    """The launch of ``launcher`` with its geometry given (``warm`` gives each one);
+    ``mt`` m-tiles a warp (2: each x fragment read from shared memory feeds two weight
+    tiles; bench/gpu/qgemm_sweep.py measures it; N must be a multiple of 16 wm mt)."""
+    if (n // 16) % (wm * mt):
+        raise ValueError(f"gpu_qgemm: {n} weight rows do not split into {wm} x {mt} m-tiles")
     kind = "q4_glu" if glu else "q4_res" if residual else "q4"
     st = stages()
-    fn = _kernel(kind, _template(dtype, gs, bm // 8, wm, st), shared_bytes(bm, st))
-    grid = (n // 16 // wm * -(-rows // bm) * wm * 32, 1, 1)
+    fn = _kernel(kind, _template(dtype, gs, bm // 8, wm, st, mt), shared_bytes(bm, st))
+    grid = (n // 16 // (wm * mt) * -(-rows // bm) * wm * 32, 1, 1)
     shape = (rows, n // 2 if glu else n)
     return one_output_call(fn, grid, (wm * 32, 1, 1), shape, dtype)
 
@@ -336,8 +376,9 @@ def kernel_specs_for_check() -> list[KernelSpec]:
     out = []
     for spec in _specs().values():
         for dtype in ("bfloat16", "float16"):
-            for ntw, wm, st in ((16, 8, 3), (16, 8, 2), (8, 8, 3), (8, 2, 3)):
-                tmpl = [("T", dtype), ("GS", 64), ("NTW", ntw), ("WM", wm), ("ST", st)]
-                name = f"{spec.name}_{dtype}_{ntw}_{wm}_{st}"
+            for ntw, wm, st, mt in ((16, 8, 3, 1), (16, 8, 2, 1), (8, 8, 3, 1), (8, 2, 3, 1),
+                                    (8, 8, 3, 2), (8, 4, 2, 2), (16, 4, 2, 2)):  # fmt: skip
+                tmpl = [("T", dtype), ("GS", 64), ("NTW", ntw), ("WM", wm), ("ST", st), ("MT", mt)]
+                name = f"{spec.name}_{dtype}_{ntw}_{wm}_{st}_{mt}"
                 out.append(for_dtype(spec, dtype, name, tmpl))
     return out

@@ -78,6 +78,8 @@ def test_wide_enough_and_stages_switch(monkeypatch):
     128 rows, not its o_proj); the stage count comes from the environment, checked."""
     assert gpu_qgemm.wide_enough(128, 28672 // 16)
     assert not gpu_qgemm.wide_enough(128, 4096 // 16)
+    with pytest.raises(ValueError, match="do not split"):
+        gpu_qgemm._launch(mx.bfloat16, 64, 16 * 6, 64, False, False, 64, 4, mt=2)
     monkeypatch.setenv(gpu_qgemm.STAGES_ENV, "2")
     assert gpu_qgemm.stages() == 2
     monkeypatch.setenv(gpu_qgemm.STAGES_ENV, "4")
@@ -111,6 +113,42 @@ def test_exact_on_small_integers(k, stages, monkeypatch):
         np.testing.assert_array_equal(
             np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
         )
+
+
+@needs_gpu
+@pytest.mark.parametrize("stages", ["2", "3"])
+@pytest.mark.parametrize("shape", [(64, 4), (64, 8), (64, 1)])
+def test_two_m_tiles_a_warp_exact(shape, stages, monkeypatch):
+    """``mt=2`` (bench/gpu/qgemm_sweep.py's form: each x fragment feeds two weight
+    tiles): exact on small integers, plain, residual and SwiGLU, 1-3 row chunks."""
+    from qgemm_emulation import pack
+
+    monkeypatch.setenv(gpu_qgemm.STAGES_ENV, stages)
+    bm, wm = shape
+    rng = np.random.default_rng(9)
+    k, n = 384, 16 * wm * 2 * 2  # two blocks' worth of m-tiles
+    q = rng.integers(0, 16, (n, k))
+    ins = [mx.array(pack(q)), mx.ones((n, k // 64), dtype=mx.bfloat16)]
+    ins.append(mx.full((n, k // 64), -8.0, dtype=mx.bfloat16))
+    wint = (q - 8).astype(np.float32)
+    for m in (33, 64, 150):
+        x = rng.integers(-3, 4, (m, k)).astype(np.float32)
+        xb = mx.array(x).astype(mx.bfloat16)
+        r = rng.integers(-3, 4, (m, n)).astype(np.float32)
+        got = gpu_qgemm._launch(mx.bfloat16, m, n, 64, False, False, bm, wm, mt=2)([xb, *ins])
+        want = x @ wint.T
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)), _bf16(want))
+        res = gpu_qgemm._launch(mx.bfloat16, m, n, 64, True, False, bm, wm, mt=2)(
+            [xb, *ins, mx.array(r).astype(mx.bfloat16)]
+        )
+        np.testing.assert_array_equal(np.array(res.astype(mx.float32)), _bf16(want + r))
+        glu = gpu_qgemm._launch(mx.bfloat16, m, n, 64, False, True, bm, wm, mt=2)([xb, *ins])
+        gate, up = want[:, : n // 2], want[:, n // 2 :]
+        _close(glu, mx.array(gate / (1 + np.exp(-gate)) * up))
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return np.array(mx.array(a).astype(mx.bfloat16).astype(mx.float32))
 
 
 @needs_gpu

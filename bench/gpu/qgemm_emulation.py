@@ -42,22 +42,26 @@ def deq2(v: int, s: float, b: float) -> tuple[float, float]:
 
 
 def run(x, words, scales, biases, gs, shape=None, residual=None, glu=False):
-    """``shape`` = (x rows a block, warps a block); None: ``geometry``'s choice."""
+    """``shape`` = (x rows a block, warps a block[, m-tiles a warp]); None:
+    ``geometry``'s choice (one m-tile a warp)."""
     m_rows, k = x.shape
     nw = words.shape[0]
     n = nw // 2 if glu else nw
-    bm, wm = shape or geometry(m_rows, nw // 16)
+    bm, wm, mt = (tuple(shape) + (1,))[:3] if shape else geometry(m_rows, nw // 16) + (1,)
     ntw = bm // 8
     xu = bm * 16
     rc = -(-m_rows // bm)
-    blocks = nw // 16 // wm * rc
+    assert (nw // 16) % (wm * mt) == 0
+    blocks = nw // 16 // (wm * mt) * rc
     y = np.full((m_rows, n), np.nan)
     for block in range(blocks):
         m0 = (block % rc) * bm
         steps = k // 128
         # the shared buffer of one step: 16-byte units of 8 inputs (one per stage; the
         # double buffering changes when, not where)
-        acc = {w: np.zeros((ntw, 32, 4)) for w in range(wm)}
+        # a warp's m-tiles (wt = (warp, i)): tile ((block // rc) * wm + warp) * mt + i
+        warp_tiles = [(w, i) for w in range(wm) for i in range(mt)]
+        acc = {wt: np.zeros((ntw, 32, 4)) for wt in warp_tiles}
         for ks in range(steps):
             xs = [None] * xu
             for u in range(xu):  # MB_STAGE
@@ -68,8 +72,8 @@ def run(x, words, scales, biases, gs, shape=None, residual=None, glu=False):
                 assert xs[dst] is None, "two copies into one unit"
                 xs[dst] = src
             assert all(v is not None for v in xs)
-            for warp in range(wm):
-                tile = (block // rc) * wm + warp
+            for warp, i in warp_tiles:
+                tile = ((block // rc) * wm + warp) * mt + i
                 regs = []
                 for lane in range(32):  # MB_WLOAD
                     g, t = lane >> 2, lane & 3
@@ -91,16 +95,16 @@ def run(x, words, scales, biases, gs, shape=None, residual=None, glu=False):
                                          deq2(v0 >> 24, s0, b0), deq2(v1 >> 24, s1, b1)))  # fmt: skip
                     for j in range(ntw):
                         xv = [xs[(j * 4 + hp) * 32 + lane] for lane in range(32)]
-                        mma(acc[warp][j], a_first, [(v[0:2], v[2:4]) for v in xv])
-                        mma(acc[warp][j], a_second, [(v[4:6], v[6:8]) for v in xv])
-        for warp in range(wm):  # the epilogue
-            tile = (block // rc) * wm + warp
+                        mma(acc[warp, i][j], a_first, [(v[0:2], v[2:4]) for v in xv])
+                        mma(acc[warp, i][j], a_second, [(v[4:6], v[6:8]) for v in xv])
+        for warp, i in warp_tiles:  # the epilogue
+            tile = ((block // rc) * wm + warp) * mt + i
             for lane in range(32):
                 g, t = lane >> 2, lane & 3
                 f = tile * (8 if glu else 16) + g
                 row0, row1 = f, (n + f if glu else f + 8)
                 for j in range(ntw):
-                    c = acc[warp][j][lane]
+                    c = acc[warp, i][j][lane]
                     for e in range(2):
                         m = m0 + j * 8 + 2 * t + e
                         if m >= m_rows:
@@ -126,7 +130,9 @@ def main() -> None:
     # 128-row blocks, rows that are not a multiple of the block's, several row chunks
     for m, nw, k, gs, shape in [(40, 256, 256, 64, (64, 8)), (100, 128, 128, 32, (128, 8)),
                                 (130, 64, 384, 128, (64, 4)), (64, 32, 256, 64, (64, 2)),
-                                (33, 2048, 128, 64, None), (200, 64, 128, 64, (128, 2))]:  # fmt: skip
+                                (33, 2048, 128, 64, None), (200, 64, 128, 64, (128, 2)),
+                                (70, 256, 256, 64, (64, 4, 2)), (40, 128, 384, 64, (64, 2, 2)),
+                                (130, 64, 128, 32, (64, 1, 2))]:  # fmt: skip
         x = 0.1 * rng.standard_normal((m, k))
         q = rng.integers(0, 16, (nw, k))
         s = 0.1 * rng.standard_normal((nw, k // gs))
@@ -139,9 +145,10 @@ def main() -> None:
         gate, up = x @ wd[: nw // 2].T, x @ wd[nw // 2 :].T
         want = gate / (1 + np.exp(-gate)) * up
         err_g = np.abs(run(x, words, s, b, gs, shape, glu=True) - want).max()
-        bm, wm = shape or geometry(m, nw // 16)
+        bm, wm, mt = (tuple(shape) + (1,))[:3] if shape else geometry(m, nw // 16) + (1,)
         print(
-            f"rows {m:3d} weight {nw:4d} x {k} group {gs:3d} (block {bm} rows, {wm} warps): "
+            f"rows {m:3d} weight {nw:4d} x {k} group {gs:3d} (block {bm} rows, {wm} warps, "
+            f"{mt} m-tiles a warp): "
             f"plain {err:.1e}  residual {err_r:.1e}  glu {err_g:.1e}"
         )
         worst = max(worst, err, err_r, err_g)

@@ -27,7 +27,7 @@
 #   bash bench/gpu/suite.sh qgemm-test prefill-profile; MARKBASE_GPU_QUANT_PLAN=1:qstream,2:qmma,33:qgemm \
 #       TABLE_CONFIGS="8b:q4 1b:q4" TABLE_BATCHES=32,128 TABLE_TAG=qgemm bash bench/gpu/suite.sh engine-table
 #                                                                           (session 15, prepared)
-#   bash bench/gpu/suite.sh prefill-async                                   (session 16, prepared)
+#   bash bench/gpu/suite.sh prefill-async qgemm-sweep                       (session 16, prepared)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -231,6 +231,13 @@ for stage in "$@"; do
             tests/test_gpu_qgemm.py 2>&1 | tee "$OUT/test_qgemm.log"
         timeout ${QR_TIMEOUT:-120} python3 bench/gpu/matmul_rows.py --models 8b,1b \
             --rows 33,64,128 --forms qmma,qgemm --reps 3 --out "$OUT/qgemm_rows.json"
+        ;;
+    qgemm-sweep)  # session 16: gpu_qgemm's geometry, stages and m-tiles a warp per product
+        # (bench/gpu/qgemm_sweep.py), after the two-m-tile form's tests
+        timeout ${QS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --tb=short \
+            tests/test_gpu_qgemm.py -k "two_m_tiles or exact" 2>&1 | tee "$OUT/test_qgemm_mt.log"
+        timeout ${QW_TIMEOUT:-150} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-150} - 20 )) \
+            --out "$OUT/qgemm_sweep.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_sweep.log"
         ;;
     prefill-async)  # session 16: MARKBASE_PREFILL_ASYNC=0/1 (engine/runner.py): an 8192-token
         # prompt in chunks of 512, each chunk waited on (0) or queued (1)

@@ -1,0 +1,141 @@
+"""engine/gpu_qgemm.py's launch geometry and pipeline depth, product by product, against
+engine/gpu_mma.py's kernel (qmma): which knob moves a 4-bit product of 64-256 rows.
+
+Why: session 16 measured qgemm's 3-stage form at 0.82-0.90x qmma's time a layer, but
+its gate/up product at 128 rows still ran ~5,000 cycles a k-step a block where shared
+memory reads bound it at ~2,000 and the MMAs at ~1,500 (bench/gpu/NOTES.md). Which of
+block rows, warps a block (blocks an SM) and stages matters decides the next design.
+
+Runs ON the GPU machine (after bench/gpu/remote_setup.sh b and bench/gpu/env.sh):
+
+    python3 bench/gpu/qgemm_sweep.py --out $OUT/qgemm_sweep.json
+
+Each row: one product (8b/1b llama shapes: fused qkv, o_proj + residual, gate/up with
+SwiGLU, down_proj + residual) at ``rows`` rows, us a call (median of ``--reps`` runs of
+``--calls`` calls over 3 weight copies, so L2 holds none of them), TFLOP/s, and the
+time over qmma's. On a CPU (``--models tiny``) it only lists the geometries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx.core as mx  # noqa: E402
+from shapes import CONFIGS  # noqa: E402
+
+from engine import gpu_qgemm  # noqa: E402
+
+GS = 64
+# (x rows a block, warps a block, m-tiles a warp); 128 rows with 2 m-tiles a warp spills
+GEOMETRIES = [(64, 4, 1), (64, 8, 1), (128, 4, 1), (128, 8, 1), (64, 4, 2), (64, 8, 2)]
+
+
+def products(cfg: dict) -> list[tuple[str, int, int, bool, bool]]:
+    """(name, N, K, residual, glu) of one layer."""
+    h, f = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
+    return [
+        ("qkv", h + 2 * kv, h, False, False),
+        ("o", h, h, True, False),
+        ("gate_up", 2 * f, h, False, True),
+        ("down", h, f, True, False),
+    ]
+
+
+def timed(fn, inputs_list, calls: int, reps: int) -> float:
+    """Median seconds a call of ``fn`` over rotating inputs."""
+    mx.eval(fn(inputs_list[0]))
+    runs = []
+    for _ in range(reps):
+        mx.synchronize()
+        t = time.perf_counter()
+        outs = [fn(inputs_list[i % len(inputs_list)]) for i in range(calls)]
+        mx.eval(outs)
+        mx.synchronize()
+        runs.append((time.perf_counter() - t) / calls)
+    return statistics.median(runs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="8b,1b")
+    ap.add_argument("--rows", default="64,128,256")
+    ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=100)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    on_gpu = mx.cuda.is_available()
+    t0 = time.perf_counter()
+    rows_out = []
+    print("| model | product | rows | form | us | TFLOP/s | / qmma |")
+    print("|---|---|---:|---|---:|---:|---:|")
+    for name in [m for m in args.models.split(",") if m]:
+        cfg = CONFIGS[name]
+        for pname, n, k, residual, glu in products(cfg):
+            weights = []
+            if on_gpu:
+                for _ in range(3):
+                    w = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
+                    weights.append(mx.quantize(w, group_size=GS, bits=4))
+                mx.eval(weights)
+            for rows in [int(r) for r in args.rows.split(",") if r]:
+                if time.perf_counter() - t0 > args.budget_s:
+                    print(f"budget spent at {name} {pname} {rows}")
+                    break
+                shapes = [(bm, wm, mt) for bm, wm, mt in GEOMETRIES if (n // 16) % (wm * mt) == 0]
+                if not on_gpu:
+                    print(
+                        f"| {name} | {pname} | {rows} | geometries {shapes} "
+                        f"(default {gpu_qgemm.geometry(rows, n // 16)}) | | | |"
+                    )
+                    continue
+                from engine import gpu_mma
+
+                x = mx.random.normal((rows, k)).astype(mx.bfloat16) * 0.1
+                extra = [mx.zeros((rows, n), dtype=mx.bfloat16)] if residual else []
+                inputs = [[x, *wsb, *extra] for wsb in weights]
+                flop = 2.0 * rows * n * k
+                qmma = gpu_mma.launcher("q4", mx.bfloat16, rows, n, k, GS, residual, glu)
+                base = timed(qmma, inputs, args.calls, args.reps)
+                forms = [("qmma", base)]
+                for st in [s for s in args.stages.split(",") if s]:
+                    os.environ[gpu_qgemm.STAGES_ENV] = st
+                    for bm, wm, mt in shapes:
+                        fn = gpu_qgemm._launch(mx.bfloat16, rows, n, GS, residual, glu, bm, wm, mt)
+                        us = timed(fn, inputs, args.calls, args.reps)
+                        forms.append((f"qgemm bm{bm} w{wm} mt{mt} st{st}", us))
+                os.environ.pop(gpu_qgemm.STAGES_ENV, None)
+                for form, s in forms:
+                    print(
+                        f"| {name} | {pname} | {rows} | {form} | {s * 1e6:.1f} | "
+                        f"{flop / s / 1e12:.0f} | {s / base:.2f} |"
+                    )
+                    rows_out.append(
+                        dict(
+                            model=name,
+                            product=pname,
+                            rows=rows,
+                            form=form,
+                            us=s * 1e6,
+                            tflops=flop / s / 1e12,
+                            vs_qmma=s / base,
+                        )
+                    )
+            del weights
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(engine="qgemm-sweep", rows=rows_out), indent=1))
+
+
+if __name__ == "__main__":
+    main()
