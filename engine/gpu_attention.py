@@ -391,11 +391,91 @@ _MERGE_LAST = r"""
     return;
   }
   __threadfence();
-  for (int idx = threadIdx.x; idx < G * HD; idx += WARPS * 32) {
-    const int g = idx / HD;
-    const int d = idx % HD;
-    const int64_t row = static_cast<int64_t>(b) * n_kv * G + hkv * G + g;
-    out[row * HD + d] = static_cast<T>(mb_merge_splits<HD>(pm, pl, pacc, row, nsplit, d));
+  if constexpr (PM) {
+    // the splits' partials WARPS at a time into the block's merge buffers, every load
+    // of a round issued before any is used (one L2 latency a round, not one a split),
+    // then merged from shared memory into a running softmax per (query head, dim)
+    constexpr int NTH = WARPS * 32;
+    constexpr int PER_T = (G * HD + NTH - 1) / NTH;  // outputs a thread
+    constexpr int LD = (WARPS * G * HD + NTH - 1) / NTH;  // partial values a thread loads
+    const int64_t row_b = static_cast<int64_t>(b) * n_kv * G + hkv * G;
+    float rM[PER_T], rL[PER_T], rA[PER_T];
+#pragma unroll
+    for (int o = 0; o < PER_T; ++o) {
+      rM[o] = -INFINITY;
+      rL[o] = 0.f;
+      rA[o] = 0.f;
+    }
+    for (int s0 = 0; s0 < nsplit; s0 += WARPS) {
+      const int ns = min(WARPS, nsplit - s0);
+      float va[LD];
+#pragma unroll
+      for (int k = 0; k < LD; ++k) {
+        const int e = threadIdx.x + k * NTH;  // (split s, head g, dim d) of this round
+        const int s = e / (G * HD), g = (e / HD) % G, d = e % HD;
+        va[k] = s < ns ? __ldcg(pacc + ((row_b + g) * nsplit + s0 + s) * HD + d) : 0.f;
+      }
+      float vm = -INFINITY, vl = 0.f;
+      const int sg = threadIdx.x;  // (split, head) of this round: one a thread
+      if (sg < ns * G) {
+        const int64_t r = (row_b + sg % G) * nsplit + s0 + sg / G;
+        vm = __ldcg(pm + r);
+        vl = __ldcg(pl + r);
+      }
+      __syncthreads();  // the buffers' last round is merged
+#pragma unroll
+      for (int k = 0; k < LD; ++k) {
+        const int e = threadIdx.x + k * NTH;
+        if (e < WARPS * G * HD) {
+          sm_acc[e / (G * HD)][(e / HD) % G][e % HD] = va[k];
+        }
+      }
+      if (sg < ns * G) {
+        sm_m[sg / G][sg % G] = vm;
+        sm_l[sg / G][sg % G] = vl;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int o = 0; o < PER_T; ++o) {
+        const int idx = threadIdx.x + o * NTH;
+        if (idx < G * HD) {
+          const int g = idx / HD, d = idx % HD;
+          float M = rM[o];
+          for (int s = 0; s < ns; ++s) {
+            M = fmaxf(M, sm_m[s][g]);
+          }
+          if (M != -INFINITY) {
+            const float c = rM[o] == -INFINITY ? 0.f : expf(rM[o] - M);
+            float L = rL[o] * c, A = rA[o] * c;
+            for (int s = 0; s < ns; ++s) {
+              const float mw = sm_m[s][g];
+              if (mw != -INFINITY) {
+                const float e = expf(mw - M);
+                L += sm_l[s][g] * e;
+                A += sm_acc[s][g][d] * e;
+              }
+            }
+            rM[o] = M;
+            rL[o] = L;
+            rA[o] = A;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 0; o < PER_T; ++o) {
+      const int idx = threadIdx.x + o * NTH;
+      if (idx < G * HD) {
+        out[(row_b + idx / HD) * HD + idx % HD] = static_cast<T>(rA[o] / rL[o]);
+      }
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < G * HD; idx += WARPS * 32) {
+      const int g = idx / HD;
+      const int d = idx % HD;
+      const int64_t row = static_cast<int64_t>(b) * n_kv * G + hkv * G + g;
+      out[row * HD + d] = static_cast<T>(mb_merge_splits<HD>(pm, pl, pacc, row, nsplit, d));
+    }
   }
 """
 
@@ -492,6 +572,9 @@ class LoopShape:
     ppb: int = POSITIONS_PER_BLOCK  # fewest positions a block when rows split over time
     warps: int = 8  # warps a block (fewer where the merge buffer needs it: warps_for)
     two_pass: bool = False  # split rows merged by a second kernel (before session 8)
+    # the last block of a split merges the partials loaded WARPS splits at a time into
+    # shared memory, not one split at a time from L2 (session 16, not yet measured)
+    pmerge: bool = False
 
     def __post_init__(self) -> None:
         if self.lanes not in (8, 16, 32):
@@ -506,7 +589,8 @@ class LoopShape:
     @classmethod
     def parse(cls, text: str) -> LoopShape:
         """``"l16u2vp64w4"``: lanes 16, u 2, vector loads, 64 positions a block, 4 warps
-        (letters l/u/p/w with a number, v and t alone; what is left out, the default)."""
+        (letters l/u/p/w with a number, v, t and m (pmerge) alone; what is left out, the
+        default)."""
         import re
 
         fields = {"l": "lanes", "u": "u", "p": "ppb", "w": "warps"}
@@ -518,16 +602,18 @@ class LoopShape:
                 kw["vec"] = True
             elif key == "t" and not num:
                 kw["two_pass"] = True
+            elif key == "m" and not num:
+                kw["pmerge"] = True
             else:
                 raise ValueError(f"attention loop shape {text!r}: {key}{num}?")
         return cls(**kw)
 
     @classmethod
     def from_env(cls) -> LoopShape | None:
-        """``MARKBASE_GPU_ATTN_LANES``/``_U``/``_VEC``/``_PPB``/``_WARPS``/``_TWO_PASS``
-        (unset ones: the class defaults); None when none is set."""
+        """``MARKBASE_GPU_ATTN_LANES``/``_U``/``_VEC``/``_PPB``/``_WARPS``/``_TWO_PASS``/
+        ``_PMERGE`` (unset ones: the class defaults); None when none is set."""
         env = os.environ.get
-        names = ("LANES", "U", "VEC", "PPB", "WARPS", "TWO_PASS")
+        names = ("LANES", "U", "VEC", "PPB", "WARPS", "TWO_PASS", "PMERGE")
         if not any(f"MARKBASE_GPU_ATTN_{n}" in os.environ for n in names):
             return None
         d = cls()
@@ -538,6 +624,7 @@ class LoopShape:
             ppb=int(env("MARKBASE_GPU_ATTN_PPB", d.ppb)),
             warps=int(env("MARKBASE_GPU_ATTN_WARPS", d.warps)),
             two_pass=env("MARKBASE_GPU_ATTN_TWO_PASS", "0") == "1",
+            pmerge=env("MARKBASE_GPU_ATTN_PMERGE", "0") == "1",
         )
 
 
@@ -818,7 +905,7 @@ def _launch(
     lanes = max(shape.lanes, d // 16)  # at most 16 values a lane
     vec = shape.vec and d // lanes * dtype.size >= 4
     template = (("T", dtype), ("HD", d), ("G", g), ("WARPS", warps), ("LP", lanes))
-    template += (("U", shape.u), ("VEC", vec))
+    template += (("U", shape.u), ("VEC", vec), ("PM", shape.pmerge))
     if traditional is not None:
         template += (("TRAD", traditional), ("TPOS", nsplit is not None))
     grid = (n * warps * 32, hkv, b)
@@ -905,6 +992,7 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                         continue
                     if kind != "combine":
                         tmpl += [("G", g), ("WARPS", w), ("LP", lanes), ("U", u), ("VEC", vec)]
+                        tmpl += [("PM", u == 8)]  # both merges of the split forms
                     if kind.startswith("append"):
                         tmpl += [("TRAD", hd >= 64 and g == 4), ("TPOS", u == 8)]
                     name = f"{spec.name}_{dtype}_{hd}_{g}_{w}_{lanes}_{u}_{int(vec)}"

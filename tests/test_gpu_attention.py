@@ -173,6 +173,8 @@ SHAPES = [
     "l8u2vp32",
     "l16u4vw4",
     "l32u4p16w2",
+    "l32u8m",  # the last block's merge through shared memory (pmerge)
+    "l32u4p16w2m",  # many splits: several rounds of the pmerge buffers
 ]
 
 
@@ -190,7 +192,7 @@ def test_loop_shapes_give_the_same_attention(shape, case, dtype):
 
 
 def test_loop_shape_knobs(monkeypatch):
-    for name in ("U", "VEC", "LANES", "PPB", "WARPS", "TWO_PASS"):
+    for name in ("U", "VEC", "LANES", "PPB", "WARPS", "TWO_PASS", "PMERGE"):
         monkeypatch.delenv(f"MARKBASE_GPU_ATTN_{name}", raising=False)
     gpu_attention.set_loop_shape(None)
     assert gpu_attention.fixed_shape() is None  # each launch: auto_shape
@@ -202,6 +204,10 @@ def test_loop_shape_knobs(monkeypatch):
     assert gpu_attention.fixed_shape() == want == gpu_attention.LoopShape.parse("l16u8v")
     want = gpu_attention.LoopShape(lanes=8, u=2, ppb=64, warps=4, two_pass=True)
     assert gpu_attention.LoopShape.parse("l8u2p64w4t") == want
+    assert gpu_attention.LoopShape.parse("l32u8m") == gpu_attention.LoopShape(u=8, pmerge=True)
+    monkeypatch.setenv("MARKBASE_GPU_ATTN_PMERGE", "1")
+    gpu_attention.set_loop_shape(None)
+    assert gpu_attention.fixed_shape().pmerge
     monkeypatch.setenv("MARKBASE_GPU_ATTN_U", "3")
     gpu_attention.set_loop_shape(None)
     with pytest.raises(ValueError, match="1, 2, 4 or 8"):
@@ -257,7 +263,7 @@ APPEND_CASES = [
 @pytest.mark.parametrize("case", APPEND_CASES)
 @pytest.mark.parametrize("kind", ["plain", "traditional", "llama3"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("shape", ["auto", "l16u2v", "l8u4vp32"])
+@pytest.mark.parametrize("shape", ["auto", "l16u2v", "l8u4vp32", "l32u8p16m"])
 def test_append_kernel_equals_rope_write_and_attention(case, kind, dtype, shape):
     """decode_attention_append == RoPE on q and k, k and v written at slot T, then the
     attention over [start, T]; and the cache buffers hold the new k and v after. Also

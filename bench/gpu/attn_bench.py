@@ -13,7 +13,8 @@ another as in a step, not side by side).
         --variants l32u4,l32u8v,l16u2v --out $OUT/attn.json
 
 Variants are ``LoopShape.parse`` strings (l = lanes a position, u = positions in
-flight a lane, v = vector loads, p = fewest positions a block, w = warps a block), or
+flight a lane, v = vector loads, p = fewest positions a block, w = warps a block,
+m = the last block merges the splits through shared memory), or
 ``auto`` (gpu_attention.auto_shape's choice per launch, the default; the environment
 must set no MARKBASE_GPU_ATTN_* for it).
 """
