@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
+from q4_bench import products  # noqa: E402  (the layer's products, as the step has them)
 from shapes import CONFIGS  # noqa: E402
 
 from engine import gpu_qgemm  # noqa: E402
@@ -37,18 +38,6 @@ from engine import gpu_qgemm  # noqa: E402
 GS = 64
 # (x rows a block, warps a block, m-tiles a warp); 128 rows with 2 m-tiles a warp spills
 GEOMETRIES = [(64, 4, 1), (64, 8, 1), (128, 4, 1), (128, 8, 1), (64, 4, 2), (64, 8, 2)]
-
-
-def products(cfg: dict) -> list[tuple[str, int, int, bool, bool]]:
-    """(name, N, K, residual, glu) of one layer."""
-    h, f = cfg["hidden_size"], cfg["intermediate_size"]
-    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
-    return [
-        ("qkv", h + 2 * kv, h, False, False),
-        ("o", h, h, True, False),
-        ("gate_up", 2 * f, h, False, True),
-        ("down", h, f, True, False),
-    ]
 
 
 def timed(fn, inputs_list, calls: int, reps: int) -> float:
