@@ -309,19 +309,13 @@ class GpuQuantizedLinear(_Routes):
                     return None
                 return gpu_qstream.launcher(dtype, n, k, self.group_size, residual, glu, norm)
             form = "qmma"
-        if form == "qgemm":
-            from engine import gpu_qgemm
-
-            if not gpu_qgemm.wide_enough(rows, n // 16):
-                form = "qmma"  # narrow products: gpu_mma's kernel (see wide_enough)
+        form = self._qgemm_or_qmma(form, rows, dtype)
         if form == "qgemm":
             if norm:  # not a form of this kernel: the norm as its own op (_make_route)
                 return None
-            if self._kernel_ok("qgemm", dtype):
-                from engine import gpu_qgemm
+            from engine import gpu_qgemm
 
-                return gpu_qgemm.launcher(dtype, rows, n, k, self.group_size, residual, glu)
-            form = "qmma"
+            return gpu_qgemm.launcher(dtype, rows, n, k, self.group_size, residual, glu)
         if form != "qmma" or not self._kernel_ok("qmma", dtype):
             return None
         if norm and not mma_norm:
@@ -329,6 +323,19 @@ class GpuQuantizedLinear(_Routes):
         from engine import gpu_mma
 
         return gpu_mma.launcher("q4", dtype, rows, n, k, self.group_size, residual, glu, norm)
+
+    def _qgemm_or_qmma(self, form: str, rows: int, dtype) -> str:
+        """``form``, except ``qgemm`` where its kernel does not take this layer or the
+        product is too narrow for its blocks (``gpu_qgemm.wide_enough``): ``qmma``."""
+        if form != "qgemm":
+            return form
+        from engine import gpu_qgemm
+
+        if gpu_qgemm.wide_enough(rows, self.weight.shape[0] // 16) and self._kernel_ok(
+            "qgemm", dtype
+        ):
+            return form
+        return "qmma"
 
     def _kernel_ok(self, form: str, dtype) -> bool:
         """Whether the custom kernel of ``form`` takes this layer (remembered per dtype)."""
@@ -385,8 +392,7 @@ class GpuQuantizedLinear(_Routes):
 
         if form == "qstream":  # the [B, 1, K] path, not the decode step's
             form = "qmma"
-        if form == "qgemm" and not self._kernel_ok("qgemm", x.dtype):
-            form = "qmma"
+        form = self._qgemm_or_qmma(form, x.size // x.shape[-1], x.dtype)
         if form in ("qmma", "qgemv", "qgemm"):
             from engine import gpu_gemv, gpu_mma, gpu_qgemm
 

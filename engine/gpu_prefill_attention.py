@@ -62,7 +62,11 @@ __device__ __forceinline__ void mb_cp16z(void* dst, const void* src, bool valid)
                "r"(valid ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void mb_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void mb_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+// until at most N of this thread's commit groups are still in flight (as gpu_qstream's)
+template <int N>
+__device__ __forceinline__ void mb_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 // four 8x8 b16 matrices from shared memory; lane l gives row l % 8 of matrix l / 8,
 // and gets in r[i] what an MMA fragment holds of matrix i (.trans: of its transpose)
 __device__ __forceinline__ void mb_ldm4(uint32_t* r, const void* p) {
@@ -170,7 +174,7 @@ _SOURCE = r"""
     if constexpr (STAGES == 2) {
       if (kt + 1 < ntiles) load(kt + 1, st ^ 1);  // its stage was freed by the last barrier
       mb_commit();
-      mb_wait1();  // tile kt has landed
+      mb_wait<1>();  // tile kt has landed
     } else {
       load(kt, 0);
     }

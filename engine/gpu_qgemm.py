@@ -151,11 +151,7 @@ _SOURCE = r"""
       }
     }
     mb_commit();
-    if constexpr (ST == 3) {
-      mb_wait2();  // this thread's copies of step ks are in (ks + 1, ks + 2 may not be)
-    } else {
-      mb_wait1();
-    }
+    mb_wait<ST - 1>();  // this thread's copies of step ks are in (later ones may not be)
     __syncthreads();  // and everyone's
     const uint4* xb = xs + st * XU + lane;
 #pragma unroll
@@ -225,7 +221,6 @@ _SOURCE = r"""
 """
 
 
-_WAIT2 = '__device__ __forceinline__ void mb_wait2() { asm volatile("cp.async.wait_group 2;\\n" ::: "memory"); }\n'
 # one m-tile's weight registers for one k-step: words of its two rows, scale/bias pairs
 _QW = "struct MbQw {\n  uint4 q0, q1;\n  uint32_t sc0, sc1, bi0, bi1;\n};\n"
 
@@ -249,7 +244,7 @@ def _specs() -> dict[str, KernelSpec]:
             inputs + ([("r", "T", 2)] if res else []),
             [("y", "T")],
             flags + _SOURCE,
-            MMA_HEADER + CP_HEADER + _WAIT2 + _QW,
+            MMA_HEADER + CP_HEADER + _QW,
         )
     return out
 
@@ -360,7 +355,11 @@ def warm(dtype, products) -> None:
 
     outs = []
     for gs, k, n_rows, residual, glu in sorted(set(products)):
-        shapes = {geometry(r, n_rows // 16) for r in range(1, WARM_ROWS + 1)}
+        shapes = {
+            geometry(r, n_rows // 16)
+            for r in range(1, WARM_ROWS + 1)
+            if wide_enough(r, n_rows // 16)  # narrower ones run on gpu_mma (gpu_linear)
+        }
         for bm, wm in sorted(shapes):
             rows, n = bm, 16 * wm  # a small weight with the same template
             s = mx.ones((n, k // gs), dtype=dtype)

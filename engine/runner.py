@@ -65,10 +65,8 @@ class ModelRunner:
         """Feed ``tokens`` of one sequence; return the last position's logits [V] if asked."""
         if not want_logits:
             self._forward_body(kv, tokens)
-            if self.async_prefill:
-                mx.async_eval([c.keys for c in kv] + [c.values for c in kv])
-            else:
-                mx.eval([c.keys for c in kv] + [c.values for c in kv])
+            evaluate = mx.async_eval if self.async_prefill else mx.eval
+            evaluate([c.keys for c in kv] + [c.values for c in kv])
             return None
         if self.head is not None:
             hidden = self.body(mx.array([tokens], dtype=mx.int32), cache=kv)
