@@ -17,7 +17,7 @@ a step). The same product can be written in ways that reach other kernels:
   ``qstream`` = engine/gpu_qstream.py's 1-row 4-bit kernel (loads through shared
   memory, the RMSNorm before it folded in where asked; other row counts go to ``qmma``);
   ``qgemm`` = engine/gpu_qgemm.py's 4-bit kernel for many rows (x staged in shared
-  memory, 64-128 rows a block; not in the default plan until measured);
+  memory, 64-row blocks of 4 warps x 2 m-tiles where the weight splits so);
   ``qmm`` = ``mx.quantized_matmul``; ``deq`` = dequantize the weight to
   the activations' dtype, then ``xwt`` (reads the 4-bit weight, writes and reads a
   bf16 copy: about 3x the bytes of a bf16 product, but at bf16 speed); ``deqwxt``;
@@ -52,8 +52,10 @@ QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv", "qmma", "qstre
 # weight once where the kernel reads it once per 32 rows.
 DEFAULT_FLOAT_PLAN = "1:xwt,2:mma,33:xwt"
 # 1 row: engine/gpu_qstream.py (session 10: 8b 4-bit B=1 279 -> 307 tok/s in one lease;
-# a layer's 4 products 75.6 -> 65.2 us)
-DEFAULT_QUANT_PLAN = "1:qstream,2:qmma"
+# a layer's 4 products 75.6 -> 65.2 us); from 33 rows engine/gpu_qgemm.py (session 17:
+# its 2-m-tile form at 0.71-0.92x qmma's time on each product of the 1b/8b layers at
+# 64-256 rows, bench/gpu/qgemm_sweep.py)
+DEFAULT_QUANT_PLAN = "1:qstream,2:qmma,33:qgemm"
 
 
 @dataclass(frozen=True)

@@ -23,17 +23,17 @@ alike. x's shared buffer is ``[n-tile][pair of MMA steps][g][t]`` of 16-byte uni
 (one global 16-byte load each), so the warp reads a fragment as 512 contiguous bytes.
 ``bench/gpu/qgemm_emulation.py`` checks this mapping lane by lane in numpy.
 
-x has ``ST`` buffers (3 by default: step ks + 2's copy and weight registers are
-loaded while step ks is computed; ``MARKBASE_GPU_QGEMM_STAGES=2`` for the first form).
-``MT`` m-tiles a warp (1 in the plan's geometry; ``_launch(..., mt=2)`` for
-bench/gpu/qgemm_sweep.py) make each x fragment read from shared memory feed that many
-weight tiles.
+x has ``ST`` buffers (step ks + ST - 1's copy and weight registers are loaded while
+step ks is computed). ``MT`` m-tiles a warp make each x fragment read from shared
+memory feed that many weight tiles: ``geometry`` picks 64-row blocks of 4 warps with 2
+m-tiles each, 2 stages, wherever the weight's m-tiles split so.
 
-Off unless the quantized plan names ``qgemm`` (e.g. ``MARKBASE_GPU_QUANT_PLAN=
-1:qstream,2:qmma,33:qgemm``). Measured on an H100 (session 16, bench/gpu/NOTES.md):
-the 2-stage form lost to gpu_mma everywhere; 3 stages, with narrow products left on
-gpu_mma (``wide_enough``), take 0.82-0.90x gpu_mma's time a layer at 64-128 rows, but
-the engine's B=128 step did not move outside its noise.
+In the default quantized plan from 33 rows (``33:qgemm``; products too narrow for 4
+m-tiles a block stay on gpu_mma, ``wide_enough``). Measured on an H100
+(bench/gpu/NOTES.md): session 16's one-m-tile forms took 0.82-0.90x gpu_mma's time a
+layer and did not move the engine's B=128 step; session 17's sweep
+(bench/gpu/qgemm_sweep.py) put the 2-m-tile form at 0.71-0.92x gpu_mma's time on every
+product of the 1b/8b layers at 64, 128 and 256 rows (8b layer at 128 rows: 0.80x).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from engine.cuda_kernels import Baked, KernelSpec, for_dtype, one_output_call
 
 KSTEP = 128  # inputs a step: 4 lanes of a quad x 32
 MIN_BLOCKS = 128  # about one a SM of an H100/H200 (132)
+PAIR_WARPS = 4  # warps a block in the 2-m-tiles-a-warp geometry
 
 _SOURCE = r"""
   constexpr int BM = NTW * 8;        // x rows a block
@@ -265,18 +266,24 @@ def supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: str, bi
     )
 
 
-def geometry(rows: int, m_tiles: int) -> tuple[int, int]:
-    """(x rows a block, warps a block) for ``rows`` rows and ``m_tiles`` m-tiles of the
-    weight: 128 rows a block from 65 rows (64 below), 8 warps, fewer warps (then fewer
-    rows) while that leaves under MIN_BLOCKS blocks (o_proj at 8b has 256 m-tiles)."""
+def geometry(rows: int, m_tiles: int) -> tuple[int, int, int]:
+    """(x rows a block, warps a block, m-tiles a warp) for ``rows`` rows and ``m_tiles``
+    m-tiles of the weight. Where the m-tiles split into 4 warps x 2: 64-row blocks of 4
+    warps with 2 m-tiles each, the fastest form of bench/gpu/qgemm_sweep.py's sweep for
+    every product of the 1b/8b layers at 64/128/256 rows (H100, session 17: 0.71-0.92x
+    gpu_mma's time; 128-row blocks with 2 m-tiles a warp spill). Otherwise one m-tile a
+    warp: 128 rows a block from 65 rows (64 below), 8 warps, fewer warps (then fewer
+    rows) while that leaves under MIN_BLOCKS blocks."""
+    if m_tiles % (PAIR_WARPS * 2) == 0:
+        return 64, PAIR_WARPS, 2
     options = [(128 if rows > 64 else 64, wm) for wm in (8, 4, 2)] + [(64, 2), (64, 1)]
     for bm, wm in options:
         if m_tiles % wm == 0 and m_tiles // wm * -(-rows // bm) >= MIN_BLOCKS:
-            return bm, wm
+            return bm, wm, 1
     for bm, wm in reversed(options):
         if m_tiles % wm == 0:
-            return bm, wm
-    return 64, 1
+            return bm, wm, 1
+    return 64, 1, 1
 
 
 def shared_bytes(bm: int, stages: int) -> int:
@@ -287,21 +294,24 @@ def shared_bytes(bm: int, stages: int) -> int:
 STAGES_ENV = "MARKBASE_GPU_QGEMM_STAGES"
 
 
-def stages() -> int:
-    """Buffers of x (and steps the weight registers are loaded ahead, less one): 3
-    unless ``MARKBASE_GPU_QGEMM_STAGES=2`` (session 15's form, for A/B runs)."""
-    text = os.environ.get(STAGES_ENV, "3")
+def stages(mt: int = 1) -> int:
+    """Buffers of x (and steps the weight registers are loaded ahead, less one):
+    ``MARKBASE_GPU_QGEMM_STAGES`` (2 or 3) if set, else 2 with 2 m-tiles a warp (the
+    sweep's best; its registers are the tighter) and 3 with one (session 16: 3 stages
+    beat 2 there)."""
+    text = os.environ.get(STAGES_ENV, "2" if mt == 2 else "3")
     if text not in ("2", "3"):
         raise ValueError(f"{STAGES_ENV}={text!r}: want 2 or 3")
     return int(text)
 
 
 def wide_enough(rows: int, m_tiles: int) -> bool:
-    """Whether ``geometry`` gives this product blocks of 4+ warps. With fewer, each
+    """Whether ``geometry`` gives this product blocks of 4+ m-tiles. With fewer, each
     block reads all of x from L2 for 32 weight rows or less: o_proj and down_proj of
     the 8b model at 128 rows took 3.2x gpu_mma's time (session 16), so the plan's
     ``qgemm`` falls back to ``qmma`` for them (engine/gpu_linear.py)."""
-    return geometry(rows, m_tiles)[1] >= 4
+    _, wm, mt = geometry(rows, m_tiles)
+    return wm * mt >= 4
 
 
 @cache
@@ -315,8 +325,8 @@ def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, 
     Worked out once (engine/gpu_linear.py keeps one per layer and row count)."""
     if glu and residual:
         raise ValueError("gpu_qgemm: glu and residual together are not a kernel")
-    bm, wm = geometry(rows, n // 16)
-    return _launch(dtype, rows, n, gs, residual, glu, bm, wm)
+    bm, wm, mt = geometry(rows, n // 16)
+    return _launch(dtype, rows, n, gs, residual, glu, bm, wm, mt)
 
 
 def _launch(
@@ -328,7 +338,7 @@ def _launch(
     if (n // 16) % (wm * mt):
         raise ValueError(f"gpu_qgemm: {n} weight rows do not split into {wm} x {mt} m-tiles")
     kind = "q4_glu" if glu else "q4_res" if residual else "q4"
-    st = stages()
+    st = stages(mt)
     fn = _kernel(kind, _template(dtype, gs, bm // 8, wm, st, mt), shared_bytes(bm, st))
     grid = (n // 16 // (wm * mt) * -(-rows // bm) * wm * 32, 1, 1)
     shape = (rows, n // 2 if glu else n)
@@ -360,13 +370,13 @@ def warm(dtype, products) -> None:
             for r in range(1, WARM_ROWS + 1)
             if wide_enough(r, n_rows // 16)  # narrower ones run on gpu_mma (gpu_linear)
         }
-        for bm, wm in sorted(shapes):
-            rows, n = bm, 16 * wm  # a small weight with the same template
+        for bm, wm, mt in sorted(shapes):
+            rows, n = bm, 16 * wm * mt  # a small weight with the same template
             s = mx.ones((n, k // gs), dtype=dtype)
             ins = [mx.zeros((rows, k), dtype=dtype), mx.zeros((n, k // 8), dtype=mx.uint32), s, s]
             if residual:
                 ins.append(mx.zeros((rows, n), dtype=dtype))
-            outs.append(_launch(dtype, rows, n, gs, residual, glu, bm, wm)(ins))
+            outs.append(_launch(dtype, rows, n, gs, residual, glu, bm, wm, mt)(ins))
     mx.eval(outs)
 
 

@@ -34,12 +34,14 @@ class ModelRunner:
         # again for one row (a 2048-token GPU prefill of the 8b model: ~12 ms of ~54 ms
         # busy in 1-row products, bench/gpu/NOTES.md, session 16).
         self.head = output_head(model) if self.body is not None else None
-        # MARKBASE_PREFILL_ASYNC=1: a chunk whose logits nobody wants is queued, not
-        # waited on, so the host builds the next chunk (or decode step) while the device
-        # runs it. Why: on a GPU each chunk's graph takes the host ~2-3 ms (1b model)
-        # during which the device idled (bench/gpu/NOTES.md, session 16). Opt-in until
-        # measured (`bash bench/gpu/suite.sh prefill-async`).
-        self.async_prefill = os.environ.get("MARKBASE_PREFILL_ASYNC", "0") == "1"
+        # A chunk whose logits nobody wants is queued, not waited on, so the host builds
+        # the next chunk (or decode step) while the device runs it. On by default on a
+        # GPU: an 8192-token prompt in 512-token chunks 1.38-1.44x faster at 1b and
+        # 1.19-1.20x at 8b (H100, bench/gpu/NOTES.md, session 17). Off on the CPU, where
+        # the host's graph building competes with the compute for the same cores (not
+        # measured there). MARKBASE_PREFILL_ASYNC=0/1 overrides.
+        default_async = "1" if on_gpu() else "0"
+        self.async_prefill = os.environ.get("MARKBASE_PREFILL_ASYNC", default_async) == "1"
         # Llama-family models decode through a step of their own (CPU: the lean step,
         # engine/cpu_step.py; GPU: the fused one, engine/decode_step.py); other
         # families, or fused_decode=False, call the model as is.

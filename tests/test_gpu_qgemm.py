@@ -33,17 +33,19 @@ SHAPES = [(33, 256, 512), (64, 64, 256), (65, 2048, 1024), (100, 16, 128), (128,
 
 
 def test_geometry_keeps_the_gpu_busy():
-    """128-row blocks from 65 rows, 8 warps for large weights, fewer warps (then
-    64-row blocks) until there are MIN_BLOCKS blocks, a divisor of the m-tiles always."""
-    assert gpu_qgemm.geometry(128, 28672 // 16) == (128, 8)  # 8b gate_up: 224 blocks
-    assert gpu_qgemm.geometry(64, 28672 // 16) == (64, 8)
-    assert gpu_qgemm.geometry(128, 4096 // 16) == (128, 2)  # 8b o_proj: 128 blocks
-    assert gpu_qgemm.geometry(128, 2048 // 16) == (64, 2)  # 1b o_proj: 64 x 2 chunks
-    assert gpu_qgemm.geometry(40, 6) == (64, 1)  # too small for MIN_BLOCKS: the most blocks
+    """64-row blocks of 4 warps x 2 m-tiles where the m-tiles split so; otherwise
+    128-row blocks from 65 rows, 8 warps for large weights, fewer warps (then 64-row
+    blocks) until there are MIN_BLOCKS blocks, a divisor of the m-tiles always."""
+    assert gpu_qgemm.geometry(128, 28672 // 16) == (64, 4, 2)  # 8b gate_up
+    assert gpu_qgemm.geometry(128, 4096 // 16) == (64, 4, 2)  # 8b o_proj
+    assert gpu_qgemm.geometry(128, 2048 // 16) == (64, 4, 2)  # 1b o_proj
+    assert gpu_qgemm.geometry(128, 1796) == (128, 4, 1)  # 4 x 2 do not divide 1796 m-tiles
+    assert gpu_qgemm.geometry(40, 6) == (64, 1, 1)  # too small for MIN_BLOCKS: the most blocks
     for rows in (33, 64, 65, 128, 300):
         for tiles in (1, 2, 3, 6, 96, 128, 1792):
-            bm, wm = gpu_qgemm.geometry(rows, tiles)
-            assert bm in (64, 128) and tiles % wm == 0
+            bm, wm, mt = gpu_qgemm.geometry(rows, tiles)
+            assert bm in (64, 128) and tiles % (wm * mt) == 0
+            assert mt == 1 or bm == 64  # 128-row blocks with 2 m-tiles a warp spill
 
 
 def test_emulated_layout_equals_the_product():
@@ -77,7 +79,8 @@ def test_wide_enough_and_stages_switch(monkeypatch):
     """qgemm only for products whose blocks get 4+ warps (the 8b model's gate/up at
     128 rows, not its o_proj); the stage count comes from the environment, checked."""
     assert gpu_qgemm.wide_enough(128, 28672 // 16)
-    assert not gpu_qgemm.wide_enough(128, 4096 // 16)
+    assert gpu_qgemm.wide_enough(128, 4096 // 16)  # 4 warps x 2 m-tiles
+    assert not gpu_qgemm.wide_enough(128, 126)  # 126 m-tiles: 64-row blocks of 1 warp
     with pytest.raises(ValueError, match="do not split"):
         gpu_qgemm._launch(mx.bfloat16, 64, 16 * 6, 64, False, False, 64, 4, mt=2)
     monkeypatch.setenv(gpu_qgemm.STAGES_ENV, "2")
@@ -87,6 +90,7 @@ def test_wide_enough_and_stages_switch(monkeypatch):
         gpu_qgemm.stages()
     monkeypatch.delenv(gpu_qgemm.STAGES_ENV)
     assert gpu_qgemm.stages() == 3
+    assert gpu_qgemm.stages(mt=2) == 2
 
 
 @needs_gpu

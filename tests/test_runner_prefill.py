@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest_loading import TINY_CONFIGS
 
+from engine.decode_step import on_gpu
 from engine.loading.random_model import build_random_model
 from engine.runner import ModelRunner, output_head
 
@@ -60,8 +61,8 @@ def test_unknown_family_keeps_the_fallback() -> None:
 
 
 def test_async_chunks_equal_sync_chunks(monkeypatch) -> None:
-    """MARKBASE_PREFILL_ASYNC=1 queues the chunks without logits; the last chunk's
-    logits and the KV cache must be what the synchronous chunks give."""
+    """MARKBASE_PREFILL_ASYNC=1 (the GPU's default) queues the chunks without logits;
+    the last chunk's logits and the KV cache must be what the synchronous chunks give."""
     loaded = build_random_model("llama", dict(TINY_CONFIGS["llama"]), seed=5)
     results = []
     for flag in ("0", "1"):
@@ -76,3 +77,5 @@ def test_async_chunks_equal_sync_chunks(monkeypatch) -> None:
         results.append((np.array(logits.astype(mx.float32)), keys))
     np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
+    monkeypatch.delenv("MARKBASE_PREFILL_ASYNC")
+    assert ModelRunner(loaded.model, fused_decode=False).async_prefill is on_gpu()

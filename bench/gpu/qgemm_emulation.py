@@ -43,11 +43,11 @@ def deq2(v: int, s: float, b: float) -> tuple[float, float]:
 
 def run(x, words, scales, biases, gs, shape=None, residual=None, glu=False):
     """``shape`` = (x rows a block, warps a block[, m-tiles a warp]); None:
-    ``geometry``'s choice (one m-tile a warp)."""
+    ``geometry``'s choice."""
     m_rows, k = x.shape
     nw = words.shape[0]
     n = nw // 2 if glu else nw
-    bm, wm, mt = (tuple(shape) + (1,))[:3] if shape else geometry(m_rows, nw // 16) + (1,)
+    bm, wm, mt = (tuple(shape) + (1,))[:3] if shape else geometry(m_rows, nw // 16)
     ntw = bm // 8
     xu = bm * 16
     rc = -(-m_rows // bm)
@@ -145,7 +145,7 @@ def main() -> None:
         gate, up = x @ wd[: nw // 2].T, x @ wd[nw // 2 :].T
         want = gate / (1 + np.exp(-gate)) * up
         err_g = np.abs(run(x, words, s, b, gs, shape, glu=True) - want).max()
-        bm, wm, mt = (tuple(shape) + (1,))[:3] if shape else geometry(m, nw // 16) + (1,)
+        bm, wm, mt = (tuple(shape) + (1,))[:3] if shape else geometry(m, nw // 16)
         print(
             f"rows {m:3d} weight {nw:4d} x {k} group {gs:3d} (block {bm} rows, {wm} warps, "
             f"{mt} m-tiles a warp): "
