@@ -28,12 +28,12 @@ step ks is computed). ``MT`` m-tiles a warp make each x fragment read from share
 memory feed that many weight tiles: ``geometry`` picks 64-row blocks of 4 warps with 2
 m-tiles each, 2 stages, wherever the weight's m-tiles split so.
 
-In the default quantized plan from 33 rows (``33:qgemm``; products too narrow for 4
-m-tiles a block stay on gpu_mma, ``wide_enough``). Measured on an H100
-(bench/gpu/NOTES.md): session 16's one-m-tile forms took 0.82-0.90x gpu_mma's time a
-layer and did not move the engine's B=128 step; session 17's sweep
-(bench/gpu/qgemm_sweep.py) put the 2-m-tile form at 0.71-0.92x gpu_mma's time on every
-product of the 1b/8b layers at 64, 128 and 256 rows (8b layer at 128 rows: 0.80x).
+In the default quantized plan from 33 rows (``33:qgemm``) for the products that give
+it enough blocks (``wide_enough``: gate/up and the output layer); the others stay on
+gpu_mma. Measured on an H100 (bench/gpu/NOTES.md, session 17): in the engine's 8b
+4-bit step at B=128, gate/up 203 us a call against gpu_mma's 233; o_proj/down_proj
+(64 blocks) 151 against 69. (bench/gpu/qgemm_sweep.py's first form timed independent
+calls, which MLX's CUDA graph may overlap: it flattered the small grids.)
 """
 
 from __future__ import annotations
@@ -306,12 +306,15 @@ def stages(mt: int = 1) -> int:
 
 
 def wide_enough(rows: int, m_tiles: int) -> bool:
-    """Whether ``geometry`` gives this product blocks of 4+ m-tiles. With fewer, each
-    block reads all of x from L2 for 32 weight rows or less: o_proj and down_proj of
-    the 8b model at 128 rows took 3.2x gpu_mma's time (session 16), so the plan's
+    """Whether ``geometry`` gives this product blocks of 4+ m-tiles and at least
+    MIN_BLOCKS of them. With fewer m-tiles a block, each block reads all of x from L2 for
+    32 weight rows or less (o_proj and down_proj of the 8b model at 128 rows took 3.2x
+    gpu_mma's time, session 16); with fewer blocks, half the SMs idle: in the engine's
+    step (session 17, 8b 4-bit B=128) the 64-block o_proj/down_proj took 151 us a call
+    against gpu_mma's 69, while gate/up (448 blocks) took 203 against 233. The plan's
     ``qgemm`` falls back to ``qmma`` for them (engine/gpu_linear.py)."""
-    _, wm, mt = geometry(rows, m_tiles)
-    return wm * mt >= 4
+    bm, wm, mt = geometry(rows, m_tiles)
+    return wm * mt >= 4 and m_tiles // (wm * mt) * -(-rows // bm) >= MIN_BLOCKS
 
 
 @cache

@@ -78,9 +78,11 @@ def test_quantized_qgemm(shape, dtype):
 def test_wide_enough_and_stages_switch(monkeypatch):
     """qgemm only for products whose blocks get 4+ warps (the 8b model's gate/up at
     128 rows, not its o_proj); the stage count comes from the environment, checked."""
-    assert gpu_qgemm.wide_enough(128, 28672 // 16)
-    assert gpu_qgemm.wide_enough(128, 4096 // 16)  # 4 warps x 2 m-tiles
-    assert not gpu_qgemm.wide_enough(128, 126)  # 126 m-tiles: 64-row blocks of 1 warp
+    assert gpu_qgemm.wide_enough(128, 28672 // 16)  # 8b gate/up: 448 blocks
+    assert gpu_qgemm.wide_enough(64, 28672 // 16)  # 224
+    assert not gpu_qgemm.wide_enough(128, 4096 // 16)  # 8b o_proj: 64 blocks
+    assert not gpu_qgemm.wide_enough(128, 6144 // 16)  # 8b qkv: 96
+    assert not gpu_qgemm.wide_enough(1024, 126)  # 126 m-tiles: 64-row blocks of 1 warp
     with pytest.raises(ValueError, match="do not split"):
         gpu_qgemm._launch(mx.bfloat16, 64, 16 * 6, 64, False, False, 64, 4, mt=2)
     monkeypatch.setenv(gpu_qgemm.STAGES_ENV, "2")

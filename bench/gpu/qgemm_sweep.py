@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
-from q4_bench import products  # noqa: E402  (the layer's products, as the step has them)
+from q4_bench import cupti_us, products  # noqa: E402  (the layer's products, as the step has them)
 from shapes import CONFIGS  # noqa: E402
 
 from engine import gpu_qgemm  # noqa: E402
@@ -41,17 +41,21 @@ GEOMETRIES = [(64, 4, 1), (64, 8, 1), (128, 4, 1), (128, 8, 1), (64, 4, 2), (64,
 
 
 def timed(fn, inputs_list, calls: int, reps: int) -> float:
-    """Median seconds a call of ``fn`` over rotating inputs."""
+    """Median seconds of one kernel of ``fn`` over rotating inputs, from CUPTI's kernel
+    durations. Why not wall time over a batch of calls: the calls are independent, and
+    MLX's CUDA graph may run them side by side, which made the small grids (64 blocks:
+    o_proj/down_proj) look ~2x faster than in the engine's step (session 17)."""
     mx.eval(fn(inputs_list[0]))
-    runs = []
+    state = {"i": 0}
+
+    def one():
+        state["i"] += 1
+        return fn(inputs_list[state["i"] % len(inputs_list)])
+
+    durs = []
     for _ in range(reps):
-        mx.synchronize()
-        t = time.perf_counter()
-        outs = [fn(inputs_list[i % len(inputs_list)]) for i in range(calls)]
-        mx.eval(outs)
-        mx.synchronize()
-        runs.append((time.perf_counter() - t) / calls)
-    return statistics.median(runs)
+        durs += cupti_us(one, calls, "custom_kernel_mb_")
+    return statistics.median(durs) * 1e-6 if durs else float("nan")
 
 
 def main() -> None:
