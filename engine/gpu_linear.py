@@ -17,7 +17,7 @@ a step). The same product can be written in ways that reach other kernels:
   ``qstream`` = engine/gpu_qstream.py's 1-row 4-bit kernel (loads through shared
   memory, the RMSNorm before it folded in where asked; other row counts go to ``qmma``);
   ``qgemm`` = engine/gpu_qgemm.py's 4-bit kernel for many rows (x staged in shared
-  memory, 64-row blocks of 4 warps x 2 m-tiles where the weight splits so);
+  memory; the plan's ``qgemm`` runs only the SwiGLU gate/up, the rest on ``qmma``);
   ``qmm`` = ``mx.quantized_matmul``; ``deq`` = dequantize the weight to
   the activations' dtype, then ``xwt`` (reads the 4-bit weight, writes and reads a
   bf16 copy: about 3x the bytes of a bf16 product, but at bf16 speed); ``deqwxt``;
@@ -311,7 +311,7 @@ class GpuQuantizedLinear(_Routes):
                     return None
                 return gpu_qstream.launcher(dtype, n, k, self.group_size, residual, glu, norm)
             form = "qmma"
-        form = self._qgemm_or_qmma(form, rows, dtype)
+        form = self._qgemm_or_qmma(form, rows, dtype, glu)
         if form == "qgemm":
             if norm:  # not a form of this kernel: the norm as its own op (_make_route)
                 return None
@@ -326,14 +326,14 @@ class GpuQuantizedLinear(_Routes):
 
         return gpu_mma.launcher("q4", dtype, rows, n, k, self.group_size, residual, glu, norm)
 
-    def _qgemm_or_qmma(self, form: str, rows: int, dtype) -> str:
+    def _qgemm_or_qmma(self, form: str, rows: int, dtype, glu: bool) -> str:
         """``form``, except ``qgemm`` where its kernel does not take this layer or the
-        product is too narrow for its blocks (``gpu_qgemm.wide_enough``): ``qmma``."""
+        product (``gpu_qgemm.takes``: the SwiGLU gate/up with enough blocks): ``qmma``."""
         if form != "qgemm":
             return form
         from engine import gpu_qgemm
 
-        if gpu_qgemm.wide_enough(rows, self.weight.shape[0] // 16) and self._kernel_ok(
+        if gpu_qgemm.takes(rows, self.weight.shape[0] // 16, glu) and self._kernel_ok(
             "qgemm", dtype
         ):
             return form
@@ -394,7 +394,7 @@ class GpuQuantizedLinear(_Routes):
 
         if form == "qstream":  # the [B, 1, K] path, not the decode step's
             form = "qmma"
-        form = self._qgemm_or_qmma(form, x.size // x.shape[-1], x.dtype)
+        form = self._qgemm_or_qmma(form, x.size // x.shape[-1], x.dtype, glu=False)
         if form in ("qmma", "qgemv", "qgemm"):
             from engine import gpu_gemv, gpu_mma, gpu_qgemm
 

@@ -28,9 +28,8 @@ step ks is computed). ``MT`` m-tiles a warp make each x fragment read from share
 memory feed that many weight tiles: ``geometry`` picks 64-row blocks of 4 warps with 2
 m-tiles each, 2 stages, wherever the weight's m-tiles split so.
 
-In the default quantized plan from 33 rows (``33:qgemm``) for the products that give
-it enough blocks (``wide_enough``: gate/up and the output layer); the others stay on
-gpu_mma. Measured on an H100 (bench/gpu/NOTES.md, session 17): in the engine's 8b
+In the default quantized plan from 33 rows (``33:qgemm``) for the SwiGLU gate/up
+where it gives enough blocks (``takes``); the other products stay on gpu_mma. Measured on an H100 (bench/gpu/NOTES.md, session 17): in the engine's 8b
 4-bit step at B=128, gate/up 203 us a call against gpu_mma's 233; o_proj/down_proj
 (64 blocks) 151 against 69. (bench/gpu/qgemm_sweep.py's first form timed independent
 calls, which MLX's CUDA graph may overlap: it flattered the small grids.)
@@ -317,6 +316,15 @@ def wide_enough(rows: int, m_tiles: int) -> bool:
     return wm * mt >= 4 and m_tiles // (wm * mt) * -(-rows // bm) >= MIN_BLOCKS
 
 
+def takes(rows: int, m_tiles: int, glu: bool) -> bool:
+    """Whether the plan's ``qgemm`` runs this product here: the SwiGLU gate/up only,
+    where ``wide_enough``. Measured by CUPTI (session 17, H100, 128 rows, against
+    gpu_mma): gate/up 0.84x at 8b and 0.68-0.76x at 1b; qkv 1.32-1.74x, o_proj and
+    down_proj 1.95-4.3x; with the output layer on qgemm too, the engine's 1b B=128 step
+    was 8.5% slower than all-qmma while the 8b's was 5-7% faster."""
+    return glu and wide_enough(rows, m_tiles)
+
+
 @cache
 def _template(dtype, gs: int, ntw: int, wm: int, st: int, mt: int) -> tuple:
     return (("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm), ("ST", st), ("MT", mt))
@@ -371,7 +379,7 @@ def warm(dtype, products) -> None:
         shapes = {
             geometry(r, n_rows // 16)
             for r in range(1, WARM_ROWS + 1)
-            if wide_enough(r, n_rows // 16)  # narrower ones run on gpu_mma (gpu_linear)
+            if takes(r, n_rows // 16, glu)  # the others run on gpu_mma (gpu_linear)
         }
         for bm, wm, mt in sorted(shapes):
             rows, n = bm, 16 * wm * mt  # a small weight with the same template

@@ -83,6 +83,8 @@ def test_wide_enough_and_stages_switch(monkeypatch):
     assert not gpu_qgemm.wide_enough(128, 4096 // 16)  # 8b o_proj: 64 blocks
     assert not gpu_qgemm.wide_enough(128, 6144 // 16)  # 8b qkv: 96
     assert not gpu_qgemm.wide_enough(1024, 126)  # 126 m-tiles: 64-row blocks of 1 warp
+    assert gpu_qgemm.takes(128, 28672 // 16, glu=True)
+    assert not gpu_qgemm.takes(128, 128256 // 16, glu=False)  # the output layer: qmma
     with pytest.raises(ValueError, match="do not split"):
         gpu_qgemm._launch(mx.bfloat16, 64, 16 * 6, 64, False, False, 64, 4, mt=2)
     monkeypatch.setenv(gpu_qgemm.STAGES_ENV, "2")
