@@ -575,6 +575,9 @@ class LoopShape:
     # the last block of a split merges the partials loaded WARPS splits at a time into
     # shared memory, not one split at a time from L2 (session 16, not yet measured)
     pmerge: bool = False
+    # the append form's unsplit launches on tensor cores (engine/gpu_attention_tc.py;
+    # session 17, not yet measured); without a fixed shape MARKBASE_GPU_ATTN_TC=1
+    tc: bool = False
 
     def __post_init__(self) -> None:
         if self.lanes not in (8, 16, 32):
@@ -589,8 +592,8 @@ class LoopShape:
     @classmethod
     def parse(cls, text: str) -> LoopShape:
         """``"l16u2vp64w4"``: lanes 16, u 2, vector loads, 64 positions a block, 4 warps
-        (letters l/u/p/w with a number, v, t and m (pmerge) alone; what is left out, the
-        default)."""
+        (letters l/u/p/w with a number, v, t, m (pmerge) and c (tensor cores) alone;
+        what is left out, the default)."""
         import re
 
         fields = {"l": "lanes", "u": "u", "p": "ppb", "w": "warps"}
@@ -604,6 +607,8 @@ class LoopShape:
                 kw["two_pass"] = True
             elif key == "m" and not num:
                 kw["pmerge"] = True
+            elif key == "c" and not num:
+                kw["tc"] = True
             else:
                 raise ValueError(f"attention loop shape {text!r}: {key}{num}?")
         return cls(**kw)
@@ -729,8 +734,11 @@ def _specs(scale: float, rope_scale: float = 1.0) -> dict[str, KernelSpec]:
 @cache
 def _kernels(scale: float, rope_scale: float = 1.0) -> Baked:
     """One kernel object per template values (engine/cuda_kernels.py: less host time a
-    call), per softmax scale and RoPE position scale."""
-    return Baked(lambda: _specs(scale, rope_scale), ensure_row_contiguous=False)
+    call), per softmax scale and RoPE position scale (kept as ``scales`` for the
+    tensor-core form, which has kernels of its own)."""
+    baked = Baked(lambda: _specs(scale, rope_scale), ensure_row_contiguous=False)
+    baked.scales = (scale, rope_scale)
+    return baked
 
 
 def warps_for(group: int, head_dim: int) -> int:
@@ -900,6 +908,13 @@ def _launch(
     g = hq // hkv
     shape = shape or fixed_shape()
     n = nsplit or splits(b, hkv, t, shape.ppb if shape else POSITIONS_PER_BLOCK)
+    if traditional is not None and n == 1:
+        from engine import gpu_attention_tc as tc
+
+        if (shape.tc if shape else tc.enabled()) and tc.supported(g, d, dtype):
+            scale, rope_scale = kern.scales
+            return tc.launch(inputs, b, hkv, g, d, dtype, scale, rope_scale, traditional,
+                             nsplit is not None)  # fmt: skip
     shape = shape or auto_shape(n * hkv * b, d)
     warps = min(shape.warps, warps_for(g, d))
     lanes = max(shape.lanes, d // 16)  # at most 16 values a lane

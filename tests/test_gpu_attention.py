@@ -263,13 +263,19 @@ APPEND_CASES = [
 @pytest.mark.parametrize("case", APPEND_CASES)
 @pytest.mark.parametrize("kind", ["plain", "traditional", "llama3"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("shape", ["auto", "l16u2v", "l8u4vp32", "l32u8p16m"])
+@pytest.mark.parametrize("shape", ["auto", "l16u2v", "l8u4vp32", "l32u8p16m", "c", "cp100000"])
 def test_append_kernel_equals_rope_write_and_attention(case, kind, dtype, shape):
     """decode_attention_append == RoPE on q and k, k and v written at slot T, then the
     attention over [start, T]; and the cache buffers hold the new k and v after. Also
     for loop shapes where several positions share a warp (RoPE's pairs, the new
-    position and the merge of a warp's positions then differ)."""
+    position and the merge of a warp's positions then differ); and on tensor cores
+    (``c``: where the launch is unsplit; ``cp100000``: every bf16 case unsplit, so one
+    warp walks up to 1,000 positions, ragged starts, a row with only the new one)."""
     gpu_attention.set_loop_shape(None if shape == "auto" else gpu_attention.LoopShape.parse(shape))
+    _append_case(case, kind, dtype)
+
+
+def _append_case(case, kind, dtype):
     b, hq, hkv, t, d, starts = case
     rng = np.random.default_rng(3)
     cap = t + 40
@@ -317,6 +323,91 @@ def test_append_kernel_equals_rope_write_and_attention(case, kind, dtype, shape)
     np.testing.assert_array_equal(f32(kmine[:, :, :t]), f32(kbuf[:, :, :t]))
     np.testing.assert_array_equal(f32(kmine[:, :, t + 1 :]), f32(kbuf[:, :, t + 1 :]))
     np.testing.assert_array_equal(f32(vmine[:, :, t + 1 :]), f32(vbuf[:, :, t + 1 :]))
+
+
+TC_CASES = [
+    (64, 32, 8, 700, 128, [i * 10 for i in range(64)]),  # the 8b's heads, unsplit
+    (48, 32, 8, 300, 64, [0, 299, 300] + [i for i in range(45)]),  # the 1b's
+    (40, 8, 8, 33, 128, [0] * 40),  # one query head a KV head
+    (40, 64, 8, 100, 64, [5] * 40),  # 8 query heads a KV head
+]
+
+
+@cuda
+@pytest.mark.parametrize("case", TC_CASES)
+@pytest.mark.parametrize("geometry", ["4,16", "1,32", "8,16", "2,32"])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_tensor_core_append_equals_rope_write_and_attention(case, geometry, dtype, monkeypatch):
+    """engine/gpu_attention_tc.py (MARKBASE_GPU_ATTN_TC=1) for every warps-a-block and
+    keys-a-tile, GQA groups 1-8, both head dims, the launches engine/gpu_attention.py
+    leaves unsplit (B x KV heads >= 2 x SMs)."""
+    from engine import gpu_attention_tc
+
+    warps, bk = geometry.split(",")
+    monkeypatch.setenv(gpu_attention_tc.ENV, "1")
+    monkeypatch.setenv(gpu_attention_tc.WARPS_ENV, warps)
+    monkeypatch.setenv(gpu_attention_tc.BK_ENV, bk)
+    b, hq, hkv, t, d, starts = case
+    assert gpu_attention.splits(b, hkv, t + 1) == 1
+    _append_case(case, "plain", dtype)
+
+
+def test_tensor_core_form_rules(monkeypatch):
+    """Which launches the tensor-core form takes, and its knobs, checked."""
+    from engine import gpu_attention_tc as tc
+
+    assert gpu_attention.LoopShape.parse("c") == gpu_attention.LoopShape(tc=True)
+    assert tc.supported(4, 128, mx.bfloat16) and tc.supported(8, 64, mx.float16)
+    assert not tc.supported(4, 128, mx.float32)  # tensor cores: bf16/fp16
+    assert not tc.supported(16, 128, mx.bfloat16)  # the A fragment's 8 rows
+    assert not tc.supported(4, 96, mx.bfloat16)
+    monkeypatch.delenv(tc.ENV, raising=False)
+    assert not tc.enabled()
+    monkeypatch.setenv(tc.WARPS_ENV, "3")
+    with pytest.raises(ValueError, match="want 1/2/4/8"):
+        tc.geometry()
+    monkeypatch.setenv(tc.WARPS_ENV, "2")
+    monkeypatch.setenv(tc.BK_ENV, "32")
+    assert tc.geometry() == (2, 32)
+    # 8b heads, 4 warps, 16 keys: 2 stages of K and V, q, new k and v: ~74 KB a block
+    assert tc.shared_bytes(4, 16, 4, 128) == 4 * (4 * 16 * 136 + 6 * 128) * 2
+
+
+@cuda
+def test_decode_step_on_tensor_cores_equals_model(monkeypatch):
+    """The bf16 decode step with MARKBASE_GPU_ATTN_TC=1 and a loop shape that never
+    splits (every launch on tensor cores) gives the model's logits over several steps,
+    ragged rows, and the cache the kernel filled equals the model's."""
+    from conftest_loading import RAGGED_PROMPTS, prefilled_batch
+
+    from engine import gpu_attention_tc
+    from engine.decode_step import make_decode_step
+    from engine.loading import build_random_model
+
+    monkeypatch.setenv(gpu_attention_tc.ENV, "1")
+    gpu_attention.set_loop_shape(gpu_attention.LoopShape(ppb=100_000, tc=True))
+    cfg = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+               vocab_size=512, tie_word_embeddings=False)  # fmt: skip
+    model = build_random_model("llama", cfg, seed=4).model
+    model.set_dtype(mx.bfloat16)
+    step = make_decode_step(model)
+    assert step.attention_kernel and step.rope is not None
+    mine, theirs = prefilled_batch(model, RAGGED_PROMPTS), prefilled_batch(model, RAGGED_PROMPTS)
+    tokens = mx.array([[11], [12], [13]], dtype=mx.int32)
+    for _ in range(4):
+        got = step(tokens, mine).astype(mx.float32)
+        want = model(tokens, cache=theirs)[:, -1, :].astype(mx.float32)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=5e-2, rtol=5e-2)
+        tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
+    for a, b in zip(mine, theirs):
+        assert a.length == b.length
+        np.testing.assert_allclose(
+            np.array(a.keys[:, :, : a.length].astype(mx.float32)),
+            np.array(b.keys[:, :, : b.length].astype(mx.float32)),
+            atol=2e-2,
+            rtol=2e-2,
+        )
 
 
 @cuda

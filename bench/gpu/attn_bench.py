@@ -16,13 +16,17 @@ Variants are ``LoopShape.parse`` strings (l = lanes a position, u = positions in
 flight a lane, v = vector loads, p = fewest positions a block, w = warps a block,
 m = the last block merges the splits through shared memory), or
 ``auto`` (gpu_attention.auto_shape's choice per launch, the default; the environment
-must set no MARKBASE_GPU_ATTN_* for it).
+must set no MARKBASE_GPU_ATTN_* for it), or ``tcw4k16``: the automatic shapes with the
+unsplit launches on tensor cores (engine/gpu_attention_tc.py; w warps a block, k keys
+a tile), never picked for ``--env``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
 import sys
 import time
@@ -37,7 +41,7 @@ import mlx.nn as nn  # noqa: E402
 from q4_bench import cupti_us  # noqa: E402
 from shapes import CONFIGS  # noqa: E402
 
-from engine import gpu_attention  # noqa: E402
+from engine import gpu_attention, gpu_attention_tc  # noqa: E402
 
 
 def build(model: str, batch: int, length: int, dtype):
@@ -117,7 +121,15 @@ def main() -> None:
                 print(f"{shape} {name}: budget spent", flush=True)
                 continue
             auto = name == "auto"  # auto_shape's choice per launch
-            gpu_attention.set_loop_shape(None if auto else gpu_attention.LoopShape.parse(name))
+            if name.startswith("tc"):  # tensor cores where unsplit: "tcw4k16" (warps, keys)
+                knobs = dict(re.findall(r"([wk])(\d+)", name))
+                os.environ[gpu_attention_tc.WARPS_ENV] = knobs.get("w", "4")
+                os.environ[gpu_attention_tc.BK_ENV] = knobs.get("k", "16")
+                gpu_attention.set_loop_shape(None)
+                os.environ[gpu_attention_tc.ENV] = "1"
+            else:
+                os.environ.pop(gpu_attention_tc.ENV, None)
+                gpu_attention.set_loop_shape(None if auto else gpu_attention.LoopShape.parse(name))
             try:
                 r = timed(m, length, args.steps)
             except Exception as e:  # a variant that does not compile or run: go on
@@ -134,7 +146,8 @@ def main() -> None:
         del m
         mx.clear_cache()
     gpu_attention.set_loop_shape(None)
-    best = pick(rows)
+    os.environ.pop(gpu_attention_tc.ENV, None)
+    best = pick([r for r in rows if not r["variant"].startswith("tc")])
     if args.out:
         doc = dict(stage="attn_bench", rows=rows, best=best)
         Path(args.out).write_text(json.dumps(doc, indent=1))

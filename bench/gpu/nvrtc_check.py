@@ -126,6 +126,7 @@ def main() -> None:
     args = ap.parse_args()
     from engine import (
         gpu_attention,
+        gpu_attention_tc,
         gpu_gemv,
         gpu_mma,
         gpu_prefill_attention,
@@ -138,6 +139,7 @@ def main() -> None:
     failed = 0
     specs = (
         gpu_attention.kernel_specs_for_check()
+        + gpu_attention_tc.kernel_specs_for_check()
         + gpu_gemv.kernel_specs_for_check()
         + gpu_mma.kernel_specs_for_check()
         + gpu_qstream.kernel_specs_for_check()

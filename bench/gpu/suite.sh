@@ -28,6 +28,8 @@
 #       TABLE_CONFIGS="8b:q4 1b:q4" TABLE_BATCHES=32,128 TABLE_TAG=qgemm bash bench/gpu/suite.sh engine-table
 #                                                                           (session 15, prepared)
 #   bash bench/gpu/suite.sh prefill-async qgemm-sweep                       (session 16, prepared)
+#   bash bench/gpu/suite.sh attn-tc; MARKBASE_GPU_ATTN_TC=1 TABLE_CONFIGS="8b:q4 1b:q4" \
+#       TABLE_BATCHES=64,128 TABLE_TAG=tc bash bench/gpu/suite.sh engine-table  (session 17, prepared)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -238,6 +240,16 @@ for stage in "$@"; do
             tests/test_gpu_qgemm.py -k "two_m_tiles or exact" 2>&1 | tee "$OUT/test_qgemm_mt.log"
         timeout ${QW_TIMEOUT:-150} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-150} - 20 )) \
             --out "$OUT/qgemm_sweep.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_sweep.log"
+        ;;
+    attn-tc)  # session 17: engine/gpu_attention_tc.py's tests, then the kernel alone against
+        # the CUDA-core shapes at the batch sizes it would take (unsplit launches)
+        timeout ${TC_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=short \
+            tests/test_gpu_attention.py -k "tensor_core or cp100000" 2>&1 | tail -15 | tee "$OUT/test_attn_tc.log"
+        to=${TC_TIMEOUT:-150}
+        timeout $to python3 bench/gpu/attn_bench.py --budget-s $(( to - 30 )) \
+            --variants ${TC_VARIANTS:-auto,tcw4k16,tcw2k32,tcw8k16,tcw4k32} \
+            --shapes ${TC_SHAPES:-8b:128:512,1b:128:512,8b:64:512,1b:64:512} \
+            --out "$OUT/attn_tc.json" 2>&1 | grep -v -i warn | tee "$OUT/attn_tc.log"
         ;;
     prefill-async)  # session 16: MARKBASE_PREFILL_ASYNC=0/1 (engine/runner.py): an 8192-token
         # prompt in chunks of 512, each chunk waited on (0) or queued (1)

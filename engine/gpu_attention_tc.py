@@ -1,0 +1,315 @@
+"""Decode attention with RoPE and the KV append on tensor cores, one warp a (row, KV head).
+
+Why: engine/gpu_attention.py's kernel works on CUDA cores: per position a warp takes
+G dot products of head_dim values, reduced across its lanes by 5 shuffles each, and
+G weighted sums. With many rows that is instruction-bound, not bandwidth-bound: at the
+8b model's B=128 (H100, session 17) it took 163 us a layer for ~300 MB of KV (1.8 TB/s,
+5.2 ms of the 19.8 ms 4-bit step), at the 1b's 142 us for ~150 MB (1.0 TB/s, a third of
+the step). Here the G query heads of a KV head are the rows of an ``mma.sync.m16n8k16``
+A fragment (rows G..15 zero), and a warp walks its row's keys in tiles of BK: the K and
+V tiles come into shared memory by ``cp.async`` (the next tile's copy runs while this
+one is used), ``ldmatrix`` gives the MMA fragments (V transposed on the way), and the
+online softmax works on the score accumulators as engine/gpu_prefill_attention.py's
+(GPU-tested) prompt kernel does: the scores of a 16-key step become the A fragment of
+the P.V product in registers. Per 16 keys a warp issues ~2 ldmatrix and ~4 MMAs a
+16 dims instead of ~1,000 CUDA-core instructions.
+
+The append form as engine/gpu_attention.py's: q and the new k get RoPE here (the same
+formula, rounded to T as MLX's rope writes it), the new k and v go into the cache
+buffers at slot t_len - 1, and the tile holding that slot takes them from shared memory
+(not from the buffer being written). No splits over time: one warp a (row, KV head),
+so it is for launches with enough rows to fill the GPU (engine/gpu_attention.py uses
+it where its own launch would not split, with ``MARKBASE_GPU_ATTN_TC=1`` or a loop
+shape with ``c``). bf16/fp16, head_dim 64 or 128, at most 8 query heads a KV head.
+Only on a CUDA GPU; ``bench/gpu/nvrtc_check.py`` compiles it without one.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+from engine.cuda_kernels import Baked, KernelSpec, for_dtype
+
+ENV = "MARKBASE_GPU_ATTN_TC"
+WARPS_ENV = "MARKBASE_GPU_ATTN_TC_WARPS"
+BK_ENV = "MARKBASE_GPU_ATTN_TC_BK"
+HEAD_DIMS = (64, 128)
+MAX_GROUP = 8  # query heads a KV head: the A fragment's rows 0-7
+
+_SOURCE = r"""
+  constexpr int RS = HD + 8;   // shared row stride (elements): ldmatrix rows on 8 banks
+  constexpr int NT = BK / 8;   // score n-tiles (8 keys each) a tile
+  constexpr int KS = HD / 16;  // k-steps of q.k
+  constexpr int DT = HD / 8;   // output n-tiles
+  constexpr int CH = HD / 8;   // 16-byte chunks a row
+  constexpr int TILE = BK * RS;
+  constexpr int WSM = 4 * TILE + (G + 2) * HD;  // a warp's elements: K, V x 2 stages, q, k, v
+  extern __shared__ __align__(16) unsigned char mb_smem[];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4;
+  const int tg = lane % 4;
+  const int n_kv = keys_shape[1];
+  const int unit = blockIdx.x * WARPS + warp;  // (row, KV head) of this warp
+  if (unit >= qkv_shape[0] * n_kv) {
+    return;  // the whole warp: nothing below syncs more than a warp
+  }
+  const int b = unit / n_kv;
+  const int hkv = unit % n_kv;
+  T* const ks0 = reinterpret_cast<T*>(mb_smem) + warp * WSM;
+  T* const vs0 = ks0 + 2 * TILE;
+  T* const qsm = vs0 + 2 * TILE;  // [G][HD] the query heads, RoPE'd
+  T* const kn = qsm + G * HD;     // [HD] the new k, RoPE'd
+  T* const vn = kn + HD;          // [HD] the new v
+  const int row0 = start[b];
+  const int t_len = TPOS ? pos[b] + row0 + 1 : keys_shape[2];
+  const int t_new = t_len - 1;
+  T* const kb = const_cast<T*>(keys) + b * keys_strides[0] + hkv * keys_strides[1];
+  T* const vb = const_cast<T*>(values) + b * values_strides[0] + hkv * values_strides[1];
+  const int64_t kst = keys_strides[2];
+  const int64_t vst = values_strides[2];
+
+  // RoPE as engine/gpu_attention.py's append form: angle = scale * position * inv_freq,
+  // pairs (d, d + HD/2), or (2i, 2i + 1) when TRAD; the result rounded to T
+  const T* xb = qkv + b * qkv_strides[0];
+  const int nq = n_kv * G * HD;
+  const float pos_f = MB_ROPE_SCALE * static_cast<float>(pos[b]);
+  auto rope_at = [&](const T* src, int d) -> T {
+    const float th = pos_f * inv_freq[TRAD ? d / 2 : d % (HD / 2)];
+    const float c = cosf(th);
+    const float s = sinf(th);
+    const float x = static_cast<float>(src[d]);
+    float r;
+    if (TRAD) {
+      const float p = static_cast<float>(src[d ^ 1]);
+      r = (d & 1) ? p * s + x * c : x * c - p * s;
+    } else {
+      const float p = static_cast<float>(src[d < HD / 2 ? d + HD / 2 : d - HD / 2]);
+      r = d < HD / 2 ? x * c - p * s : p * s + x * c;
+    }
+    return static_cast<T>(r);
+  };
+  for (int i = lane; i < G * HD; i += 32) {
+    qsm[i] = rope_at(xb + (hkv * G + i / HD) * HD, i % HD);
+  }
+  for (int d = lane; d < HD; d += 32) {
+    const T kv = rope_at(xb + nq + hkv * HD, d);
+    const T vv = xb[nq + n_kv * HD + hkv * HD + d];
+    kn[d] = kv;
+    vn[d] = vv;
+    kb[t_new * kst + d] = kv;  // the cache's new slot (no lane of this kernel reads it)
+    vb[t_new * vst + d] = vv;
+  }
+  __syncwarp();
+
+  // the query heads as A fragments of every k-step: rows g < G, rows g + 8 zero
+  uint32_t qf[KS][2];
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+    const T* qr = qsm + min(g, G - 1) * HD + kk * 16 + tg * 2;
+    qf[kk][0] = g < G ? *reinterpret_cast<const uint32_t*>(qr) : 0u;
+    qf[kk][1] = g < G ? *reinterpret_cast<const uint32_t*>(qr + 8) : 0u;
+  }
+  const float sl2 = MB_SCALE * 1.4426950408889634f;  // exp(x) = exp2(x * log2 e)
+  float m0 = -INFINITY;  // running max of head g (log2 units)
+  float l0 = 0.f;        // this lane's share of its sum
+  float o[DT][4];
+#pragma unroll
+  for (int d = 0; d < DT; ++d) {
+    o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+  }
+
+  // tile kt's keys [k0, k0 + BK) into stage st; keys past the end as zeros, the new
+  // slot from the warp's copy (its cache write need not be visible yet)
+  const int ntiles = (t_len - row0 + BK - 1) / BK;
+  auto load = [&](int kt, int st) {
+    const int k0 = row0 + kt * BK;
+#pragma unroll
+    for (int i = lane; i < BK * CH; i += 32) {
+      const int r = i / CH;
+      const int c = (i % CH) * 8;
+      const int key = k0 + r;
+      T* kd = ks0 + st * TILE + r * RS + c;
+      T* vd = vs0 + st * TILE + r * RS + c;
+      if (key == t_new) {
+        *reinterpret_cast<uint4*>(kd) = *reinterpret_cast<const uint4*>(kn + c);
+        *reinterpret_cast<uint4*>(vd) = *reinterpret_cast<const uint4*>(vn + c);
+      } else {
+        const bool in = key < t_len;
+        const int64_t row = in ? key : 0;
+        mb_cp16z(kd, kb + row * kst + c, in);
+        mb_cp16z(vd, vb + row * vst + c, in);
+      }
+    }
+  };
+  load(0, 0);
+  mb_commit();
+  for (int kt = 0; kt < ntiles; ++kt) {
+    const int k0 = row0 + kt * BK;
+    const int st = kt & 1;
+    if (kt + 1 < ntiles) {
+      load(kt + 1, st ^ 1);  // its stage was freed by the last __syncwarp
+    }
+    mb_commit();
+    mb_wait<1>();  // tile kt's copies (this lane's) have landed
+    __syncwarp();  // and every lane's, and the new slot's plain stores
+    const T* ks = ks0 + st * TILE;
+    const T* vs = vs0 + st * TILE;
+    float s[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      // matrices: keys j*8.. x dims kk*16 + 0, 8, 16, 24: b0, b1 of k-steps kk, kk+1
+      const T* kr = ks + (j * 8 + (lane & 7)) * RS + (lane >> 3) * 8;
+#pragma unroll
+      for (int kk = 0; kk < KS; kk += 2) {
+        uint32_t r[4];
+        mb_ldm4(r, kr + kk * 16);
+        mb_mma(s[j], qf[kk][0], 0u, qf[kk][1], 0u, r[0], r[1], T{});
+        mb_mma(s[j], qf[kk + 1][0], 0u, qf[kk + 1][1], 0u, r[2], r[3], T{});
+      }
+    }
+    // head g's scores (s[j][0..1]: keys k0 + j*8 + 2tg, +1), past the end -inf
+    float mx0 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key = k0 + j * 8 + tg * 2 + e;
+        const float v = key < t_len ? s[j][e] * sl2 : -INFINITY;
+        s[j][e] = v;
+        mx0 = fmaxf(mx0, v);
+      }
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    const float n0 = fmaxf(m0, mx0);  // finite: key k0 < t_len is in every tile
+    const float a0 = exp2f(m0 - n0);
+    m0 = n0;
+    l0 *= a0;
+#pragma unroll
+    for (int d = 0; d < DT; ++d) {
+      o[d][0] *= a0;
+      o[d][1] *= a0;
+    }
+    uint32_t pf[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const float p0 = exp2f(s[j][0] - n0);
+      const float p1 = exp2f(s[j][1] - n0);
+      l0 += p0 + p1;
+      pf[j] = mb_pack2(p0, p1, T{});
+    }
+    // o += p v: score n-tiles 2kk, 2kk + 1 are the A fragment of k-step kk (rows g + 8
+    // zero)
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      const uint32_t pa0 = pf[2 * kk];
+      const uint32_t pa2 = pf[2 * kk + 1];
+      // transposed matrices: keys kk*16 + 0, 8 x dims d*8, (d+1)*8: b0, b1 of d, d+1
+      const T* vr = vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * RS + (lane >> 4) * 8;
+#pragma unroll
+      for (int d = 0; d < DT; d += 2) {
+        uint32_t r[4];
+        mb_ldm4t(r, vr + d * 8);
+        mb_mma(o[d], pa0, 0u, pa2, 0u, r[0], r[1], T{});
+        mb_mma(o[d + 1], pa0, 0u, pa2, 0u, r[2], r[3], T{});
+      }
+    }
+    __syncwarp();  // every lane is done with this stage
+  }
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  if (g < G) {
+    const float i0 = 1.f / l0;
+    T* ob = out + ((static_cast<int64_t>(b) * n_kv + hkv) * G + g) * HD + tg * 2;
+#pragma unroll
+    for (int d = 0; d < DT; ++d) {
+      *reinterpret_cast<uint32_t*>(ob + d * 8) = mb_pack2(o[d][0] * i0, o[d][1] * i0, T{});
+    }
+  }
+"""
+
+
+def _header(scale: float, rope_scale: float) -> str:
+    from engine.gpu_mma import _HEADER as MMA_HEADER
+    from engine.gpu_prefill_attention import _HEADER as CP_HEADER
+
+    head = f"#define MB_SCALE {float(scale)!r}f\n#define MB_ROPE_SCALE {float(rope_scale)!r}f\n"
+    return head + MMA_HEADER + CP_HEADER
+
+
+def _specs(scale: float, rope_scale: float) -> dict[str, KernelSpec]:
+    from engine.gpu_attention import APPEND_INPUTS
+
+    return {
+        "append_tc": KernelSpec(
+            "mb_decode_attn_tc", APPEND_INPUTS, [("out", "T")], _SOURCE, _header(scale, rope_scale)
+        )
+    }
+
+
+@cache
+def _kernels(scale: float, rope_scale: float) -> Baked:
+    return Baked(lambda: _specs(scale, rope_scale), ensure_row_contiguous=False)
+
+
+def enabled() -> bool:
+    """``MARKBASE_GPU_ATTN_TC=1`` (off until measured on a GPU)."""
+    return os.environ.get(ENV, "0") == "1"
+
+
+def geometry() -> tuple[int, int]:
+    """(warps a block, keys a tile): ``MARKBASE_GPU_ATTN_TC_WARPS`` (1/2/4/8, default
+    4) and ``MARKBASE_GPU_ATTN_TC_BK`` (16/32, default 16), checked."""
+    warps = int(os.environ.get(WARPS_ENV, "4"))
+    bk = int(os.environ.get(BK_ENV, "16"))
+    if warps not in (1, 2, 4, 8) or bk not in (16, 32):
+        raise ValueError(f"{WARPS_ENV}={warps} / {BK_ENV}={bk}: want 1/2/4/8 and 16/32")
+    return warps, bk
+
+
+def supported(group: int, head_dim: int, dtype) -> bool:
+    import mlx.core as mx
+
+    return dtype in (mx.bfloat16, mx.float16) and head_dim in HEAD_DIMS and group <= MAX_GROUP
+
+
+def shared_bytes(warps: int, bk: int, group: int, head_dim: int) -> int:
+    """Per warp: K and V tiles in two stages, the RoPE'd query heads, the new k and v."""
+    return warps * (4 * bk * (head_dim + 8) + (group + 2) * head_dim) * 2
+
+
+def launch(inputs, rows: int, n_kv: int, group: int, head_dim: int, dtype, scale, rope_scale,
+           traditional: bool, whole_buffers: bool, warps: int | None = None,
+           bk: int | None = None):  # fmt: skip
+    """``decode_attention_append``'s inputs (qkv, keys, values, start, pos, inv_freq) ->
+    the attention [rows, Hq, 1, D]; the new k and v written into the buffers."""
+    dw, dbk = geometry()
+    warps, bk = warps or dw, bk or dbk
+    template = (("T", dtype), ("HD", head_dim), ("G", group), ("WARPS", warps), ("BK", bk))
+    template += (("TRAD", traditional), ("TPOS", whole_buffers))
+    kern = _kernels(float(scale), float(rope_scale))
+    fn = kern("append_tc", template, shared_bytes(warps, bk, group, head_dim))
+    blocks = -(-rows * n_kv // warps)
+    return fn(
+        inputs=inputs,
+        grid=(blocks * warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1),
+        output_shapes=[(rows, n_kv * group, 1, head_dim)],
+        output_dtypes=[dtype],
+    )[0]
+
+
+def kernel_specs_for_check() -> list[KernelSpec]:
+    """The source with concrete template values (bench/gpu/nvrtc_check.py)."""
+    spec = _specs(0.125, 1.0)["append_tc"]
+    out = []
+    for dtype in ("bfloat16", "float16"):
+        for hd, g, warps, bk, trad in ((128, 4, 4, 16, False), (64, 4, 4, 32, True),
+                                       (128, 8, 2, 32, False), (64, 1, 4, 16, False)):  # fmt: skip
+            tmpl = [("T", dtype), ("HD", hd), ("G", g), ("WARPS", warps), ("BK", bk)]
+            tmpl += [("TRAD", trad), ("TPOS", bk == 16)]
+            out.append(for_dtype(spec, dtype, f"{spec.name}_{dtype}_{hd}_{g}_{warps}_{bk}", tmpl))
+    return out
