@@ -174,7 +174,8 @@ def test_gpu_matmul_plan_parsing():
     plan = parse_plan("8:wxt, 1:xwt", FLOAT_FORMS)
     assert [plan.form(n) for n in (1, 7, 8, 128)] == ["xwt", "xwt", "wxt", "wxt"]
     plan = parse_plan(gpu_linear.DEFAULT_QUANT_PLAN, gpu_linear.QUANT_FORMS)
-    assert [plan.form(n) for n in (1, 2, 8, 32, 33, 128)] == ["qstream"] + ["qmma"] * 5
+    forms = [plan.form(n) for n in (1, 2, 8, 32, 33, 128)]
+    assert forms == ["qstream", "qmma", "qmma", "qmma", "qgemm", "qgemm"]
     plan = parse_plan(gpu_linear.DEFAULT_FLOAT_PLAN, gpu_linear.FLOAT_FORMS)
     assert [plan.form(n) for n in (1, 2, 32, 33)] == ["xwt", "mma", "mma", "xwt"]
     gpu_linear.set_plans(float_text="1:wxt")

@@ -181,21 +181,33 @@ def test_residual_and_glu(m):
 
 
 @needs_gpu
-def test_plan_form_reaches_the_kernel():
+def test_plan_form_reaches_the_kernel_for_gate_up_only(monkeypatch):
+    """The plan's ``qgemm`` runs a SwiGLU gate/up product with enough blocks (16384
+    weight rows at 40 rows: 128 blocks); a plain product (the module route) goes to
+    qmma, and both give the product."""
     rng = np.random.default_rng(6)
-    # 8192 weight rows: wide enough at 40 rows (narrower products fall back to qmma)
-    w = mx.array(rng.standard_normal((8192, 256)).astype(np.float32) / 20).astype(mx.bfloat16)
+    calls = []
+    real = gpu_qgemm.launcher
+
+    def spy(*args, **kwargs):
+        calls.append(args[6] if len(args) > 6 else kwargs.get("glu", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gpu_qgemm, "launcher", spy)
+    w = mx.array(rng.standard_normal((16384, 256)).astype(np.float32) / 20).astype(mx.bfloat16)
     x = mx.array(rng.standard_normal((40, 256)).astype(np.float32)).astype(mx.bfloat16)
     wq, s, b = mx.quantize(w, group_size=64, bits=4)
     deq = mx.dequantize(wq, s, b, group_size=64, bits=4).astype(mx.float32)
+    xf = x.astype(mx.float32)
     try:
         gpu_linear.set_plans(None, "1:qmm,33:qgemm")
         q = gpu_linear.GpuQuantizedLinear(wq, s, b, 64, 4, "affine")
-        _close(q(x), x.astype(mx.float32) @ deq.T)  # the [B, D] route
-        got = q(x[:, None, :])  # [B, 1, K] as the model's modules see it
-        assert got.shape == (40, 1, 8192)
-        _close(got[:, 0], x.astype(mx.float32) @ deq.T)
-        assert gpu_linear.uses("qgemm")
+        run = q._launcher(mx.bfloat16, 40, residual=False, glu=True, norm=False)
+        gate, up = xf @ deq[:8192].T, xf @ deq[8192:].T
+        _close(run([x, wq, s, b]), gate * mx.sigmoid(gate) * up)
+        assert calls == [True]
+        _close(q(x), xf @ deq.T)  # the [B, D] module route: plain, on qmma
+        assert calls == [True]
     finally:
         gpu_linear.reset_plans()
 
@@ -207,15 +219,16 @@ def test_warm_compiles_without_error():
 
 @needs_gpu
 def test_gpu_decode_step_with_the_kernel_matches_the_model():
-    """The GPU decode step with its products of 33+ rows on this kernel (the residual
-    adds in o_proj/down_proj, the SwiGLU in gate_up) equals the model's own call, 40
-    ragged rows."""
+    """The GPU decode step with its gate/up product of 33+ rows on this kernel (the
+    SwiGLU in it; 8192 intermediate dims give it its 128 blocks at 40 rows) equals the
+    model's own call, 40 ragged rows."""
     from engine.decode_step import FusedDecodeStep
     from engine.loading import build_random_model
 
-    cfg = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+    cfg = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=8192,
                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
                vocab_size=512, tie_word_embeddings=False)  # fmt: skip
+    assert gpu_qgemm.takes(40, 2 * 8192 // 16, glu=True)
     model = build_random_model("llama", cfg, seed=9, quantize_bits=4, group_size=64).model
     model.set_dtype(mx.bfloat16)
     try:
