@@ -578,6 +578,9 @@ class LoopShape:
     # the append form's unsplit launches on tensor cores (engine/gpu_attention_tc.py;
     # session 17, not yet measured); without a fixed shape MARKBASE_GPU_ATTN_TC=1
     tc: bool = False
+    # and its split launches (up to gpu_attention_tc.MAX_SPLITS) as one block a (row,
+    # KV head); without a fixed shape MARKBASE_GPU_ATTN_TC_SPLIT=1
+    tc_split: bool = False
 
     def __post_init__(self) -> None:
         if self.lanes not in (8, 16, 32):
@@ -592,8 +595,8 @@ class LoopShape:
     @classmethod
     def parse(cls, text: str) -> LoopShape:
         """``"l16u2vp64w4"``: lanes 16, u 2, vector loads, 64 positions a block, 4 warps
-        (letters l/u/p/w with a number, v, t, m (pmerge) and c (tensor cores) alone;
-        what is left out, the default)."""
+        (letters l/u/p/w with a number, v, t, m (pmerge), c and s (tensor cores,
+        unsplit and split launches) alone; what is left out, the default)."""
         import re
 
         fields = {"l": "lanes", "u": "u", "p": "ppb", "w": "warps"}
@@ -609,6 +612,8 @@ class LoopShape:
                 kw["pmerge"] = True
             elif key == "c" and not num:
                 kw["tc"] = True
+            elif key == "s" and not num:
+                kw["tc_split"] = True
             else:
                 raise ValueError(f"attention loop shape {text!r}: {key}{num}?")
         return cls(**kw)
@@ -908,13 +913,17 @@ def _launch(
     g = hq // hkv
     shape = shape or fixed_shape()
     n = nsplit or splits(b, hkv, t, shape.ppb if shape else POSITIONS_PER_BLOCK)
-    if traditional is not None and n == 1:
+    if traditional is not None:
         from engine import gpu_attention_tc as tc
 
-        if (shape.tc if shape else tc.enabled()) and tc.supported(g, d, dtype):
+        if n == 1:
+            on = shape.tc if shape else tc.enabled()
+        else:
+            on = (shape.tc_split if shape else tc.split_enabled()) and n <= tc.MAX_SPLITS
+        if on and tc.supported(g, d, dtype):
             scale, rope_scale = kern.scales
             return tc.launch(inputs, b, hkv, g, d, dtype, scale, rope_scale, traditional,
-                             nsplit is not None)  # fmt: skip
+                             nsplit is not None, split=n > 1)  # fmt: skip
     shape = shape or auto_shape(n * hkv * b, d)
     warps = min(shape.warps, warps_for(g, d))
     lanes = max(shape.lanes, d // 16)  # at most 16 values a lane

@@ -20,7 +20,13 @@ buffers at slot t_len - 1, and the tile holding that slot takes them from shared
 (not from the buffer being written). No splits over time: one warp a (row, KV head),
 so it is for launches with enough rows to fill the GPU (engine/gpu_attention.py uses
 it where its own launch would not split, with ``MARKBASE_GPU_ATTN_TC=1`` or a loop
-shape with ``c``). bf16/fp16, head_dim 64 or 128, at most 8 query heads a KV head.
+shape with ``c``). The split form (``SPLIT``; ``MARKBASE_GPU_ATTN_TC_SPLIT=1`` or shape
+letter ``s``) is for few rows: one block a (row, KV head), its warps taking every
+WARPS-th tile, merged through shared memory at the end; no partials through global
+memory, no counters, no last-block merge (the one-row attention of the 8b model takes
+20.5 us a call on CUDA cores, 22% of the 4-bit step, for 2.4 MB). The first tile's
+copies are issued before the RoPE is computed. bf16/fp16, head_dim 64 or 128, at most
+8 query heads a KV head.
 Only on a CUDA GPU; ``bench/gpu/nvrtc_check.py`` compiles it without one.
 """
 
@@ -32,8 +38,14 @@ from functools import cache
 from engine.cuda_kernels import Baked, KernelSpec, for_dtype
 
 ENV = "MARKBASE_GPU_ATTN_TC"
+SPLIT_ENV = "MARKBASE_GPU_ATTN_TC_SPLIT"
 WARPS_ENV = "MARKBASE_GPU_ATTN_TC_WARPS"
+SPLIT_WARPS_ENV = "MARKBASE_GPU_ATTN_TC_SPLIT_WARPS"
 BK_ENV = "MARKBASE_GPU_ATTN_TC_BK"
+# the split form where the CUDA-core kernel would take at most this many blocks along
+# time (~128 positions each): past that one block a (row, KV head) reads too little
+# of HBM's bandwidth
+MAX_SPLITS = 16
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads a KV head: the A fragment's rows 0-7
 
@@ -51,9 +63,10 @@ _SOURCE = r"""
   const int g = lane / 4;
   const int tg = lane % 4;
   const int n_kv = keys_shape[1];
-  const int unit = blockIdx.x * WARPS + warp;  // (row, KV head) of this warp
+  // (row, KV head) of this warp; SPLIT: of the block, whose warps share its tiles
+  const int unit = SPLIT ? blockIdx.x : blockIdx.x * WARPS + warp;
   if (unit >= qkv_shape[0] * n_kv) {
-    return;  // the whole warp: nothing below syncs more than a warp
+    return;  // the whole warp (never with SPLIT: the grid is exact there)
   }
   const int b = unit / n_kv;
   const int hkv = unit % n_kv;
@@ -69,6 +82,32 @@ _SOURCE = r"""
   T* const vb = const_cast<T*>(values) + b * values_strides[0] + hkv * values_strides[1];
   const int64_t kst = keys_strides[2];
   const int64_t vst = values_strides[2];
+
+  // tile kt's keys [k0, k0 + BK) into stage st, keys past the end as zeros; not the new
+  // slot, which the tile takes from the warp's copy once it has landed (patched below)
+  const int ntiles = (t_len - row0 + BK - 1) / BK;
+  auto load = [&](int kt, int st) {
+    const int k0 = row0 + kt * BK;
+#pragma unroll
+    for (int i = lane; i < BK * CH; i += 32) {
+      const int r = i / CH;
+      const int c = (i % CH) * 8;
+      const int key = k0 + r;
+      if (key != t_new) {
+        const bool in = key < t_len;
+        const int64_t row = in ? key : 0;
+        mb_cp16z(ks0 + st * TILE + r * RS + c, kb + row * kst + c, in);
+        mb_cp16z(vs0 + st * TILE + r * RS + c, vb + row * vst + c, in);
+      }
+    }
+  };
+  // the warp's first tile is on its way while the RoPE below is computed
+  const int kstep = SPLIT ? WARPS : 1;  // SPLIT: warp w takes tiles w, w + WARPS, ...
+  int kt = SPLIT ? warp : 0;
+  if (kt < ntiles) {
+    load(kt, 0);
+  }
+  mb_commit();
 
   // RoPE as engine/gpu_attention.py's append form: angle = scale * position * inv_freq,
   // pairs (d, d + HD/2), or (2i, 2i + 1) when TRAD; the result rounded to T
@@ -98,8 +137,10 @@ _SOURCE = r"""
     const T vv = xb[nq + n_kv * HD + hkv * HD + d];
     kn[d] = kv;
     vn[d] = vv;
-    kb[t_new * kst + d] = kv;  // the cache's new slot (no lane of this kernel reads it)
-    vb[t_new * vst + d] = vv;
+    if (!SPLIT || warp == 0) {
+      kb[t_new * kst + d] = kv;  // the cache's new slot (no lane of this kernel reads it)
+      vb[t_new * vst + d] = vv;
+    }
   }
   __syncwarp();
 
@@ -120,42 +161,25 @@ _SOURCE = r"""
     o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
   }
 
-  // tile kt's keys [k0, k0 + BK) into stage st; keys past the end as zeros, the new
-  // slot from the warp's copy (its cache write need not be visible yet)
-  const int ntiles = (t_len - row0 + BK - 1) / BK;
-  auto load = [&](int kt, int st) {
+  for (int it = 0; kt < ntiles; kt += kstep, ++it) {
     const int k0 = row0 + kt * BK;
-#pragma unroll
-    for (int i = lane; i < BK * CH; i += 32) {
-      const int r = i / CH;
-      const int c = (i % CH) * 8;
-      const int key = k0 + r;
-      T* kd = ks0 + st * TILE + r * RS + c;
-      T* vd = vs0 + st * TILE + r * RS + c;
-      if (key == t_new) {
-        *reinterpret_cast<uint4*>(kd) = *reinterpret_cast<const uint4*>(kn + c);
-        *reinterpret_cast<uint4*>(vd) = *reinterpret_cast<const uint4*>(vn + c);
-      } else {
-        const bool in = key < t_len;
-        const int64_t row = in ? key : 0;
-        mb_cp16z(kd, kb + row * kst + c, in);
-        mb_cp16z(vd, vb + row * vst + c, in);
-      }
-    }
-  };
-  load(0, 0);
-  mb_commit();
-  for (int kt = 0; kt < ntiles; ++kt) {
-    const int k0 = row0 + kt * BK;
-    const int st = kt & 1;
-    if (kt + 1 < ntiles) {
-      load(kt + 1, st ^ 1);  // its stage was freed by the last __syncwarp
+    const int st = it & 1;
+    if (kt + kstep < ntiles) {
+      load(kt + kstep, st ^ 1);  // its stage was freed by the last __syncwarp
     }
     mb_commit();
     mb_wait<1>();  // tile kt's copies (this lane's) have landed
-    __syncwarp();  // and every lane's, and the new slot's plain stores
-    const T* ks = ks0 + st * TILE;
-    const T* vs = vs0 + st * TILE;
+    __syncwarp();  // and every lane's
+    T* const ks = ks0 + st * TILE;
+    T* const vs = vs0 + st * TILE;
+    if (t_new - k0 < BK) {  // the tile holds the new slot (warp-uniform): from the copy
+      const int r = t_new - k0;
+      for (int c = lane; c < CH; c += 32) {
+        reinterpret_cast<uint4*>(ks + r * RS)[c] = reinterpret_cast<const uint4*>(kn)[c];
+        reinterpret_cast<uint4*>(vs + r * RS)[c] = reinterpret_cast<const uint4*>(vn)[c];
+      }
+      __syncwarp();
+    }
     float s[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
@@ -221,12 +245,52 @@ _SOURCE = r"""
   }
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  if (g < G) {
+  T* const ob = out + (static_cast<int64_t>(b) * n_kv + hkv) * G * HD;
+  if constexpr (SPLIT) {
+    // the warps' softmaxes merged through shared memory (the stages are free now); a
+    // warp without tiles has m -inf and adds nothing; warp 0 always has tile 0
+    __syncthreads();
+    float* const sm_m = reinterpret_cast<float*>(mb_smem);  // [WARPS][8]
+    float* const sm_l = sm_m + WARPS * 8;                   // [WARPS][8]
+    float* const sm_o = sm_l + WARPS * 8;                   // [WARPS][G][HD]
+    if (tg == 0) {
+      sm_m[warp * 8 + g] = m0;
+      sm_l[warp * 8 + g] = l0;
+    }
+    if (g < G) {
+#pragma unroll
+      for (int d = 0; d < DT; ++d) {
+        sm_o[(warp * G + g) * HD + d * 8 + tg * 2] = o[d][0];
+        sm_o[(warp * G + g) * HD + d * 8 + tg * 2 + 1] = o[d][1];
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * HD; i += WARPS * 32) {
+      const int gg = i / HD;
+      float M = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        M = fmaxf(M, sm_m[w * 8 + gg]);
+      }
+      float L = 0.f;
+      float A = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const float mw = sm_m[w * 8 + gg];
+        if (mw != -INFINITY) {
+          const float e = exp2f(mw - M);
+          L += sm_l[w * 8 + gg] * e;
+          A += sm_o[w * G * HD + i] * e;
+        }
+      }
+      ob[i] = static_cast<T>(A / L);
+    }
+  } else if (g < G) {
     const float i0 = 1.f / l0;
-    T* ob = out + ((static_cast<int64_t>(b) * n_kv + hkv) * G + g) * HD + tg * 2;
 #pragma unroll
     for (int d = 0; d < DT; ++d) {
-      *reinterpret_cast<uint32_t*>(ob + d * 8) = mb_pack2(o[d][0] * i0, o[d][1] * i0, T{});
+      *reinterpret_cast<uint32_t*>(ob + g * HD + d * 8 + tg * 2) =
+          mb_pack2(o[d][0] * i0, o[d][1] * i0, T{});
     }
   }
 """
@@ -260,13 +324,21 @@ def enabled() -> bool:
     return os.environ.get(ENV, "0") == "1"
 
 
-def geometry() -> tuple[int, int]:
+def split_enabled() -> bool:
+    """``MARKBASE_GPU_ATTN_TC_SPLIT=1``: the launches the CUDA-core kernel splits over
+    time (few rows) as one block a (row, KV head) whose warps share the tiles."""
+    return os.environ.get(SPLIT_ENV, "0") == "1"
+
+
+def geometry(split: bool = False) -> tuple[int, int]:
     """(warps a block, keys a tile): ``MARKBASE_GPU_ATTN_TC_WARPS`` (1/2/4/8, default
-    4) and ``MARKBASE_GPU_ATTN_TC_BK`` (16/32, default 16), checked."""
-    warps = int(os.environ.get(WARPS_ENV, "4"))
+    4; with ``split`` ``MARKBASE_GPU_ATTN_TC_SPLIT_WARPS``, default 8) and
+    ``MARKBASE_GPU_ATTN_TC_BK`` (16/32, default 16), checked."""
+    name = SPLIT_WARPS_ENV if split else WARPS_ENV
+    warps = int(os.environ.get(name, "8" if split else "4"))
     bk = int(os.environ.get(BK_ENV, "16"))
     if warps not in (1, 2, 4, 8) or bk not in (16, 32):
-        raise ValueError(f"{WARPS_ENV}={warps} / {BK_ENV}={bk}: want 1/2/4/8 and 16/32")
+        raise ValueError(f"{name}={warps} / {BK_ENV}={bk}: want 1/2/4/8 and 16/32")
     return warps, bk
 
 
@@ -282,17 +354,19 @@ def shared_bytes(warps: int, bk: int, group: int, head_dim: int) -> int:
 
 
 def launch(inputs, rows: int, n_kv: int, group: int, head_dim: int, dtype, scale, rope_scale,
-           traditional: bool, whole_buffers: bool, warps: int | None = None,
-           bk: int | None = None):  # fmt: skip
+           traditional: bool, whole_buffers: bool, split: bool = False,
+           warps: int | None = None, bk: int | None = None):  # fmt: skip
     """``decode_attention_append``'s inputs (qkv, keys, values, start, pos, inv_freq) ->
-    the attention [rows, Hq, 1, D]; the new k and v written into the buffers."""
-    dw, dbk = geometry()
+    the attention [rows, Hq, 1, D]; the new k and v written into the buffers. ``split``:
+    one block a (row, KV head), its warps taking every WARPS-th tile, merged in the
+    block; else one warp a (row, KV head)."""
+    dw, dbk = geometry(split)
     warps, bk = warps or dw, bk or dbk
     template = (("T", dtype), ("HD", head_dim), ("G", group), ("WARPS", warps), ("BK", bk))
-    template += (("TRAD", traditional), ("TPOS", whole_buffers))
+    template += (("TRAD", traditional), ("TPOS", whole_buffers), ("SPLIT", split))
     kern = _kernels(float(scale), float(rope_scale))
     fn = kern("append_tc", template, shared_bytes(warps, bk, group, head_dim))
-    blocks = -(-rows * n_kv // warps)
+    blocks = rows * n_kv if split else -(-rows * n_kv // warps)
     return fn(
         inputs=inputs,
         grid=(blocks * warps * 32, 1, 1),
@@ -307,9 +381,15 @@ def kernel_specs_for_check() -> list[KernelSpec]:
     spec = _specs(0.125, 1.0)["append_tc"]
     out = []
     for dtype in ("bfloat16", "float16"):
-        for hd, g, warps, bk, trad in ((128, 4, 4, 16, False), (64, 4, 4, 32, True),
-                                       (128, 8, 2, 32, False), (64, 1, 4, 16, False)):  # fmt: skip
+        for hd, g, warps, bk, trad, split in ((128, 4, 4, 16, False, False),
+                                              (64, 4, 4, 32, True, False),
+                                              (128, 8, 2, 32, False, False),
+                                              (64, 1, 4, 16, False, False),
+                                              (128, 4, 8, 16, False, True),
+                                              (128, 8, 8, 16, True, True),
+                                              (64, 4, 4, 32, False, True)):  # fmt: skip
             tmpl = [("T", dtype), ("HD", hd), ("G", g), ("WARPS", warps), ("BK", bk)]
-            tmpl += [("TRAD", trad), ("TPOS", bk == 16)]
-            out.append(for_dtype(spec, dtype, f"{spec.name}_{dtype}_{hd}_{g}_{warps}_{bk}", tmpl))
+            tmpl += [("TRAD", trad), ("TPOS", bk == 16), ("SPLIT", split)]
+            name = f"{spec.name}_{dtype}_{hd}_{g}_{warps}_{bk}_{int(split)}"
+            out.append(for_dtype(spec, dtype, name, tmpl))
     return out

@@ -263,14 +263,18 @@ APPEND_CASES = [
 @pytest.mark.parametrize("case", APPEND_CASES)
 @pytest.mark.parametrize("kind", ["plain", "traditional", "llama3"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("shape", ["auto", "l16u2v", "l8u4vp32", "l32u8p16m", "c", "cp100000"])
+@pytest.mark.parametrize(
+    "shape", ["auto", "l16u2v", "l8u4vp32", "l32u8p16m", "c", "cp100000", "cs", "csp16"]
+)
 def test_append_kernel_equals_rope_write_and_attention(case, kind, dtype, shape):
     """decode_attention_append == RoPE on q and k, k and v written at slot T, then the
     attention over [start, T]; and the cache buffers hold the new k and v after. Also
     for loop shapes where several positions share a warp (RoPE's pairs, the new
     position and the merge of a warp's positions then differ); and on tensor cores
     (``c``: where the launch is unsplit; ``cp100000``: every bf16 case unsplit, so one
-    warp walks up to 1,000 positions, ragged starts, a row with only the new one)."""
+    warp walks up to 1,000 positions, ragged starts, a row with only the new one;
+    ``cs``: the split launches as one block a (row, KV head), ``csp16`` with more of
+    them in that form)."""
     gpu_attention.set_loop_shape(None if shape == "auto" else gpu_attention.LoopShape.parse(shape))
     _append_case(case, kind, dtype)
 
@@ -352,11 +356,43 @@ def test_tensor_core_append_equals_rope_write_and_attention(case, geometry, dtyp
     _append_case(case, "plain", dtype)
 
 
+SPLIT_CASES = [
+    (1, 32, 8, 600, 128, [0]),  # the 8b's one row: 5 CUDA-core splits
+    (1, 32, 8, 200, 128, [150]),  # 4 tiles of 16 keys for 8 warps: warps without work
+    (3, 32, 8, 1500, 64, [0, 7, 1500]),  # the 1b's heads; a row with only the new slot
+    (8, 16, 4, 400, 128, [0, 1, 2, 3, 100, 200, 399, 400]),
+]
+
+
+@cuda
+@pytest.mark.parametrize("case", SPLIT_CASES)
+@pytest.mark.parametrize("geometry", ["8,16", "4,32", "1,16", "2,16"])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_tensor_core_split_form_equals_rope_write_and_attention(case, geometry, dtype, monkeypatch):
+    """The split form (MARKBASE_GPU_ATTN_TC_SPLIT=1): a block a (row, KV head), its
+    warps taking every WARPS-th tile and merged in the block, for the launches the
+    CUDA-core kernel splits over time."""
+    from engine import gpu_attention_tc
+
+    warps, bk = geometry.split(",")
+    monkeypatch.setenv(gpu_attention_tc.SPLIT_ENV, "1")
+    monkeypatch.setenv(gpu_attention_tc.SPLIT_WARPS_ENV, warps)
+    monkeypatch.setenv(gpu_attention_tc.BK_ENV, bk)
+    b, hq, hkv, t, d, starts = case
+    assert 1 < gpu_attention.splits(b, hkv, t + 1) <= gpu_attention_tc.MAX_SPLITS
+    _append_case(case, "traditional" if d == 128 else "plain", dtype)
+
+
 def test_tensor_core_form_rules(monkeypatch):
     """Which launches the tensor-core form takes, and its knobs, checked."""
     from engine import gpu_attention_tc as tc
 
     assert gpu_attention.LoopShape.parse("c") == gpu_attention.LoopShape(tc=True)
+    assert gpu_attention.LoopShape.parse("cs").tc_split
+    monkeypatch.delenv(tc.SPLIT_ENV, raising=False)
+    assert not tc.split_enabled()
+    monkeypatch.setenv(tc.SPLIT_WARPS_ENV, "8")
+    assert tc.geometry(split=True)[0] == 8
     assert tc.supported(4, 128, mx.bfloat16) and tc.supported(8, 64, mx.float16)
     assert not tc.supported(4, 128, mx.float32)  # tensor cores: bf16/fp16
     assert not tc.supported(16, 128, mx.bfloat16)  # the A fragment's 8 rows
