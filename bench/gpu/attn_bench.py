@@ -18,7 +18,8 @@ m = the last block merges the splits through shared memory), or
 ``auto`` (gpu_attention.auto_shape's choice per launch, the default; the environment
 must set no MARKBASE_GPU_ATTN_* for it), or ``tcw4k16``: the automatic shapes with the
 unsplit launches on tensor cores (engine/gpu_attention_tc.py; w warps a block, k keys
-a tile), never picked for ``--env``.
+a tile), ``tcsw8k16``: the split launches too (w: the split form's warps), never
+picked for ``--env``.
 """
 
 from __future__ import annotations
@@ -121,14 +122,19 @@ def main() -> None:
                 print(f"{shape} {name}: budget spent", flush=True)
                 continue
             auto = name == "auto"  # auto_shape's choice per launch
-            if name.startswith("tc"):  # tensor cores where unsplit: "tcw4k16" (warps, keys)
-                knobs = dict(re.findall(r"([wk])(\d+)", name))
-                os.environ[gpu_attention_tc.WARPS_ENV] = knobs.get("w", "4")
-                os.environ[gpu_attention_tc.BK_ENV] = knobs.get("k", "16")
+            tc = gpu_attention_tc
+            if name.startswith("tc"):  # tensor cores: "tcw4k16" unsplit, "tcsw8k16" split too
+                knobs = dict(re.findall(r"([wk])(\d+)", name[3:]))
+                split = name.startswith("tcs")
+                os.environ[tc.WARPS_ENV] = "4" if split else knobs.get("w", "4")
+                os.environ[tc.SPLIT_WARPS_ENV] = knobs.get("w", "8")
+                os.environ[tc.BK_ENV] = knobs.get("k", "16")
+                os.environ[tc.SPLIT_ENV] = "1" if split else "0"
                 gpu_attention.set_loop_shape(None)
-                os.environ[gpu_attention_tc.ENV] = "1"
+                os.environ[tc.ENV] = "1"
             else:
-                os.environ.pop(gpu_attention_tc.ENV, None)
+                os.environ.pop(tc.ENV, None)
+                os.environ.pop(tc.SPLIT_ENV, None)
                 gpu_attention.set_loop_shape(None if auto else gpu_attention.LoopShape.parse(name))
             try:
                 r = timed(m, length, args.steps)
@@ -147,6 +153,7 @@ def main() -> None:
         mx.clear_cache()
     gpu_attention.set_loop_shape(None)
     os.environ.pop(gpu_attention_tc.ENV, None)
+    os.environ.pop(gpu_attention_tc.SPLIT_ENV, None)
     best = pick([r for r in rows if not r["variant"].startswith("tc")])
     if args.out:
         doc = dict(stage="attn_bench", rows=rows, best=best)

@@ -244,11 +244,11 @@ for stage in "$@"; do
     attn-tc)  # session 17: engine/gpu_attention_tc.py's tests, then the kernel alone against
         # the CUDA-core shapes at the batch sizes it would take (unsplit launches)
         timeout ${TC_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/test_gpu_attention.py -k "tensor_core or cp100000" 2>&1 | tail -15 | tee "$OUT/test_attn_tc.log"
+            tests/test_gpu_attention.py -k "tensor_core or cp100000 or cs" 2>&1 | tail -15 | tee "$OUT/test_attn_tc.log"
         to=${TC_TIMEOUT:-150}
         timeout $to python3 bench/gpu/attn_bench.py --budget-s $(( to - 30 )) \
-            --variants ${TC_VARIANTS:-auto,tcw4k16,tcw2k32,tcw8k16,tcw4k32} \
-            --shapes ${TC_SHAPES:-8b:128:512,1b:128:512,8b:64:512,1b:64:512} \
+            --variants ${TC_VARIANTS:-auto,tcw4k16,tcw2k32,tcw8k16,tcw4k32,tcsw8k16,tcsw4k32,tcsw4k16} \
+            --shapes ${TC_SHAPES:-8b:128:512,1b:128:512,8b:64:512,8b:1:600,8b:8:600,1b:1:600,8b:1:2000} \
             --out "$OUT/attn_tc.json" 2>&1 | grep -v -i warn | tee "$OUT/attn_tc.log"
         ;;
     prefill-async)  # session 16: MARKBASE_PREFILL_ASYNC=0/1 (engine/runner.py): an 8192-token
