@@ -383,6 +383,20 @@ def test_tensor_core_split_form_equals_rope_write_and_attention(case, geometry, 
     _append_case(case, "traditional" if d == 128 else "plain", dtype)
 
 
+def test_tensor_core_form_emulated_equals_attention():
+    """bench/gpu/attn_tc_emulation.py: the tensor-core kernel's statements lane by lane
+    (numpy) equal RoPE + attention, one warp a (row, KV head) and the split form (tiles
+    from each row's start, the new slot patched in, a row with only it, the merge)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
+    from attn_tc_emulation import check
+
+    assert check(2, 1, 4, 40, 64, [0, 30], 4, 16, True, False) < 1e-9
+    assert check(2, 1, 2, 20, 64, [0, 20], 2, 16, False, True) < 1e-9
+
+
 def test_tensor_core_form_rules(monkeypatch):
     """Which launches the tensor-core form takes, and its knobs, checked."""
     from engine import gpu_attention_tc as tc
