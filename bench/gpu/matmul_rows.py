@@ -9,7 +9,7 @@ none of them, at 1-128 rows, in every formulation engine/gpu_linear.py knows (bf
 and the weight bandwidth, and writes the plans that pick the fastest formulation
 per row count (geometric mean over both models of its time / the default's) as
 ``export MARKBASE_GPU_FLOAT_PLAN=... MARKBASE_GPU_QUANT_PLAN=...``.
-On the CPU (``--models tiny --rows 1,4``) it only checks that it runs.
+On the CPU (``--models tiny --rows 1,4 --copies 2``) it only checks that it runs.
 """
 
 from __future__ import annotations
@@ -67,7 +67,10 @@ def in_dim(m) -> int:
 
 
 def time_form(layers, rows: int, form: str, plan_forms, reps: int) -> float:
-    """Median seconds for one layer's products (all copies in one eval, / copies)."""
+    """Seconds of GPU kernel time for one layer's products (all copies in one eval, /
+    copies), from CUPTI: the products are independent, and MLX's CUDA graph may run
+    them side by side, so wall time flattered small grids (session 17: 64-block kernels
+    looked ~2x faster than in the decode step). Wall time (median) without a GPU."""
     plan = parse_plan(f"1:{form}", plan_forms)
     for mods in layers:
         for m in mods:
@@ -77,10 +80,18 @@ def time_form(layers, rows: int, form: str, plan_forms, reps: int) -> float:
     }
     mx.eval(list(xs.values()))
 
+    def outs():
+        return [m(xs[in_dim(m)]) for mods in layers for m in mods]
+
     def run():
-        mx.eval([m(xs[in_dim(m)]) for mods in layers for m in mods])
+        mx.eval(outs())
 
     run()  # JIT, cuBLAS heuristics
+    if mx.cuda.is_available():
+        from q4_bench import cupti_events
+
+        events = cupti_events(outs, reps)
+        return sum(e["dur"] for e in events) * 1e-6 / reps / len(layers)
     times = []
     for _ in range(reps):
         t = time.perf_counter()
