@@ -37,7 +37,8 @@ class ModelRunner:
         # A chunk whose logits nobody wants is queued, not waited on, so the host builds
         # the next chunk (or decode step) while the device runs it. On by default on a
         # GPU: an 8192-token prompt in 512-token chunks 1.38-1.44x faster at 1b and
-        # 1.19-1.20x at 8b (H100, bench/gpu/NOTES.md, session 17). Off on the CPU, where
+        # 1.19-1.20x at 8b (H100, bench/gpu/NOTES.md, session 17; Metal GPUs take the
+        # same default, not measured there). Off on the CPU, where
         # the host's graph building competes with the compute for the same cores (not
         # measured there). MARKBASE_PREFILL_ASYNC=0/1 overrides.
         default_async = "1" if on_gpu() else "0"
