@@ -38,9 +38,10 @@ class ModelRunner:
         # the next chunk (or decode step) while the device runs it. On by default on a
         # GPU: an 8192-token prompt in 512-token chunks 1.38-1.44x faster at 1b and
         # 1.19-1.20x at 8b (H100, bench/gpu/NOTES.md, session 17; Metal GPUs take the
-        # same default, not measured there). Off on the CPU, where
-        # the host's graph building competes with the compute for the same cores (not
-        # measured there). MARKBASE_PREFILL_ASYNC=0/1 overrides.
+        # same default, not measured there). Off on the CPU, where the host's graph
+        # building shares the cores with the compute: 256-1024-token prompts in chunks
+        # of 128 took 1.00-1.03x the time queued (`bench/cpu_prefill_ab.py --ab async`).
+        # MARKBASE_PREFILL_ASYNC=0/1 overrides.
         default_async = "1" if on_gpu() else "0"
         self.async_prefill = os.environ.get("MARKBASE_PREFILL_ASYNC", default_async) == "1"
         # Llama-family models decode through a step of their own (CPU: the lean step,
