@@ -739,11 +739,8 @@ def _specs(scale: float, rope_scale: float = 1.0) -> dict[str, KernelSpec]:
 @cache
 def _kernels(scale: float, rope_scale: float = 1.0) -> Baked:
     """One kernel object per template values (engine/cuda_kernels.py: less host time a
-    call), per softmax scale and RoPE position scale (kept as ``scales`` for the
-    tensor-core form, which has kernels of its own)."""
-    baked = Baked(lambda: _specs(scale, rope_scale), ensure_row_contiguous=False)
-    baked.scales = (scale, rope_scale)
-    return baked
+    call), per softmax scale and RoPE position scale."""
+    return Baked(lambda: _specs(scale, rope_scale), ensure_row_contiguous=False)
 
 
 def warps_for(group: int, head_dim: int) -> int:
@@ -865,7 +862,7 @@ def decode_attention_append(
     inputs = [qkv, keys, values, start, pos, rope.inv_freq]
     forms = ("append", "append_split", "append_parts")
     args = (b, n_heads, d, keys, qkv.dtype, rope.traditional, slot, shape, nsplit)
-    return _launch(kern, forms, inputs, *args)
+    return _launch(kern, forms, inputs, *args, scales=(float(scale), float(rope.scale)))
 
 
 def append_splits(batch: int, n_kv_heads: int, length: int) -> int:
@@ -902,11 +899,13 @@ _COUNTERS: dict = {}
 
 
 def _launch(
-    kern, forms, inputs, b, hq, d, keys, dtype, traditional=None, slot=0, shape=None, nsplit=None
-):
+    kern, forms, inputs, b, hq, d, keys, dtype, traditional=None, slot=0, shape=None, nsplit=None,
+    scales=None,
+):  # fmt: skip
     """Run a form unsplit, or split over time (merged in the kernel's last block per
     row and KV head, or by the merge kernel). ``nsplit``: the append form over whole
-    buffers (``decode_attention_append``)."""
+    buffers (``decode_attention_append``). ``scales``: the append form's (softmax,
+    RoPE position) scales, for its tensor-core kernels (engine/gpu_attention_tc.py)."""
     import mlx.core as mx
 
     hkv, t = keys.shape[1], keys.shape[2]
@@ -921,8 +920,7 @@ def _launch(
         else:
             on = (shape.tc_split if shape else tc.split_enabled()) and n <= tc.MAX_SPLITS
         if on and tc.supported(g, d, dtype):
-            scale, rope_scale = kern.scales
-            return tc.launch(inputs, b, hkv, g, d, dtype, scale, rope_scale, traditional,
+            return tc.launch(inputs, b, hkv, g, d, dtype, *scales, traditional,
                              nsplit is not None, split=n > 1)  # fmt: skip
     shape = shape or auto_shape(n * hkv * b, d)
     warps = min(shape.warps, warps_for(g, d))

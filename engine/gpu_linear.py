@@ -52,9 +52,9 @@ QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv", "qmma", "qstre
 # weight once where the kernel reads it once per 32 rows.
 DEFAULT_FLOAT_PLAN = "1:xwt,2:mma,33:xwt"
 # 1 row: engine/gpu_qstream.py (session 10: 8b 4-bit B=1 279 -> 307 tok/s in one lease;
-# a layer's 4 products 75.6 -> 65.2 us); from 33 rows engine/gpu_qgemm.py (session 17:
-# its 2-m-tile form at 0.71-0.92x qmma's time on each product of the 1b/8b layers at
-# 64-256 rows, bench/gpu/qgemm_sweep.py)
+# a layer's 4 products 75.6 -> 65.2 us); from 33 rows the SwiGLU gate/up on
+# engine/gpu_qgemm.py (session 17, H100: 0.68-0.85x qmma's kernel time by CUPTI; 8b
+# 4-bit B=128 +5-7% in one lease; the other products stay on qmma, gpu_qgemm.takes)
 DEFAULT_QUANT_PLAN = "1:qstream,2:qmma,33:qgemm"
 
 
@@ -392,13 +392,14 @@ class GpuQuantizedLinear(_Routes):
     def _call_form(self, x, form: str):
         import mlx.core as mx
 
-        if form == "qstream":  # the [B, 1, K] path, not the decode step's
+        # qstream: the [B, 1, K] path, not the decode step's; qgemm: a module's call is a
+        # plain product, which the plan's qgemm leaves to qmma (gpu_qgemm.takes)
+        if form in ("qstream", "qgemm"):
             form = "qmma"
-        form = self._qgemm_or_qmma(form, x.size // x.shape[-1], x.dtype, glu=False)
-        if form in ("qmma", "qgemv", "qgemm"):
-            from engine import gpu_gemv, gpu_mma, gpu_qgemm
+        if form in ("qmma", "qgemv"):
+            from engine import gpu_gemv, gpu_mma
 
-            module = {"qmma": gpu_mma, "qgemv": gpu_gemv, "qgemm": gpu_qgemm}[form]
+            module = gpu_mma if form == "qmma" else gpu_gemv
             if self._kernel_ok(form, x.dtype):
                 if x.ndim == 2:  # the GPU step's [B, D]: no reshapes (each is host time)
                     return module.quantized_matmul(

@@ -29,10 +29,11 @@ memory feed that many weight tiles: ``geometry`` picks 64-row blocks of 4 warps 
 m-tiles each, 2 stages, wherever the weight's m-tiles split so.
 
 In the default quantized plan from 33 rows (``33:qgemm``) for the SwiGLU gate/up
-where it gives enough blocks (``takes``); the other products stay on gpu_mma. Measured on an H100 (bench/gpu/NOTES.md, session 17): in the engine's 8b
-4-bit step at B=128, gate/up 203 us a call against gpu_mma's 233; o_proj/down_proj
-(64 blocks) 151 against 69. (bench/gpu/qgemm_sweep.py's first form timed independent
-calls, which MLX's CUDA graph may overlap: it flattered the small grids.)
+where it gives enough blocks (``takes``); the other products stay on gpu_mma.
+Measured on an H100 (bench/gpu/NOTES.md, session 17): in the engine's 8b 4-bit step at
+B=128, gate/up 203 us a call against gpu_mma's 233; o_proj/down_proj (64 blocks) 151
+against 69. (bench/gpu/qgemm_sweep.py's first form timed independent calls, which
+MLX's CUDA graph may overlap: it flattered the small grids.)
 """
 
 from __future__ import annotations
@@ -268,9 +269,9 @@ def supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: str, bi
 def geometry(rows: int, m_tiles: int) -> tuple[int, int, int]:
     """(x rows a block, warps a block, m-tiles a warp) for ``rows`` rows and ``m_tiles``
     m-tiles of the weight. Where the m-tiles split into 4 warps x 2: 64-row blocks of 4
-    warps with 2 m-tiles each, the fastest form of bench/gpu/qgemm_sweep.py's sweep for
-    every product of the 1b/8b layers at 64/128/256 rows (H100, session 17: 0.71-0.92x
-    gpu_mma's time; 128-row blocks with 2 m-tiles a warp spill). Otherwise one m-tile a
+    warps with 2 m-tiles each, the fastest form for the gate/up product at 128 rows
+    (H100, session 17, CUPTI: 0.85x gpu_mma's time at 8b, 0.76x at 1b, where 8 warps
+    gave 0.84x and 0.68x; 128-row blocks with 2 m-tiles a warp spill). Otherwise one m-tile a
     warp: 128 rows a block from 65 rows (64 below), 8 warps, fewer warps (then fewer
     rows) while that leaves under MIN_BLOCKS blocks."""
     if m_tiles % (PAIR_WARPS * 2) == 0:
