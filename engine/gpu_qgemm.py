@@ -52,7 +52,14 @@ _SOURCE = r"""
   constexpr int XU = BM * 16;        // 16-byte units of x a step (BM rows x 128 inputs)
   constexpr int NTH = WM * 32;
   extern __shared__ __align__(16) unsigned char mb_smem[];
-  uint4* xs = reinterpret_cast<uint4*>(mb_smem);  // [ST][NTW][4][8][4] units
+  // a stage: x [NTW][4][8][4] units, then (WS) each warp's weight words [MT][16][4]
+  // units and its rows' scale/bias words [MT][16][2][SW]
+  constexpr int SW = GS >= 128 ? 1 : 64 / GS;  // 32-bit words of a row's scales a step (WS)
+  static_assert(!WS || GS <= 64, "weights in shared memory need groups of 32 or 64");
+  constexpr int WU = WS ? WM * MT * 64 : 0;
+  constexpr int SU = WS ? (WM * MT * 32 * SW + 3) / 4 : 0;
+  constexpr int SSZ = XU + WU + SU;
+  uint4* xs = reinterpret_cast<uint4*>(mb_smem);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;
@@ -97,7 +104,28 @@ _SOURCE = r"""
     const int rr = u >> 4, q = u & 15;                                                     \
     const bool ok = m0 + rr < M;                                                           \
     const T* src = x + (int64_t)(ok ? m0 + rr : 0) * K + (ks) * 128 + q * 8;               \
-    mb_cp16z(xs + (st) * XU + (((rr >> 3) * 4 + (q & 3)) * 8 + (rr & 7)) * 4 + (q >> 2), src, ok); \
+    mb_cp16z(xs + (st) * SSZ + (((rr >> 3) * 4 + (q & 3)) * 8 + (rr & 7)) * 4 + (q >> 2), src, ok); \
+  }
+
+  // (WS) a step's weight words and scale/bias pairs of the warp's rows into buffer st:
+  // weight unit u = m-tile i (u / 64), MMA row r (u / 4 % 16: row0 of lane g = r, or
+  // row1 of g = r - 8), lane tt's 16 bytes; scale word u = (i, r, scale or bias)
+#define MB_STAGE_W(ks, st)                                                                 \
+  if constexpr (WS) {                                                                      \
+    uint4* wsd = xs + (st) * SSZ + XU + warp * (MT * 64);                                  \
+    for (int u = lane; u < MT * 64; u += 32) {                                             \
+      const int i = u >> 6, r = (u >> 2) & 15;                                             \
+      const int fr = (tile0 + i) * (GLU ? 8 : 16) + (r & 7);                               \
+      const int row = r < 8 ? fr : (GLU ? N + fr : fr + 8);                                \
+      mb_cp16z(wsd + u, w + (int64_t)row * words + (u & 3) * 4 + (ks) * 16, true);         \
+    }                                                                                      \
+    uint32_t* ssd = reinterpret_cast<uint32_t*>(xs + (st) * SSZ + XU + WU) + warp * (MT * 32 * SW); \
+    for (int u = lane; u < MT * 32; u += 32) {                                             \
+      const int i = u >> 5, r = (u >> 1) & 15;                                             \
+      const int fr = (tile0 + i) * (GLU ? 8 : 16) + (r & 7);                               \
+      const int row = r < 8 ? fr : (GLU ? N + fr : fr + 8);                                \
+      mb_cpw<SW * 4>(ssd + u * SW, ((u & 1) ? biases : scales) + (int64_t)row * groups + (ks) * (128 / GS)); \
+    }                                                                                      \
   }
 
   // a step's weight words of rows row0/row1 of each m-tile (32 inputs: one quantization
@@ -123,6 +151,80 @@ _SOURCE = r"""
     }
   };
 
+  // step ks's products from buffer st and the weight registers cur
+  auto compute = [&](int st, const MbQw* cur) {
+    const uint4* xb = xs + st * SSZ + lane;
+#pragma unroll
+    for (int hp = 0; hp < 4; ++hp) {
+      // MMA steps 2hp and 2hp + 1: inputs 8hp..8hp+3 and 8hp+4..8hp+7 of the lane's 32
+      uint32_t a[MT][8];
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        const uint32_t v0 = mb_word(cur[i].q0, hp), v1 = mb_word(cur[i].q1, hp);
+        const uint32_t s0 = cur[i].sc0, s1 = cur[i].sc1, b0 = cur[i].bi0, b1 = cur[i].bi1;
+        a[i][0] = mb_deq2(v0, s0, b0, T{});
+        a[i][1] = mb_deq2(v1, s1, b1, T{});
+        a[i][2] = mb_deq2(v0 >> 8, s0, b0, T{});
+        a[i][3] = mb_deq2(v1 >> 8, s1, b1, T{});
+        a[i][4] = mb_deq2(v0 >> 16, s0, b0, T{});
+        a[i][5] = mb_deq2(v1 >> 16, s1, b1, T{});
+        a[i][6] = mb_deq2(v0 >> 24, s0, b0, T{});
+        a[i][7] = mb_deq2(v1 >> 24, s1, b1, T{});
+      }
+#pragma unroll
+      for (int j = 0; j < NTW; ++j) {
+        const uint4 xv = xb[(j * 4 + hp) * 32];
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          mb_mma(c[i][j], a[i][0], a[i][1], a[i][2], a[i][3], xv.x, xv.y, T{});
+          mb_mma(c[i][j], a[i][4], a[i][5], a[i][6], a[i][7], xv.z, xv.w, T{});
+        }
+      }
+    }
+  };
+
+  if constexpr (WS) {
+    // ST buffers of x and of the warps' weights, all by cp.async: ST - 1 steps in flight
+    // and no register holds a load
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s) {
+      if (s < steps) {
+        MB_STAGE(s, s)
+        MB_STAGE_W(s, s)
+      }
+      mb_commit();
+    }
+    const int gl = t * 32 / GS;  // the lane's group within a row's SW words
+    for (int ks = 0; ks < steps; ++ks) {
+      const int st = ks % ST;
+      if (ks + ST - 1 < steps) {
+        MB_STAGE(ks + ST - 1, (ks + ST - 1) % ST)
+        MB_STAGE_W(ks + ST - 1, (ks + ST - 1) % ST)
+      }
+      mb_commit();
+      mb_wait<ST - 1>();
+      __syncthreads();
+      const uint4* wsr = xs + st * SSZ + XU + warp * (MT * 64);
+      const uint16_t* ssr = reinterpret_cast<const uint16_t*>(
+          reinterpret_cast<const uint32_t*>(xs + st * SSZ + XU + WU) + warp * (MT * 32 * SW));
+      MbQw cur[MT];
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        cur[i].q0 = wsr[i * 64 + g * 4 + t];
+        cur[i].q1 = wsr[i * 64 + 32 + g * 4 + t];
+        const uint32_t hs0 = ssr[(i * 32 + g * 2) * SW * 2 + gl];
+        const uint32_t hb0 = ssr[(i * 32 + g * 2 + 1) * SW * 2 + gl];
+        const uint32_t hs1 = ssr[(i * 32 + (g + 8) * 2) * SW * 2 + gl];
+        const uint32_t hb1 = ssr[(i * 32 + (g + 8) * 2 + 1) * SW * 2 + gl];
+        cur[i].sc0 = hs0 | (hs0 << 16);
+        cur[i].sc1 = hs1 | (hs1 << 16);
+        cur[i].bi0 = hb0 | (hb0 << 16);
+        cur[i].bi1 = hb1 | (hb1 << 16);
+      }
+      compute(st, cur);
+      __syncthreads();  // buffer st is free for step ks + ST
+    }
+  } else {
   // ST buffers of x: step ks + ST - 1's copy is issued while step ks is computed, and
   // each warp's weight words (registers) are loaded as many steps ahead
   MbQw cur[MT], nxt[MT], nn[MT];
@@ -154,34 +256,7 @@ _SOURCE = r"""
     mb_commit();
     mb_wait<ST - 1>();  // this thread's copies of step ks are in (later ones may not be)
     __syncthreads();  // and everyone's
-    const uint4* xb = xs + st * XU + lane;
-#pragma unroll
-    for (int hp = 0; hp < 4; ++hp) {
-      // MMA steps 2hp and 2hp + 1: inputs 8hp..8hp+3 and 8hp+4..8hp+7 of the lane's 32
-      uint32_t a[MT][8];
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        const uint32_t v0 = mb_word(cur[i].q0, hp), v1 = mb_word(cur[i].q1, hp);
-        const uint32_t s0 = cur[i].sc0, s1 = cur[i].sc1, b0 = cur[i].bi0, b1 = cur[i].bi1;
-        a[i][0] = mb_deq2(v0, s0, b0, T{});
-        a[i][1] = mb_deq2(v1, s1, b1, T{});
-        a[i][2] = mb_deq2(v0 >> 8, s0, b0, T{});
-        a[i][3] = mb_deq2(v1 >> 8, s1, b1, T{});
-        a[i][4] = mb_deq2(v0 >> 16, s0, b0, T{});
-        a[i][5] = mb_deq2(v1 >> 16, s1, b1, T{});
-        a[i][6] = mb_deq2(v0 >> 24, s0, b0, T{});
-        a[i][7] = mb_deq2(v1 >> 24, s1, b1, T{});
-      }
-#pragma unroll
-      for (int j = 0; j < NTW; ++j) {
-        const uint4 xv = xb[(j * 4 + hp) * 32];
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          mb_mma(c[i][j], a[i][0], a[i][1], a[i][2], a[i][3], xv.x, xv.y, T{});
-          mb_mma(c[i][j], a[i][4], a[i][5], a[i][6], a[i][7], xv.z, xv.w, T{});
-        }
-      }
-    }
+    compute(st, cur);
     __syncthreads();  // buffer st is free for step ks + ST
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
@@ -191,7 +266,9 @@ _SOURCE = r"""
       }
     }
   }
+  }
 #undef MB_STAGE
+#undef MB_STAGE_W
 
   // lane (g, t) holds weight rows g / g + 8 (c[i][.][0..1] / c[i][.][2..3]) of m-tile i,
   // x rows j * 8 + 2t and 2t + 1
@@ -223,34 +300,62 @@ _SOURCE = r"""
 
 
 # one m-tile's weight registers for one k-step: words of its two rows, scale/bias pairs
-_QW = "struct MbQw {\n  uint4 q0, q1;\n  uint32_t sc0, sc1, bi0, bi1;\n};\n"
+_QW = r"""
+struct MbQw {
+  uint4 q0, q1;
+  uint32_t sc0, sc1, bi0, bi1;
+};
+// N (4 or 8) bytes global -> shared without a register (scales and biases)
+template <int N>
+__device__ __forceinline__ void mb_cpw(void* dst, const void* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(d), "l"(src), "n"(N) : "memory");
+}
+"""
 
 
 @cache
-def _specs() -> dict[str, KernelSpec]:
+def _spec(kind: str) -> KernelSpec:
     """Kinds ``q4``, ``q4_res`` (a residual ``r`` [M, N] added) and ``q4_glu`` (w =
-    [gate; up], the output silu(gate) * up): the decode step's products at many rows."""
+    [gate; up], the output silu(gate) * up): the decode step's products at many rows.
+    A suffix ``_lbTxB`` declares the kernel ``__launch_bounds__(T, B)`` (at most T
+    threads a block, B blocks an SM): MLX writes the kernel's signature, so the header
+    redefines ``__global__`` to carry it. Why: with 2 m-tiles a warp ptxas takes 206
+    registers, which leaves 2 blocks of 4 warps an SM (bench/gpu/NOTES.md, session 18)."""
     from engine.gpu_mma import _HEADER as MMA_HEADER
     from engine.gpu_prefill_attention import _HEADER as CP_HEADER
 
+    base, _, bounds = kind.partition("_lb")
+    glu, res = {"q4": (False, False), "q4_res": (False, True), "q4_glu": (True, False)}[base]
     inputs = [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)]
-    out = {}
-    for kind, glu, res in (("q4", False, False), ("q4_res", False, True), ("q4_glu", True, False)):
-        flags = f"  constexpr bool GLU = {'true' if glu else 'false'};\n"
-        flags += f"  constexpr bool RES = {'true' if res else 'false'};\n"
-        if not res:
-            flags += "  const T* r = nullptr;\n"
-        out[kind] = KernelSpec(
-            "mb_qgemm" + kind[2:],
-            inputs + ([("r", "T", 2)] if res else []),
-            [("y", "T")],
-            flags + _SOURCE,
-            MMA_HEADER + CP_HEADER + _QW,
+    flags = f"  constexpr bool GLU = {'true' if glu else 'false'};\n"
+    flags += f"  constexpr bool RES = {'true' if res else 'false'};\n"
+    if not res:
+        flags += "  const T* r = nullptr;\n"
+    header = MMA_HEADER + CP_HEADER + _QW
+    if bounds:
+        threads, blocks = (int(v) for v in bounds.split("x"))
+        header += (
+            "#undef __global__\n#define __global__ __attribute__((global)) "
+            f"__launch_bounds__({threads}, {blocks})\n"
         )
-    return out
+    return KernelSpec(
+        "mb_qgemm" + base[2:] + (f"_lb{bounds}" if bounds else ""),
+        inputs + ([("r", "T", 2)] if res else []),
+        [("y", "T")],
+        flags + _SOURCE,
+        header,
+    )
 
 
-_kernel = Baked(_specs, ensure_row_contiguous=True)
+class _Specs(dict):
+    """``_spec`` by kind, for Baked (which looks kinds up in a mapping)."""
+
+    def __missing__(self, kind: str) -> KernelSpec:
+        return _spec(kind)
+
+
+_kernel = Baked(_Specs, ensure_row_contiguous=True)
 
 
 def supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: str, biases) -> bool:
@@ -286,23 +391,44 @@ def geometry(rows: int, m_tiles: int) -> tuple[int, int, int]:
     return 64, 1, 1
 
 
-def shared_bytes(bm: int, stages: int) -> int:
-    """``stages`` buffers of a step of x: bm rows x 128 inputs x 2 bytes."""
-    return stages * bm * KSTEP * 2
+def shared_bytes(
+    bm: int, stages: int, wm: int = 1, mt: int = 1, ws: bool = False, gs: int = 64
+) -> int:
+    """``stages`` buffers of a step: x (bm rows x 128 inputs x 2 bytes) and with ``ws``
+    the warps' weight words (16 rows x 64 bytes an m-tile) and scale/bias words."""
+    per = bm * KSTEP * 2
+    if ws:
+        sw = 64 // gs
+        per += wm * mt * 64 * 16 + -(-(wm * mt * 32 * sw) // 4) * 16
+    return stages * per
 
 
 STAGES_ENV = "MARKBASE_GPU_QGEMM_STAGES"
+WS_ENV = "MARKBASE_GPU_QGEMM_WS"
+LB_ENV = "MARKBASE_GPU_QGEMM_LB"
 
 
-def stages(mt: int = 1) -> int:
+def stages(mt: int = 1, ws: bool = False) -> int:
     """Buffers of x (and steps the weight registers are loaded ahead, less one):
-    ``MARKBASE_GPU_QGEMM_STAGES`` (2 or 3) if set, else 2 with 2 m-tiles a warp (the
-    sweep's best; its registers are the tighter) and 3 with one (session 16: 3 stages
-    beat 2 there)."""
-    text = os.environ.get(STAGES_ENV, "2" if mt == 2 else "3")
-    if text not in ("2", "3"):
-        raise ValueError(f"{STAGES_ENV}={text!r}: want 2 or 3")
+    ``MARKBASE_GPU_QGEMM_STAGES`` (2 or 3; 2-4 with the weights in shared memory) if
+    set, else 2 with 2 m-tiles a warp (the sweep's best; its registers are the tighter)
+    and 3 with one (session 16: 3 stages beat 2 there) or with ``ws``."""
+    text = os.environ.get(STAGES_ENV, "2" if mt == 2 and not ws else "3")
+    if text not in (("2", "3", "4") if ws else ("2", "3")):
+        raise ValueError(f"{STAGES_ENV}={text!r}: want 2 or 3 (or 4 with {WS_ENV}=1)")
     return int(text)
+
+
+def weights_in_shared(gs: int) -> bool:
+    """``MARKBASE_GPU_QGEMM_WS=1``: the weight words and scales go through shared memory
+    by ``cp.async`` (ST - 1 steps in flight, no register holds a load), for groups of
+    32 or 64. Off unless set (session 18: prepared, measured by qgemm_sweep.py)."""
+    return os.environ.get(WS_ENV, "0") == "1" and gs in (32, 64)
+
+
+def min_blocks() -> int:
+    """``MARKBASE_GPU_QGEMM_LB``: blocks an SM the kernel is compiled for (0: no bound)."""
+    return int(os.environ.get(LB_ENV, "0"))
 
 
 def wide_enough(rows: int, m_tiles: int) -> bool:
@@ -327,8 +453,10 @@ def takes(rows: int, m_tiles: int, glu: bool) -> bool:
 
 
 @cache
-def _template(dtype, gs: int, ntw: int, wm: int, st: int, mt: int) -> tuple:
-    return (("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm), ("ST", st), ("MT", mt))
+def _template(dtype, gs: int, ntw: int, wm: int, st: int, mt: int, ws: bool = False) -> tuple:
+    return (
+        ("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm), ("ST", st), ("MT", mt), ("WS", ws)
+    )  # fmt: skip
 
 
 def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, glu: bool = False):
@@ -350,8 +478,13 @@ def _launch(
     if (n // 16) % (wm * mt):
         raise ValueError(f"gpu_qgemm: {n} weight rows do not split into {wm} x {mt} m-tiles")
     kind = "q4_glu" if glu else "q4_res" if residual else "q4"
-    st = stages(mt)
-    fn = _kernel(kind, _template(dtype, gs, bm // 8, wm, st, mt), shared_bytes(bm, st))
+    ws = weights_in_shared(gs)
+    st = stages(mt, ws)
+    if min_blocks():
+        kind += f"_lb{wm * 32}x{min_blocks()}"
+    fn = _kernel(
+        kind, _template(dtype, gs, bm // 8, wm, st, mt, ws), shared_bytes(bm, st, wm, mt, ws, gs)
+    )
     grid = (n // 16 // (wm * mt) * -(-rows // bm) * wm * 32, 1, 1)
     shape = (rows, n // 2 if glu else n)
     return one_output_call(fn, grid, (wm * 32, 1, 1), shape, dtype)
@@ -393,13 +526,23 @@ def warm(dtype, products) -> None:
 
 
 def kernel_specs_for_check() -> list[KernelSpec]:
-    """The sources with concrete template values (bench/gpu/nvrtc_check.py)."""
+    """The sources with concrete template values (bench/gpu/nvrtc_check.py): the
+    register-pipelined forms, and those with the weights in shared memory (``ws``), with
+    and without launch bounds."""
     out = []
-    for spec in _specs().values():
+    forms = [  # (ntw, wm, st, mt, ws, gs, blocks an SM)
+        *((ntw, wm, st, mt, False, 64, 0) for ntw, wm, st, mt in (
+            (16, 8, 3, 1), (16, 8, 2, 1), (8, 8, 3, 1), (8, 2, 3, 1), (8, 8, 3, 2),
+            (8, 4, 2, 2), (16, 4, 2, 2))),
+        (8, 4, 3, 2, True, 64, 0), (8, 4, 3, 2, True, 64, 3), (8, 4, 4, 2, True, 64, 2),
+        (8, 4, 2, 2, True, 64, 4), (8, 4, 3, 2, True, 32, 3), (16, 8, 3, 1, True, 64, 0),
+    ]  # fmt: skip
+    for base in ("q4", "q4_res", "q4_glu"):
         for dtype in ("bfloat16", "float16"):
-            for ntw, wm, st, mt in ((16, 8, 3, 1), (16, 8, 2, 1), (8, 8, 3, 1), (8, 2, 3, 1),
-                                    (8, 8, 3, 2), (8, 4, 2, 2), (16, 4, 2, 2)):  # fmt: skip
-                tmpl = [("T", dtype), ("GS", 64), ("NTW", ntw), ("WM", wm), ("ST", st), ("MT", mt)]
-                name = f"{spec.name}_{dtype}_{ntw}_{wm}_{st}_{mt}"
+            for ntw, wm, st, mt, ws, gs, blocks in forms:
+                spec = _spec(base + (f"_lb{wm * 32}x{blocks}" if blocks else ""))
+                tmpl = [("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm), ("ST", st),
+                        ("MT", mt), ("WS", ws)]  # fmt: skip
+                name = f"{spec.name}_{dtype}_{ntw}_{wm}_{st}_{mt}_{'w' if ws else 'r'}{gs}"
                 out.append(for_dtype(spec, dtype, name, tmpl))
     return out

@@ -155,6 +155,62 @@ def test_two_m_tiles_a_warp_exact(shape, stages, monkeypatch):
         _close(glu, mx.array(gate / (1 + np.exp(-gate)) * up))
 
 
+@needs_gpu
+@pytest.mark.parametrize("gs", [64, 32])
+@pytest.mark.parametrize("form", ["3", "4", "2:4", "3:3", "3:2"])  # stages[:blocks an SM]
+@pytest.mark.parametrize("shape", [(64, 4, 2), (128, 8, 1), (64, 2, 1)])
+def test_weights_in_shared_memory_exact(shape, form, gs, monkeypatch):
+    """``MARKBASE_GPU_QGEMM_WS=1`` (weight words and scales by ``cp.async`` through
+    shared memory, 2-4 stages, with and without launch bounds): exact on small integers
+    with scales and biases that differ by row and group (powers of two and integers, so
+    that every dequantized weight and sum is exact), so a row or group taken from the
+    wrong place changes the result; plain, residual and SwiGLU; 1 to 5 k-steps."""
+    from qgemm_emulation import pack
+
+    st, _, blocks = form.partition(":")
+    monkeypatch.setenv(gpu_qgemm.WS_ENV, "1")
+    monkeypatch.setenv(gpu_qgemm.STAGES_ENV, st)
+    monkeypatch.setenv(gpu_qgemm.LB_ENV, blocks or "0")
+    bm, wm, mt = shape
+    rng = np.random.default_rng(11)
+    n = 16 * wm * mt * 2  # two blocks' worth of m-tiles
+    for k in (128, 640):
+        q = rng.integers(0, 16, (n, k))
+        s = 2.0 ** rng.integers(-1, 2, (n, k // gs))
+        b = rng.integers(-8, 1, (n, k // gs)).astype(np.float64)
+        wint = (q * np.repeat(s, gs, axis=1) + np.repeat(b, gs, axis=1)).astype(np.float32)
+        ins = [mx.array(pack(q)), mx.array(s).astype(mx.bfloat16), mx.array(b).astype(mx.bfloat16)]
+        for m in (33, 150):
+            x = rng.integers(-3, 4, (m, k)).astype(np.float32)
+            xb = mx.array(x).astype(mx.bfloat16)
+            r = rng.integers(-3, 4, (m, n)).astype(np.float32)
+            want = x @ wint.T
+            got = gpu_qgemm._launch(mx.bfloat16, m, n, gs, False, False, bm, wm, mt)([xb, *ins])
+            np.testing.assert_array_equal(np.array(got.astype(mx.float32)), _bf16(want))
+            res = gpu_qgemm._launch(mx.bfloat16, m, n, gs, True, False, bm, wm, mt)(
+                [xb, *ins, mx.array(r).astype(mx.bfloat16)]
+            )
+            np.testing.assert_array_equal(np.array(res.astype(mx.float32)), _bf16(want + r))
+            glu = gpu_qgemm._launch(mx.bfloat16, m, n, gs, False, True, bm, wm, mt)([xb, *ins])
+            gate, up = want[:, : n // 2], want[:, n // 2 :]
+            _close(glu, mx.array(gate / (1 + np.exp(-gate)) * up))
+
+
+def test_weights_in_shared_memory_switch(monkeypatch):
+    """The switch takes groups of 32/64 only; stages 4 only with it; the shared memory
+    a launch asks for counts the weight and scale buffers."""
+    monkeypatch.setenv(gpu_qgemm.WS_ENV, "1")
+    assert gpu_qgemm.weights_in_shared(64) and gpu_qgemm.weights_in_shared(32)
+    assert not gpu_qgemm.weights_in_shared(128)
+    monkeypatch.setenv(gpu_qgemm.STAGES_ENV, "4")
+    assert gpu_qgemm.stages(2, ws=True) == 4
+    with pytest.raises(ValueError, match="want 2 or 3"):
+        gpu_qgemm.stages(2)
+    # 64 rows x 128 inputs x 2 bytes of x, 8 m-tiles x 1 KB of words, 256 scale words
+    assert gpu_qgemm.shared_bytes(64, 3, 4, 2, True, 64) == 3 * (16384 + 8192 + 1024)
+    assert gpu_qgemm.shared_bytes(64, 3) == 3 * 16384
+
+
 def _bf16(a: np.ndarray) -> np.ndarray:
     return np.array(mx.array(a).astype(mx.bfloat16).astype(mx.float32))
 

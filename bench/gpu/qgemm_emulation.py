@@ -41,9 +41,10 @@ def deq2(v: int, s: float, b: float) -> tuple[float, float]:
     return ((v & 0xF) * s + b, ((v >> 4) & 0xF) * s + b)
 
 
-def run(x, words, scales, biases, gs, shape=None, residual=None, glu=False):
+def run(x, words, scales, biases, gs, shape=None, residual=None, glu=False, ws=False):
     """``shape`` = (x rows a block, warps a block[, m-tiles a warp]); None:
-    ``geometry``'s choice."""
+    ``geometry``'s choice. ``ws``: the weights-in-shared-memory form (``MB_STAGE_W``
+    copies each warp's words and scale/bias halves; the lanes read them back)."""
     m_rows, k = x.shape
     nw = words.shape[0]
     n = nw // 2 if glu else nw
@@ -72,10 +73,23 @@ def run(x, words, scales, biases, gs, shape=None, residual=None, glu=False):
                 assert xs[dst] is None, "two copies into one unit"
                 xs[dst] = src
             assert all(v is not None for v in xs)
+            staged = {w: stage_weights(words, scales, biases, gs, n, glu, block // rc * wm + w,
+                                       mt, ks) for w in range(wm)} if ws else {}  # fmt: skip
             for warp, i in warp_tiles:
                 tile = ((block // rc) * wm + warp) * mt + i
                 regs = []
-                for lane in range(32):  # MB_WLOAD
+                if ws:
+                    wsd, ssd = staged[warp]
+                    sw = 64 // gs
+                    for lane in range(32):  # the WS branch's reads into cur[i]
+                        g, t = lane >> 2, lane & 3
+                        gl = t * 32 // gs
+                        regs.append((wsd[i * 64 + g * 4 + t], wsd[i * 64 + 32 + g * 4 + t],
+                                     ssd[(i * 32 + g * 2) * sw * 2 + gl],
+                                     ssd[(i * 32 + (g + 8) * 2) * sw * 2 + gl],
+                                     ssd[(i * 32 + g * 2 + 1) * sw * 2 + gl],
+                                     ssd[(i * 32 + (g + 8) * 2 + 1) * sw * 2 + gl]))  # fmt: skip
+                for lane in range(32 if not ws else 0):  # MB_WLOAD
                     g, t = lane >> 2, lane & 3
                     f = tile * (8 if glu else 16) + g
                     row0, row1 = f, (n + f if glu else f + 8)
@@ -123,6 +137,32 @@ def run(x, words, scales, biases, gs, shape=None, residual=None, glu=False):
     return y
 
 
+def stage_weights(words, scales, biases, gs, n, glu, wtile0, mt, ks):
+    """MB_STAGE_W for one warp (its m-tiles start at ``wtile0 * mt``) and k-step ``ks``:
+    the warp's shared weight units (4 words each) and its scale/bias halves (uint16
+    slots: SW words of 2 a (m-tile, MMA row, scale or bias))."""
+    sw = 64 // gs
+    tile0 = wtile0 * mt
+    wsd = [None] * (mt * 64)
+    for u in range(mt * 64):
+        i, r = u >> 6, (u >> 2) & 15
+        fr = (tile0 + i) * (8 if glu else 16) + (r & 7)
+        row = fr if r < 8 else (n + fr if glu else fr + 8)
+        assert wsd[u] is None
+        wsd[u] = words[row, (u & 3) * 4 + ks * 16 : (u & 3) * 4 + ks * 16 + 4]
+    ssd = [None] * (mt * 32 * sw * 2)
+    for u in range(mt * 32):
+        i, r = u >> 5, (u >> 1) & 15
+        fr = (tile0 + i) * (8 if glu else 16) + (r & 7)
+        row = fr if r < 8 else (n + fr if glu else fr + 8)
+        src = biases if u & 1 else scales
+        for h in range(sw * 2):  # an SW * 4-byte copy from group ks * (128 / gs)
+            assert ssd[u * sw * 2 + h] is None
+            ssd[u * sw * 2 + h] = src[row, ks * (128 // gs) + h]
+    assert all(v is not None for v in wsd) and all(v is not None for v in ssd)
+    return wsd, ssd
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     worst = 0.0
@@ -145,6 +185,16 @@ def main() -> None:
         gate, up = x @ wd[: nw // 2].T, x @ wd[nw // 2 :].T
         want = gate / (1 + np.exp(-gate)) * up
         err_g = np.abs(run(x, words, s, b, gs, shape, glu=True) - want).max()
+        if gs <= 64 and shape:  # the weights-in-shared-memory form
+            err_w = np.abs(run(x, words, s, b, gs, shape, ws=True) - x @ wd.T).max()
+            err_w = max(
+                err_w, np.abs(run(x, words, s, b, gs, shape, glu=True, ws=True) - want).max()
+            )
+            err_w = max(
+                err_w, np.abs(run(x, words, s, b, gs, shape, res, ws=True) - (res + x @ wd.T)).max()
+            )
+            print(f"  ws form: {err_w:.1e}")
+            worst = max(worst, err_w)
         bm, wm, mt = (tuple(shape) + (1,))[:3] if shape else geometry(m, nw // 16)
         print(
             f"rows {m:3d} weight {nw:4d} x {k} group {gs:3d} (block {bm} rows, {wm} warps, "

@@ -63,6 +63,13 @@ def main() -> None:
     ap.add_argument("--models", default="8b,1b")
     ap.add_argument("--rows", default="64,128,256")
     ap.add_argument("--stages", default="2,3")
+    ap.add_argument(
+        "--forms",
+        default="",
+        help="instead of --stages x GEOMETRIES: the default geometry in these forms, "
+        "comma-separated pipeline:stages:blocks-an-SM, pipeline r (weights in registers) "
+        "or w (in shared memory, MARKBASE_GPU_QGEMM_WS), e.g. r:2:0,w:3:0,w:3:3",
+    )
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=100)
@@ -102,13 +109,27 @@ def main() -> None:
                 qmma = gpu_mma.launcher("q4", mx.bfloat16, rows, n, k, GS, residual, glu)
                 base = timed(qmma, inputs, args.calls, args.reps)
                 forms = [("qmma", base)]
-                for st in [s for s in args.stages.split(",") if s]:
+                for st in [s for s in args.stages.split(",") if s and not args.forms]:
                     os.environ[gpu_qgemm.STAGES_ENV] = st
                     for bm, wm, mt in shapes:
                         fn = gpu_qgemm._launch(mx.bfloat16, rows, n, GS, residual, glu, bm, wm, mt)
                         us = timed(fn, inputs, args.calls, args.reps)
                         forms.append((f"qgemm bm{bm} w{wm} mt{mt} st{st}", us))
-                os.environ.pop(gpu_qgemm.STAGES_ENV, None)
+                for form in [f for f in args.forms.split(",") if f]:
+                    pipe, st, blocks = form.split(":")
+                    os.environ[gpu_qgemm.WS_ENV] = "1" if pipe == "w" else "0"
+                    os.environ[gpu_qgemm.STAGES_ENV] = st
+                    os.environ[gpu_qgemm.LB_ENV] = blocks
+                    bm, wm, mt = gpu_qgemm.geometry(rows, n // 16)
+                    try:
+                        fn = gpu_qgemm._launch(mx.bfloat16, rows, n, GS, residual, glu, bm, wm, mt)
+                        us = timed(fn, inputs, args.calls, args.reps)
+                    except Exception as e:  # a form that does not launch (resources)
+                        print(f"{form}: {e}")
+                        us = float("nan")
+                    forms.append((f"qgemm bm{bm} w{wm} mt{mt} {form}", us))
+                for env in (gpu_qgemm.STAGES_ENV, gpu_qgemm.WS_ENV, gpu_qgemm.LB_ENV):
+                    os.environ.pop(env, None)
                 for form, s in forms:
                     print(
                         f"| {name} | {pname} | {rows} | {form} | {s * 1e6:.1f} | "

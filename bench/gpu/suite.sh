@@ -30,6 +30,7 @@
 #   bash bench/gpu/suite.sh prefill-async qgemm-sweep                       (session 16, prepared)
 #   bash bench/gpu/suite.sh attn-tc; MARKBASE_GPU_ATTN_TC=1 TABLE_CONFIGS="8b:q4 1b:q4" \
 #       TABLE_BATCHES=64,128 TABLE_TAG=tc bash bench/gpu/suite.sh engine-table  (session 17, prepared)
+#   bash bench/gpu/suite.sh qgemm-ws                                          (session 18)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -240,6 +241,14 @@ for stage in "$@"; do
             tests/test_gpu_qgemm.py -k "two_m_tiles or exact" 2>&1 | tee "$OUT/test_qgemm_mt.log"
         timeout ${QW_TIMEOUT:-150} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-150} - 20 )) \
             --out "$OUT/qgemm_sweep.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_sweep.log"
+        ;;
+    qgemm-ws)  # session 18: gpu_qgemm with the weights in shared memory (MARKBASE_GPU_QGEMM_WS)
+        # and launch bounds (MARKBASE_GPU_QGEMM_LB): its tests, then the forms against qmma
+        timeout ${QT_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=short \
+            tests/test_gpu_qgemm.py -k "weights_in_shared" 2>&1 | tail -15 | tee "$OUT/test_qgemm_ws.log"
+        timeout ${QW_TIMEOUT:-200} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-200} - 20 )) \
+            --rows ${QW_ROWS:-128} --forms ${QW_FORMS:-r:2:0,r:2:3,w:3:0,w:4:0,w:3:3,w:2:4} \
+            --out "$OUT/qgemm_ws.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_ws.log"
         ;;
     attn-tc)  # session 17: engine/gpu_attention_tc.py's tests, then the kernel alone against
         # the CUDA-core shapes at the batch sizes it would take (unsplit launches)
