@@ -576,10 +576,10 @@ class LoopShape:
     # shared memory, not one split at a time from L2 (session 16, not yet measured)
     pmerge: bool = False
     # the append form's unsplit launches on tensor cores (engine/gpu_attention_tc.py;
-    # session 17, not yet measured); without a fixed shape MARKBASE_GPU_ATTN_TC=1
+    # without a fixed shape on unless MARKBASE_GPU_ATTN_TC=0: session 18)
     tc: bool = False
     # and its split launches (up to gpu_attention_tc.MAX_SPLITS) as one block a (row,
-    # KV head); without a fixed shape MARKBASE_GPU_ATTN_TC_SPLIT=1
+    # KV head); without a fixed shape on unless MARKBASE_GPU_ATTN_TC_SPLIT=0
     tc_split: bool = False
 
     def __post_init__(self) -> None:

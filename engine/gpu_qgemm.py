@@ -99,12 +99,28 @@ _SOURCE = r"""
 
   // step ks of x into buffer st: unit u = row rr (u / 16) and inputs q * 8.. (q = u % 16,
   // lane t = q / 4's 32 inputs, pair hp = q % 4 of its MMA steps); rows past M are zeros
+  // a thread's XIT copies a step are rows rr0 + it * RSTEP with the same 8 inputs q8:
+  // their addresses worked out once (the per-unit index math was ~a quarter of a
+  // step's instructions in the SASS, session 18)
+  constexpr int XIT = XU / NTH;
+  constexpr int RSTEP = NTH / 16;
+  static_assert(XU % NTH == 0 && NTH % 16 == 0, "x copies a thread");
+  const int q8 = threadIdx.x & 15, rr0 = threadIdx.x >> 4;
+  const T* xsrc0 = x + (int64_t)(m0 + rr0) * K + q8 * 8;
+  const int64_t xstep = (int64_t)RSTEP * K;
+  uint32_t xok = 0;
+#pragma unroll
+  for (int it = 0; it < XIT; ++it) {
+    xok |= (m0 + rr0 + it * RSTEP < M ? 1u : 0u) << it;
+  }
+  const uint32_t xdst0 = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
 #define MB_STAGE(ks, st)                                                                   \
-  for (int u = threadIdx.x; u < XU; u += NTH) {                                            \
-    const int rr = u >> 4, q = u & 15;                                                     \
-    const bool ok = m0 + rr < M;                                                           \
-    const T* src = x + (int64_t)(ok ? m0 + rr : 0) * K + (ks) * 128 + q * 8;               \
-    mb_cp16z(xs + (st) * SSZ + (((rr >> 3) * 4 + (q & 3)) * 8 + (rr & 7)) * 4 + (q >> 2), src, ok); \
+  _Pragma("unroll") for (int it = 0; it < XIT; ++it) {                                     \
+    const int rr = rr0 + it * RSTEP;                                                       \
+    const bool ok = (xok >> it) & 1u;                                                      \
+    const T* src = ok ? xsrc0 + it * xstep + (ks) * 128 : x;                               \
+    const int du = (st) * SSZ + (((rr >> 3) * 4 + (q8 & 3)) * 8 + (rr & 7)) * 4 + (q8 >> 2); \
+    mb_cp16s(xdst0 + du * 16, src, ok);                                                    \
   }
 
   // (WS) a step's weight words and scale/bias pairs of the warp's rows into buffer st:
@@ -130,16 +146,33 @@ _SOURCE = r"""
 
   // a step's weight words of rows row0/row1 of each m-tile (32 inputs: one quantization
   // group's part) and their groups' scale and bias, as pairs
+  // the rows' words and scale/bias pointers, once (registers are not what limits the
+  // blocks an SM: 2 of 4 warps at 169-255 registers)
+  const uint32_t* wp0[MT];
+  const uint32_t* wp1[MT];
+  const T* sp0[MT];
+  const T* sp1[MT];
+  const T* bp0[MT];
+  const T* bp1[MT];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    wp0[i] = w + (int64_t)row0[i] * words + t * 4;
+    wp1[i] = w + (int64_t)row1[i] * words + t * 4;
+    sp0[i] = scales + (int64_t)row0[i] * groups;
+    sp1[i] = scales + (int64_t)row1[i] * groups;
+    bp0[i] = biases + (int64_t)row0[i] * groups;
+    bp1[i] = biases + (int64_t)row1[i] * groups;
+  }
   auto wload = [&](int ks, MbQw* dst) {
     const int gi = (ks * 128 + t * 32) / GS;
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
-      dst[i].q0 = mb_ldg(w + (int64_t)row0[i] * words + t * 4 + ks * 16);
-      dst[i].q1 = mb_ldg(w + (int64_t)row1[i] * words + t * 4 + ks * 16);
-      const T sv0 = scales[(int64_t)row0[i] * groups + gi];
-      const T sv1 = scales[(int64_t)row1[i] * groups + gi];
-      const T bv0 = biases[(int64_t)row0[i] * groups + gi];
-      const T bv1 = biases[(int64_t)row1[i] * groups + gi];
+      dst[i].q0 = mb_ldg(wp0[i] + ks * 16);
+      dst[i].q1 = mb_ldg(wp1[i] + ks * 16);
+      const T sv0 = sp0[i][gi];
+      const T sv1 = sp1[i][gi];
+      const T bv0 = bp0[i][gi];
+      const T bv1 = bp1[i][gi];
       const uint32_t hs0 = *reinterpret_cast<const uint16_t*>(&sv0);
       const uint32_t hs1 = *reinterpret_cast<const uint16_t*>(&sv1);
       const uint32_t hb0 = *reinterpret_cast<const uint16_t*>(&bv0);
@@ -305,6 +338,11 @@ struct MbQw {
   uint4 q0, q1;
   uint32_t sc0, sc1, bi0, bi1;
 };
+// 16 bytes global -> shared at a shared-space address; zeros when !valid
+__device__ __forceinline__ void mb_cp16s(uint32_t d, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(valid ? 16 : 0) : "memory");
+}
 // N (4 or 8) bytes global -> shared without a register (scales and biases)
 template <int N>
 __device__ __forceinline__ void mb_cpw(void* dst, const void* src) {

@@ -404,6 +404,8 @@ def test_tensor_core_form_rules(monkeypatch):
     assert gpu_attention.LoopShape.parse("c") == gpu_attention.LoopShape(tc=True)
     assert gpu_attention.LoopShape.parse("cs").tc_split
     monkeypatch.delenv(tc.SPLIT_ENV, raising=False)
+    assert tc.split_enabled()  # the default since session 18
+    monkeypatch.setenv(tc.SPLIT_ENV, "0")
     assert not tc.split_enabled()
     monkeypatch.setenv(tc.SPLIT_WARPS_ENV, "8")
     assert tc.geometry(split=True)[0] == 8
@@ -412,6 +414,8 @@ def test_tensor_core_form_rules(monkeypatch):
     assert not tc.supported(16, 128, mx.bfloat16)  # the A fragment's 8 rows
     assert not tc.supported(4, 96, mx.bfloat16)
     monkeypatch.delenv(tc.ENV, raising=False)
+    assert tc.enabled()
+    monkeypatch.setenv(tc.ENV, "0")
     assert not tc.enabled()
     monkeypatch.setenv(tc.WARPS_ENV, "3")
     with pytest.raises(ValueError, match="want 1/2/4/8"):
