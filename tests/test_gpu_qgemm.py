@@ -66,6 +66,9 @@ def test_emulated_layout_equals_the_product():
         gate, up = x @ wd[: nw // 2].T, x @ wd[nw // 2 :].T
         got = run(x, pack(q), s, b, gs, shape, glu=True)
         np.testing.assert_allclose(got, gate / (1 + np.exp(-gate)) * up, atol=1e-9)
+        # the weights-in-shared-memory form's copies and reads (MB_STAGE_W)
+        got = run(x, pack(q), s, b, gs, (64, 2, 2) if nw % 64 == 0 else shape, ws=True)
+        np.testing.assert_allclose(got, x @ wd.T, atol=1e-9)
 
 
 @needs_gpu
