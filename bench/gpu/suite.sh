@@ -31,6 +31,7 @@
 #   bash bench/gpu/suite.sh attn-tc; MARKBASE_GPU_ATTN_TC=1 TABLE_CONFIGS="8b:q4 1b:q4" \
 #       TABLE_BATCHES=64,128 TABLE_TAG=tc bash bench/gpu/suite.sh engine-table  (session 17, prepared)
 #   bash bench/gpu/suite.sh qgemm-ws                                          (session 18)
+#   bash bench/gpu/suite.sh mma-peak                                          (session 18, prepared)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -241,6 +242,10 @@ for stage in "$@"; do
             tests/test_gpu_qgemm.py -k "two_m_tiles or exact" 2>&1 | tee "$OUT/test_qgemm_mt.log"
         timeout ${QW_TIMEOUT:-150} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-150} - 20 )) \
             --out "$OUT/qgemm_sweep.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_sweep.log"
+        ;;
+    mma-peak)  # session 18 (prepared): mma.sync's and the dequantization's own rates here
+        timeout ${MP_TIMEOUT:-120} python3 bench/gpu/mma_peak.py --out "$OUT/mma_peak.json" 2>&1 \
+            | grep -v -i warn | tee "$OUT/mma_peak.log"
         ;;
     qgemm-ws)  # session 18: gpu_qgemm with the weights in shared memory (MARKBASE_GPU_QGEMM_WS)
         # and launch bounds (MARKBASE_GPU_QGEMM_LB): its tests, then the forms against qmma
