@@ -977,18 +977,24 @@ def warm(
 ) -> None:
     """Compile every form (unsplit; split + merge; with ``rope``, a ``RopeTable``, the
     append forms too, over views or with ``whole_buffers`` as the compiled step calls
-    them) for this shape now, so that no request waits on NVRTC: which form a step
-    takes depends on its rows and length."""
+    them, on CUDA cores and on tensor cores) for this shape now, so that no request
+    waits on NVRTC: which form a step takes depends on its rows and length."""
     import mlx.core as mx
 
     start = mx.zeros((1,), dtype=mx.int32)
     width = (n_heads + 2 * n_kv_heads) * head_dim
     fixed = fixed_shape()
-    for shape in [fixed] if fixed else auto_shapes(head_dim):
+    # the CUDA-core forms of every automatic shape (an explicit shape never takes the
+    # tensor-core kernels unless it says c/s), then with ``None`` the launch's own
+    # choice: the tensor-core forms where they are on (unsplit at one block of time,
+    # split at 4; longer rows take the CUDA-core split compiled before)
+    shapes = [fixed] if fixed else [*auto_shapes(head_dim), None]
+    for shape in shapes:
         for t in (1, 4 * POSITIONS_PER_BLOCK):
             q = mx.zeros((1, n_heads, 1, head_dim), dtype=dtype)
             kv = mx.zeros((1, n_kv_heads, t, head_dim), dtype=dtype)
-            mx.eval(decode_attention(q, kv, kv, start, scale, shape=shape))
+            if shape is not None:
+                mx.eval(decode_attention(q, kv, kv, start, scale, shape=shape))
             if rope is not None:
                 k, v = mx.zeros_like(kv), mx.zeros_like(kv)
                 qkv = mx.zeros((1, width), dtype=dtype)

@@ -465,6 +465,36 @@ def test_decode_step_on_tensor_cores_equals_model(monkeypatch):
 
 
 @cuda
+@pytest.mark.parametrize("compiled", [True, False])
+def test_warm_up_compiles_both_tensor_core_forms(compiled, monkeypatch):
+    """With the tensor-core forms on (the default), the step's warm-up compiles the
+    unsplit and the split one (a 200-token row at B=1 takes the split one: it must not
+    wait on NVRTC), besides the CUDA-core forms of every automatic shape."""
+    from engine import gpu_attention_tc as tc
+    from engine.decode_step import make_decode_step
+    from engine.loading import build_random_model
+
+    for env in (tc.ENV, tc.SPLIT_ENV):
+        monkeypatch.delenv(env, raising=False)
+    gpu_attention.set_loop_shape(None)
+    cfg = dict(hidden_size=256, num_hidden_layers=1, intermediate_size=512,
+               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+               vocab_size=512, tie_word_embeddings=False, rope_theta=12345.0)  # fmt: skip
+    # head_dim 64 and 2 query heads a KV head: a shape the tensor-core kernels take
+    model = build_random_model("llama", cfg, seed=5).model
+    model.set_dtype(mx.bfloat16)
+    step = make_decode_step(model)
+    step.step_compile = compiled
+    attn = model.layers[0].self_attn
+    kern = tc._kernels(float(attn.scale), float(step.rope.scale))
+    kern._made.clear()
+    step.warm_up()
+    made = {dict(t)["SPLIT"] for _, t in kern._made}
+    assert made == {False, True}, made
+    assert all(dict(t)["TPOS"] == compiled for _, t in kern._made)
+
+
+@cuda
 @pytest.mark.parametrize("variant", ["default", "traditional", "llama3", "linear", "mha"])
 def test_decode_step_append_form_equals_model(variant):
     """The GPU decode step with RoPE and the KV write inside the attention kernel gives
