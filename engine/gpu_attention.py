@@ -30,7 +30,7 @@ one.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 from engine.cuda_kernels import SMS, Baked, KernelSpec, for_dtype
@@ -621,13 +621,20 @@ class LoopShape:
     @classmethod
     def from_env(cls) -> LoopShape | None:
         """``MARKBASE_GPU_ATTN_LANES``/``_U``/``_VEC``/``_PPB``/``_WARPS``/``_TWO_PASS``/
-        ``_PMERGE`` (unset ones: the class defaults); None when none is set."""
+        ``_PMERGE`` (unset ones: the class defaults); None when none is set. The
+        tensor-core forms stay as their own switches say (on unless set to 0): a
+        CUDA-core loop shape from the environment (bench/gpu/attn_bench.py's ``--env``
+        exports) must not turn them off."""
+        from engine import gpu_attention_tc as tc
+
         env = os.environ.get
         names = ("LANES", "U", "VEC", "PPB", "WARPS", "TWO_PASS", "PMERGE")
         if not any(f"MARKBASE_GPU_ATTN_{n}" in os.environ for n in names):
             return None
         d = cls()
         return cls(
+            tc=tc.enabled(),
+            tc_split=tc.split_enabled(),
             lanes=int(env("MARKBASE_GPU_ATTN_LANES", d.lanes)),
             u=int(env("MARKBASE_GPU_ATTN_U", d.u)),
             vec=env("MARKBASE_GPU_ATTN_VEC", "1" if d.vec else "0") == "1",
@@ -988,7 +995,11 @@ def warm(
     # tensor-core kernels unless it says c/s), then with ``None`` the launch's own
     # choice: the tensor-core forms where they are on (unsplit at one block of time,
     # split at 4; longer rows take the CUDA-core split compiled before)
-    shapes = [fixed] if fixed else [*auto_shapes(head_dim), None]
+    if fixed:  # and its CUDA-core forms, which rows past the split form's cap take
+        plain = replace(fixed, tc=False, tc_split=False)
+        shapes = list(dict.fromkeys([fixed, plain]))
+    else:
+        shapes = [*auto_shapes(head_dim), None]
     for shape in shapes:
         for t in (1, 4 * POSITIONS_PER_BLOCK):
             q = mx.zeros((1, n_heads, 1, head_dim), dtype=dtype)

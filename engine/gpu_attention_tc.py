@@ -42,6 +42,8 @@ SPLIT_ENV = "MARKBASE_GPU_ATTN_TC_SPLIT"
 WARPS_ENV = "MARKBASE_GPU_ATTN_TC_WARPS"
 SPLIT_WARPS_ENV = "MARKBASE_GPU_ATTN_TC_SPLIT_WARPS"
 BK_ENV = "MARKBASE_GPU_ATTN_TC_BK"
+STAGES_ENV = "MARKBASE_GPU_ATTN_TC_STAGES"
+SPLIT_STAGES_ENV = "MARKBASE_GPU_ATTN_TC_SPLIT_STAGES"
 # the split form where the CUDA-core kernel would take at most this many blocks along
 # time (~128 positions each): past that one block a (row, KV head) reads too little
 # of HBM's bandwidth
@@ -56,7 +58,7 @@ _SOURCE = r"""
   constexpr int DT = HD / 8;   // output n-tiles
   constexpr int CH = HD / 8;   // 16-byte chunks a row
   constexpr int TILE = BK * RS;
-  constexpr int WSM = 4 * TILE + (G + 2) * HD;  // a warp's elements: K, V x 2 stages, q, k, v
+  constexpr int WSM = 2 * STG * TILE + (G + 2) * HD;  // a warp's elements: K, V x STG stages, q, k, v
   extern __shared__ __align__(16) unsigned char mb_smem[];
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -71,8 +73,8 @@ _SOURCE = r"""
   const int b = unit / n_kv;
   const int hkv = unit % n_kv;
   T* const ks0 = reinterpret_cast<T*>(mb_smem) + warp * WSM;
-  T* const vs0 = ks0 + 2 * TILE;
-  T* const qsm = vs0 + 2 * TILE;  // [G][HD] the query heads, RoPE'd
+  T* const vs0 = ks0 + STG * TILE;
+  T* const qsm = vs0 + STG * TILE;  // [G][HD] the query heads, RoPE'd
   T* const kn = qsm + G * HD;     // [HD] the new k, RoPE'd
   T* const vn = kn + HD;          // [HD] the new v
   const int row0 = start[b];
@@ -101,13 +103,16 @@ _SOURCE = r"""
       }
     }
   };
-  // the warp's first tile is on its way while the RoPE below is computed
+  // the warp's first STG - 1 tiles are on their way while the RoPE below is computed
   const int kstep = SPLIT ? WARPS : 1;  // SPLIT: warp w takes tiles w, w + WARPS, ...
   int kt = SPLIT ? warp : 0;
-  if (kt < ntiles) {
-    load(kt, 0);
+#pragma unroll
+  for (int s0 = 0; s0 < STG - 1; ++s0) {
+    if (kt + s0 * kstep < ntiles) {
+      load(kt + s0 * kstep, s0);
+    }
+    mb_commit();
   }
-  mb_commit();
 
   // RoPE as engine/gpu_attention.py's append form: angle = scale * position * inv_freq,
   // pairs (d, d + HD/2), or (2i, 2i + 1) when TRAD; the result rounded to T
@@ -163,12 +168,13 @@ _SOURCE = r"""
 
   for (int it = 0; kt < ntiles; kt += kstep, ++it) {
     const int k0 = row0 + kt * BK;
-    const int st = it & 1;
-    if (kt + kstep < ntiles) {
-      load(kt + kstep, st ^ 1);  // its stage was freed by the last __syncwarp
+    const int st = it % STG;
+    if (kt + (STG - 1) * kstep < ntiles) {
+      // STG - 1 tiles ahead, into the stage the last __syncwarp freed
+      load(kt + (STG - 1) * kstep, (it + STG - 1) % STG);
     }
     mb_commit();
-    mb_wait<1>();  // tile kt's copies (this lane's) have landed
+    mb_wait<STG - 1>();  // tile kt's copies (this lane's) have landed
     __syncwarp();  // and every lane's
     T* const ks = ks0 + st * TILE;
     T* const vs = vs0 + st * TILE;
@@ -335,6 +341,24 @@ def split_enabled() -> bool:
     return os.environ.get(SPLIT_ENV, "1") == "1"
 
 
+MAX_SHARED = 227 << 10  # dynamic shared memory a block may have (H100/H200)
+
+
+def stages(split: bool, warps: int, bk: int, group: int, head_dim: int) -> int:
+    """K/V tiles in flight a warp, plus the one in use: ``MARKBASE_GPU_ATTN_TC_STAGES``
+    (``_SPLIT_STAGES`` for the split form; 2-4, default 2), fewer where the block's
+    shared memory would pass MAX_SHARED. Why: the split form at one row waits ~1 us a
+    tile a warp with one tile in flight (8b, 600 and 2,000 positions: 17.7 and 31.7 us a
+    call, session 18); more in flight is the knob to measure."""
+    name = SPLIT_STAGES_ENV if split else STAGES_ENV
+    want = int(os.environ.get(name, "2"))
+    if want not in (2, 3, 4):
+        raise ValueError(f"{name}={want}: want 2, 3 or 4")
+    while want > 2 and shared_bytes(warps, bk, group, head_dim, want) > MAX_SHARED:
+        want -= 1
+    return want
+
+
 def geometry(split: bool = False) -> tuple[int, int]:
     """(warps a block, keys a tile): ``MARKBASE_GPU_ATTN_TC_WARPS`` (1/2/4/8, default
     4; with ``split`` ``MARKBASE_GPU_ATTN_TC_SPLIT_WARPS``, default 8) and
@@ -353,9 +377,10 @@ def supported(group: int, head_dim: int, dtype) -> bool:
     return dtype in (mx.bfloat16, mx.float16) and head_dim in HEAD_DIMS and group <= MAX_GROUP
 
 
-def shared_bytes(warps: int, bk: int, group: int, head_dim: int) -> int:
-    """Per warp: K and V tiles in two stages, the RoPE'd query heads, the new k and v."""
-    return warps * (4 * bk * (head_dim + 8) + (group + 2) * head_dim) * 2
+def shared_bytes(warps: int, bk: int, group: int, head_dim: int, n_stages: int = 2) -> int:
+    """Per warp: K and V tiles in ``n_stages`` stages, the RoPE'd query heads, the new k
+    and v."""
+    return warps * (2 * n_stages * bk * (head_dim + 8) + (group + 2) * head_dim) * 2
 
 
 def launch(inputs, rows: int, n_kv: int, group: int, head_dim: int, dtype, scale, rope_scale,
@@ -367,10 +392,11 @@ def launch(inputs, rows: int, n_kv: int, group: int, head_dim: int, dtype, scale
     block; else one warp a (row, KV head)."""
     dw, dbk = geometry(split)
     warps, bk = warps or dw, bk or dbk
+    stg = stages(split, warps, bk, group, head_dim)
     template = (("T", dtype), ("HD", head_dim), ("G", group), ("WARPS", warps), ("BK", bk))
-    template += (("TRAD", traditional), ("TPOS", whole_buffers), ("SPLIT", split))
+    template += (("TRAD", traditional), ("TPOS", whole_buffers), ("SPLIT", split), ("STG", stg))
     kern = _kernels(float(scale), float(rope_scale))
-    fn = kern("append_tc", template, shared_bytes(warps, bk, group, head_dim))
+    fn = kern("append_tc", template, shared_bytes(warps, bk, group, head_dim, stg))
     blocks = rows * n_kv if split else -(-rows * n_kv // warps)
     return fn(
         inputs=inputs,
@@ -386,15 +412,17 @@ def kernel_specs_for_check() -> list[KernelSpec]:
     spec = _specs(0.125, 1.0)["append_tc"]
     out = []
     for dtype in ("bfloat16", "float16"):
-        for hd, g, warps, bk, trad, split in ((128, 4, 4, 16, False, False),
-                                              (64, 4, 4, 32, True, False),
-                                              (128, 8, 2, 32, False, False),
-                                              (64, 1, 4, 16, False, False),
-                                              (128, 4, 8, 16, False, True),
-                                              (128, 8, 8, 16, True, True),
-                                              (64, 4, 4, 32, False, True)):  # fmt: skip
+        for hd, g, warps, bk, trad, split, stg in ((128, 4, 4, 16, False, False, 2),
+                                                   (64, 4, 4, 32, True, False, 2),
+                                                   (128, 8, 2, 32, False, False, 2),
+                                                   (64, 1, 4, 16, False, False, 3),
+                                                   (128, 4, 8, 16, False, True, 2),
+                                                   (128, 4, 8, 16, False, True, 3),
+                                                   (128, 8, 8, 16, True, True, 2),
+                                                   (128, 4, 4, 16, False, True, 4),
+                                                   (64, 4, 4, 32, False, True, 2)):  # fmt: skip
             tmpl = [("T", dtype), ("HD", hd), ("G", g), ("WARPS", warps), ("BK", bk)]
-            tmpl += [("TRAD", trad), ("TPOS", bk == 16), ("SPLIT", split)]
-            name = f"{spec.name}_{dtype}_{hd}_{g}_{warps}_{bk}_{int(split)}"
+            tmpl += [("TRAD", trad), ("TPOS", bk == 16), ("SPLIT", split), ("STG", stg)]
+            name = f"{spec.name}_{dtype}_{hd}_{g}_{warps}_{bk}_{int(split)}_{stg}"
             out.append(for_dtype(spec, dtype, name, tmpl))
     return out

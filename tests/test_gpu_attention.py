@@ -199,9 +199,18 @@ def test_loop_shape_knobs(monkeypatch):
     monkeypatch.setenv("MARKBASE_GPU_ATTN_U", "8")
     monkeypatch.setenv("MARKBASE_GPU_ATTN_VEC", "1")
     monkeypatch.setenv("MARKBASE_GPU_ATTN_LANES", "16")
+    from engine import gpu_attention_tc as tc
+
+    monkeypatch.setenv(tc.ENV, "0")
+    monkeypatch.setenv(tc.SPLIT_ENV, "0")
     gpu_attention.set_loop_shape(None)
     want = gpu_attention.LoopShape(lanes=16, u=8, vec=True)
     assert gpu_attention.fixed_shape() == want == gpu_attention.LoopShape.parse("l16u8v")
+    # a shape from the environment keeps the tensor-core forms as their switches say
+    monkeypatch.delenv(tc.ENV)
+    monkeypatch.delenv(tc.SPLIT_ENV)
+    gpu_attention.set_loop_shape(None)
+    assert gpu_attention.fixed_shape() == gpu_attention.LoopShape.parse("l16u8vcs")
     want = gpu_attention.LoopShape(lanes=8, u=2, ppb=64, warps=4, two_pass=True)
     assert gpu_attention.LoopShape.parse("l8u2p64w4t") == want
     assert gpu_attention.LoopShape.parse("l32u8m") == gpu_attention.LoopShape(u=8, pmerge=True)
@@ -383,6 +392,28 @@ def test_tensor_core_split_form_equals_rope_write_and_attention(case, geometry, 
     _append_case(case, "traditional" if d == 128 else "plain", dtype)
 
 
+@cuda
+@pytest.mark.parametrize("stages", ["3", "4"])
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_tensor_core_forms_with_more_stages(stages, split, dtype, monkeypatch):
+    """``MARKBASE_GPU_ATTN_TC_STAGES`` / ``_SPLIT_STAGES`` 3 and 4 (tiles in flight a
+    warp): the same results, in the cases with more tiles than warps x stages, fewer,
+    and a row with only the new slot."""
+    from engine import gpu_attention_tc
+
+    monkeypatch.setenv(gpu_attention_tc.SPLIT_STAGES_ENV if split else gpu_attention_tc.STAGES_ENV,
+                       stages)  # fmt: skip
+    if split:
+        monkeypatch.setenv(gpu_attention_tc.SPLIT_ENV, "1")
+        for case in SPLIT_CASES:
+            _append_case(case, "plain", dtype)
+    else:
+        monkeypatch.setenv(gpu_attention_tc.ENV, "1")
+        for case in TC_CASES:
+            _append_case(case, "plain", dtype)
+
+
 def test_tensor_core_form_emulated_equals_attention():
     """bench/gpu/attn_tc_emulation.py: the tensor-core kernel's statements lane by lane
     (numpy) equal RoPE + attention, one warp a (row, KV head) and the split form (tiles
@@ -425,6 +456,16 @@ def test_tensor_core_form_rules(monkeypatch):
     assert tc.geometry() == (2, 32)
     # 8b heads, 4 warps, 16 keys: 2 stages of K and V, q, new k and v: ~74 KB a block
     assert tc.shared_bytes(4, 16, 4, 128) == 4 * (4 * 16 * 136 + 6 * 128) * 2
+    # stages: 2 unless set; fewer than asked where the block's shared memory would not fit
+    monkeypatch.delenv(tc.SPLIT_STAGES_ENV, raising=False)
+    assert tc.stages(True, 8, 16, 4, 128) == 2
+    monkeypatch.setenv(tc.SPLIT_STAGES_ENV, "4")
+    assert tc.stages(True, 8, 16, 4, 128) == 3  # 8 warps x 4 stages: 290 KB
+    assert tc.shared_bytes(8, 16, 4, 128, 3) <= tc.MAX_SHARED
+    assert tc.stages(True, 4, 16, 4, 128) == 4
+    monkeypatch.setenv(tc.STAGES_ENV, "5")
+    with pytest.raises(ValueError, match="want 2, 3 or 4"):
+        tc.stages(False, 4, 16, 4, 128)
 
 
 @cuda

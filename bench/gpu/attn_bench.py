@@ -18,8 +18,9 @@ m = the last block merges the splits through shared memory), or
 ``auto`` (gpu_attention.auto_shape's choice per launch, the default; the environment
 must set no MARKBASE_GPU_ATTN_* for it), or ``tcw4k16``: the automatic shapes with the
 unsplit launches on tensor cores (engine/gpu_attention_tc.py; w warps a block, k keys
-a tile), ``tcsw8k16``: the split launches too (w: the split form's warps), never
-picked for ``--env``.
+a tile, g stages: tiles in flight a warp + 1), ``tcsw8k16``: the split launches too (w,
+g: the split form's), never picked for ``--env``. ``auto`` and the loop shapes run on
+CUDA cores only (the tensor-core forms are off for them).
 """
 
 from __future__ import annotations
@@ -124,17 +125,19 @@ def main() -> None:
             auto = name == "auto"  # auto_shape's choice per launch
             tc = gpu_attention_tc
             if name.startswith("tc"):  # tensor cores: "tcw4k16" unsplit, "tcsw8k16" split too
-                knobs = dict(re.findall(r"([wk])(\d+)", name[3:]))
+                knobs = dict(re.findall(r"([wkg])(\d+)", name[3:]))
                 split = name.startswith("tcs")
                 os.environ[tc.WARPS_ENV] = "4" if split else knobs.get("w", "4")
                 os.environ[tc.SPLIT_WARPS_ENV] = knobs.get("w", "8")
                 os.environ[tc.BK_ENV] = knobs.get("k", "16")
+                os.environ[tc.STAGES_ENV] = "2" if split else knobs.get("g", "2")
+                os.environ[tc.SPLIT_STAGES_ENV] = knobs.get("g", "2")
                 os.environ[tc.SPLIT_ENV] = "1" if split else "0"
                 gpu_attention.set_loop_shape(None)
                 os.environ[tc.ENV] = "1"
-            else:
-                os.environ.pop(tc.ENV, None)
-                os.environ.pop(tc.SPLIT_ENV, None)
+            else:  # CUDA cores only (the tensor-core forms are on by default since session 18)
+                os.environ[tc.ENV] = "0"
+                os.environ[tc.SPLIT_ENV] = "0"
                 gpu_attention.set_loop_shape(None if auto else gpu_attention.LoopShape.parse(name))
             try:
                 r = timed(m, length, args.steps)
