@@ -21,11 +21,12 @@ buffers at slot t_len - 1, and the tile holding that slot takes them from shared
 so it is for launches with enough rows to fill the GPU (engine/gpu_attention.py uses
 it where its own launch would not split, unless ``MARKBASE_GPU_ATTN_TC=0`` or a fixed
 loop shape without ``c``). The split form (``SPLIT``; off with
-``MARKBASE_GPU_ATTN_TC_SPLIT=0`` or a fixed shape without ``s``) is for few rows: one block a (row, KV head), its warps taking every
-WARPS-th tile, merged through shared memory at the end; no partials through global
-memory, no counters, no last-block merge (the one-row attention of the 8b model takes
-20.5 us a call on CUDA cores, 22% of the 4-bit step, for 2.4 MB). The first tile's
-copies are issued before the RoPE is computed. bf16/fp16, head_dim 64 or 128, at most
+``MARKBASE_GPU_ATTN_TC_SPLIT=0`` or a fixed shape without ``s``) is for few rows: one
+block a (row, KV head), its warps taking every WARPS-th tile, merged through shared
+memory at the end; no partials through global memory, no counters, no last-block
+merge (the one-row attention of the 8b model takes 20.5 us a call on CUDA cores, 22% of
+the 4-bit step, for 2.4 MB). The first tiles' copies are issued before the RoPE is
+computed. bf16/fp16, head_dim 64 or 128, at most
 8 query heads a KV head.
 Only on a CUDA GPU; ``bench/gpu/nvrtc_check.py`` compiles it without one.
 """

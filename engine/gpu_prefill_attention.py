@@ -55,11 +55,14 @@ __device__ __forceinline__ uint32_t mb_pack2(float lo, float hi, __half) {
   const __half2 r = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&r);
 }
-// 16 bytes global -> shared without a register; zeros when !valid (src-size 0)
-__device__ __forceinline__ void mb_cp16z(void* dst, const void* src, bool valid) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+// 16 bytes global -> shared without a register; zeros when !valid (src-size 0); the
+// destination as a shared-space address (mb_cp16s) or a generic pointer (mb_cp16z)
+__device__ __forceinline__ void mb_cp16s(uint32_t d, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
                "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void mb_cp16z(void* dst, const void* src, bool valid) {
+  mb_cp16s(static_cast<uint32_t>(__cvta_generic_to_shared(dst)), src, valid);
 }
 __device__ __forceinline__ void mb_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // until at most N of this thread's commit groups are still in flight (as gpu_qstream's)

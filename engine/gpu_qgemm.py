@@ -76,13 +76,18 @@ _SOURCE = r"""
   const int words = K / 8;
   const int groups = K / GS;
   const int steps = K / 128;
-  // GLU: an m-tile is 8 gate rows (MMA rows 0-7) and their 8 up rows (8-15)
-  int f[MT], row0[MT], row1[MT];
+  // the weight row of MMA row r (0-15) of the warp's m-tile i; GLU: an m-tile is 8
+  // gate rows (MMA rows 0-7) and their 8 up rows (8-15)
+  auto wrow = [&](int i, int r) {
+    const int fr = (tile0 + i) * (GLU ? 8 : 16) + (r & 7);
+    return r < 8 ? fr : (GLU ? N + fr : fr + 8);
+  };
+  // lane (g, t)'s rows: g and g + 8 of each m-tile (GLU: the gate row and its up row)
+  int row0[MT], row1[MT];
 #pragma unroll
   for (int i = 0; i < MT; ++i) {
-    f[i] = (tile0 + i) * (GLU ? 8 : 16) + g;
-    row0[i] = f[i];
-    row1[i] = GLU ? N + f[i] : f[i] + 8;
+    row0[i] = wrow(i, g);
+    row1[i] = wrow(i, g + 8);
   }
 
   float c[MT][NTW][4];
@@ -130,22 +135,16 @@ _SOURCE = r"""
   if constexpr (WS) {                                                                      \
     uint4* wsd = xs + (st) * SSZ + XU + warp * (MT * 64);                                  \
     for (int u = lane; u < MT * 64; u += 32) {                                             \
-      const int i = u >> 6, r = (u >> 2) & 15;                                             \
-      const int fr = (tile0 + i) * (GLU ? 8 : 16) + (r & 7);                               \
-      const int row = r < 8 ? fr : (GLU ? N + fr : fr + 8);                                \
+      const int row = wrow(u >> 6, (u >> 2) & 15);                                         \
       mb_cp16z(wsd + u, w + (int64_t)row * words + (u & 3) * 4 + (ks) * 16, true);         \
     }                                                                                      \
     uint32_t* ssd = reinterpret_cast<uint32_t*>(xs + (st) * SSZ + XU + WU) + warp * (MT * 32 * SW); \
     for (int u = lane; u < MT * 32; u += 32) {                                             \
-      const int i = u >> 5, r = (u >> 1) & 15;                                             \
-      const int fr = (tile0 + i) * (GLU ? 8 : 16) + (r & 7);                               \
-      const int row = r < 8 ? fr : (GLU ? N + fr : fr + 8);                                \
+      const int row = wrow(u >> 5, (u >> 1) & 15);                                         \
       mb_cpw<SW * 4>(ssd + u * SW, ((u & 1) ? biases : scales) + (int64_t)row * groups + (ks) * (128 / GS)); \
     }                                                                                      \
   }
 
-  // a step's weight words of rows row0/row1 of each m-tile (32 inputs: one quantization
-  // group's part) and their groups' scale and bias, as pairs
   // the rows' words and scale/bias pointers, once (registers are not what limits the
   // blocks an SM: 2 of 4 warps at 169-255 registers)
   const uint32_t* wp0[MT];
@@ -163,24 +162,18 @@ _SOURCE = r"""
     bp0[i] = biases + (int64_t)row0[i] * groups;
     bp1[i] = biases + (int64_t)row1[i] * groups;
   }
+  // a step's weight words of rows row0/row1 of each m-tile (32 inputs: one quantization
+  // group's part) and their groups' scale and bias, as pairs
   auto wload = [&](int ks, MbQw* dst) {
     const int gi = (ks * 128 + t * 32) / GS;
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
       dst[i].q0 = mb_ldg(wp0[i] + ks * 16);
       dst[i].q1 = mb_ldg(wp1[i] + ks * 16);
-      const T sv0 = sp0[i][gi];
-      const T sv1 = sp1[i][gi];
-      const T bv0 = bp0[i][gi];
-      const T bv1 = bp1[i][gi];
-      const uint32_t hs0 = *reinterpret_cast<const uint16_t*>(&sv0);
-      const uint32_t hs1 = *reinterpret_cast<const uint16_t*>(&sv1);
-      const uint32_t hb0 = *reinterpret_cast<const uint16_t*>(&bv0);
-      const uint32_t hb1 = *reinterpret_cast<const uint16_t*>(&bv1);
-      dst[i].sc0 = hs0 | (hs0 << 16);
-      dst[i].sc1 = hs1 | (hs1 << 16);
-      dst[i].bi0 = hb0 | (hb0 << 16);
-      dst[i].bi1 = hb1 | (hb1 << 16);
+      dst[i].sc0 = mb_pair(sp0[i][gi]);
+      dst[i].sc1 = mb_pair(sp1[i][gi]);
+      dst[i].bi0 = mb_pair(bp0[i][gi]);
+      dst[i].bi1 = mb_pair(bp1[i][gi]);
     }
   };
 
@@ -245,60 +238,56 @@ _SOURCE = r"""
       for (int i = 0; i < MT; ++i) {
         cur[i].q0 = wsr[i * 64 + g * 4 + t];
         cur[i].q1 = wsr[i * 64 + 32 + g * 4 + t];
-        const uint32_t hs0 = ssr[(i * 32 + g * 2) * SW * 2 + gl];
-        const uint32_t hb0 = ssr[(i * 32 + g * 2 + 1) * SW * 2 + gl];
-        const uint32_t hs1 = ssr[(i * 32 + (g + 8) * 2) * SW * 2 + gl];
-        const uint32_t hb1 = ssr[(i * 32 + (g + 8) * 2 + 1) * SW * 2 + gl];
-        cur[i].sc0 = hs0 | (hs0 << 16);
-        cur[i].sc1 = hs1 | (hs1 << 16);
-        cur[i].bi0 = hb0 | (hb0 << 16);
-        cur[i].bi1 = hb1 | (hb1 << 16);
+        cur[i].sc0 = mb_pair(ssr[(i * 32 + g * 2) * SW * 2 + gl]);
+        cur[i].bi0 = mb_pair(ssr[(i * 32 + g * 2 + 1) * SW * 2 + gl]);
+        cur[i].sc1 = mb_pair(ssr[(i * 32 + (g + 8) * 2) * SW * 2 + gl]);
+        cur[i].bi1 = mb_pair(ssr[(i * 32 + (g + 8) * 2 + 1) * SW * 2 + gl]);
       }
       compute(st, cur);
       __syncthreads();  // buffer st is free for step ks + ST
     }
   } else {
-  // ST buffers of x: step ks + ST - 1's copy is issued while step ks is computed, and
-  // each warp's weight words (registers) are loaded as many steps ahead
-  MbQw cur[MT], nxt[MT], nn[MT];
-  MB_STAGE(0, 0)
-  mb_commit();
-  wload(0, cur);
-#pragma unroll
-  for (int i = 0; i < MT; ++i) {
-    nxt[i] = cur[i];
-    nn[i] = cur[i];
-  }
-  if constexpr (ST == 3) {
-    if (steps > 1) {
-      MB_STAGE(1, 1)
-      wload(1, nxt);
-    }
+    // ST buffers of x: step ks + ST - 1's copy is issued while step ks is computed, and
+    // each warp's weight words (registers) are loaded as many steps ahead
+    MbQw cur[MT], nxt[MT], nn[MT];
+    MB_STAGE(0, 0)
     mb_commit();
-  }
-  for (int ks = 0; ks < steps; ++ks) {
-    const int st = ks % ST;
-    if (ks + ST - 1 < steps) {
-      MB_STAGE(ks + ST - 1, (ks + ST - 1) % ST)
-      if constexpr (ST == 3) {
-        wload(ks + 2, nn);
-      } else {
-        wload(ks + 1, nxt);
-      }
-    }
-    mb_commit();
-    mb_wait<ST - 1>();  // this thread's copies of step ks are in (later ones may not be)
-    __syncthreads();  // and everyone's
-    compute(st, cur);
-    __syncthreads();  // buffer st is free for step ks + ST
+    wload(0, cur);
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
-      cur[i] = nxt[i];
-      if constexpr (ST == 3) {
-        nxt[i] = nn[i];
+      nxt[i] = cur[i];
+      nn[i] = cur[i];
+    }
+    if constexpr (ST == 3) {
+      if (steps > 1) {
+        MB_STAGE(1, 1)
+        wload(1, nxt);
+      }
+      mb_commit();
+    }
+    for (int ks = 0; ks < steps; ++ks) {
+      const int st = ks % ST;
+      if (ks + ST - 1 < steps) {
+        MB_STAGE(ks + ST - 1, (ks + ST - 1) % ST)
+        if constexpr (ST == 3) {
+          wload(ks + 2, nn);
+        } else {
+          wload(ks + 1, nxt);
+        }
+      }
+      mb_commit();
+      mb_wait<ST - 1>();  // this thread's copies of step ks are in (later ones may not be)
+      __syncthreads();  // and everyone's
+      compute(st, cur);
+      __syncthreads();  // buffer st is free for step ks + ST
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        cur[i] = nxt[i];
+        if constexpr (ST == 3) {
+          nxt[i] = nn[i];
+        }
       }
     }
-  }
   }
 #undef MB_STAGE
 #undef MB_STAGE_W
@@ -315,7 +304,7 @@ _SOURCE = r"""
         if (m < M) {
           if constexpr (GLU) {
             const float gs = c[i][j][e], us = c[i][j][2 + e];
-            y[(int64_t)m * N + f[i]] = static_cast<T>(gs / (1.f + __expf(-gs)) * us);
+            y[(int64_t)m * N + row0[i]] = static_cast<T>(gs / (1.f + __expf(-gs)) * us);
           } else {
             float v0 = c[i][j][e], v1 = c[i][j][2 + e];
             if constexpr (RES) {
@@ -338,10 +327,13 @@ struct MbQw {
   uint4 q0, q1;
   uint32_t sc0, sc1, bi0, bi1;
 };
-// 16 bytes global -> shared at a shared-space address; zeros when !valid
-__device__ __forceinline__ void mb_cp16s(uint32_t d, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
-               "r"(valid ? 16 : 0) : "memory");
+// a 16-bit scale or bias as the pair (h, h) that mb_deq2 takes
+__device__ __forceinline__ uint32_t mb_pair(uint16_t h) {
+  return static_cast<uint32_t>(h) * 0x10001u;
+}
+template <typename TT>
+__device__ __forceinline__ uint32_t mb_pair(TT v) {
+  return mb_pair(*reinterpret_cast<const uint16_t*>(&v));
 }
 // N (4 or 8) bytes global -> shared without a register (scales and biases)
 template <int N>

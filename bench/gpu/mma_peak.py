@@ -112,7 +112,7 @@ def kernel(form: str, chains: int):
     from engine.gpu_mma import _HEADER
 
     # FORM 1 makes 2 dequantized pairs an iteration for CH MMAs: 16 pairs per 32 MMAs
-    # needs CH = 4 (the default chain count); other counts change the ratio (printed)
+    # needs CH = 4; with 8 chains the deq rows have one pair for every four MMAs
     spec = KernelSpec("mb_mma_peak", [("n_iters", "int32", 1)], [("y", "float32")], _SOURCE,
                       _HEADER)  # fmt: skip
     baked = Baked(lambda: {"k": spec}, ensure_row_contiguous=True)
