@@ -59,7 +59,8 @@ _SOURCE = r"""
   constexpr int DT = HD / 8;   // output n-tiles
   constexpr int CH = HD / 8;   // 16-byte chunks a row
   constexpr int TILE = BK * RS;
-  constexpr int WSM = 2 * STG * TILE + (G + 2) * HD;  // a warp's elements: K, V x STG stages, q, k, v
+  // a warp's elements: K, V x STG stages, q, k, v, then the RoPE's cos/sin (HD floats)
+  constexpr int WSM = 2 * STG * TILE + (G + 4) * HD;
   extern __shared__ __align__(16) unsigned char mb_smem[];
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -78,6 +79,8 @@ _SOURCE = r"""
   T* const qsm = vs0 + STG * TILE;  // [G][HD] the query heads, RoPE'd
   T* const kn = qsm + G * HD;     // [HD] the new k, RoPE'd
   T* const vn = kn + HD;          // [HD] the new v
+  float* const rcos = reinterpret_cast<float*>(vn + HD);  // [HD/2] per frequency
+  float* const rsin = rcos + HD / 2;
   const int row0 = start[b];
   const int t_len = TPOS ? pos[b] + row0 + 1 : keys_shape[2];
   const int t_new = t_len - 1;
@@ -120,10 +123,16 @@ _SOURCE = r"""
   const T* xb = qkv + b * qkv_strides[0];
   const int nq = n_kv * G * HD;
   const float pos_f = MB_ROPE_SCALE * static_cast<float>(pos[b]);
+  // one sincos a frequency (HD/2 of them), not one an element: G + 1 heads share them
+  // (20 a lane at 8b, ~10 us of one row's fixed cost when every lane did its own)
+  for (int f = lane; f < HD / 2; f += 32) {
+    sincosf(pos_f * inv_freq[f], &rsin[f], &rcos[f]);
+  }
+  __syncwarp();
   auto rope_at = [&](const T* src, int d) -> T {
-    const float th = pos_f * inv_freq[TRAD ? d / 2 : d % (HD / 2)];
-    const float c = cosf(th);
-    const float s = sinf(th);
+    const int f = TRAD ? d / 2 : d % (HD / 2);
+    const float c = rcos[f];
+    const float s = rsin[f];
     const float x = static_cast<float>(src[d]);
     float r;
     if (TRAD) {
@@ -380,8 +389,8 @@ def supported(group: int, head_dim: int, dtype) -> bool:
 
 def shared_bytes(warps: int, bk: int, group: int, head_dim: int, n_stages: int = 2) -> int:
     """Per warp: K and V tiles in ``n_stages`` stages, the RoPE'd query heads, the new k
-    and v."""
-    return warps * (2 * n_stages * bk * (head_dim + 8) + (group + 2) * head_dim) * 2
+    and v, the RoPE's cos and sin (float, head_dim/2 each)."""
+    return warps * (2 * n_stages * bk * (head_dim + 8) + (group + 4) * head_dim) * 2
 
 
 def launch(inputs, rows: int, n_kv: int, group: int, head_dim: int, dtype, scale, rope_scale,

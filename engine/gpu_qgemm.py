@@ -177,6 +177,10 @@ _SOURCE = r"""
     }
   };
 
+  // ABL (bench/gpu/qgemm_sweep.py only; 0 in serving): parts left out, to time the rest
+  // (1 x's shared reads, 2 the dequantization, 4 the weight loads after the first, 8 x's
+  // copies, 16 the block barriers); the products are then wrong
+  const uint4 xfake = make_uint4(lane * 0x10001u, lane ^ 0x3c003c00u, lane + 0x3c00u, lane);
   // step ks's products from buffer st and the weight registers cur
   auto compute = [&](int st, const MbQw* cur) {
     const uint4* xb = xs + st * SSZ + lane;
@@ -186,6 +190,11 @@ _SOURCE = r"""
       uint32_t a[MT][8];
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
+        if constexpr (ABL & 2) {  // ablation: the words as they are, no dequantization
+          a[i][0] = cur[i].q0.x; a[i][1] = cur[i].q1.x; a[i][2] = cur[i].q0.y; a[i][3] = cur[i].q1.y;
+          a[i][4] = cur[i].q0.z; a[i][5] = cur[i].q1.z; a[i][6] = cur[i].q0.w; a[i][7] = cur[i].q1.w;
+          continue;
+        }
         const uint32_t v0 = mb_word(cur[i].q0, hp), v1 = mb_word(cur[i].q1, hp);
         const uint32_t s0 = cur[i].sc0, s1 = cur[i].sc1, b0 = cur[i].bi0, b1 = cur[i].bi1;
         a[i][0] = mb_deq2(v0, s0, b0, T{});
@@ -199,7 +208,7 @@ _SOURCE = r"""
       }
 #pragma unroll
       for (int j = 0; j < NTW; ++j) {
-        const uint4 xv = xb[(j * 4 + hp) * 32];
+        const uint4 xv = (ABL & 1) ? xfake : xb[(j * 4 + hp) * 32];  // ablation: no x reads
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
           mb_mma(c[i][j], a[i][0], a[i][1], a[i][2], a[i][3], xv.x, xv.y, T{});
@@ -268,8 +277,11 @@ _SOURCE = r"""
     for (int ks = 0; ks < steps; ++ks) {
       const int st = ks % ST;
       if (ks + ST - 1 < steps) {
-        MB_STAGE(ks + ST - 1, (ks + ST - 1) % ST)
-        if constexpr (ST == 3) {
+        if constexpr (!(ABL & 8)) {
+          MB_STAGE(ks + ST - 1, (ks + ST - 1) % ST)
+        }
+        if constexpr (ABL & 4) {
+        } else if constexpr (ST == 3) {
           wload(ks + 2, nn);
         } else {
           wload(ks + 1, nxt);
@@ -277,9 +289,13 @@ _SOURCE = r"""
       }
       mb_commit();
       mb_wait<ST - 1>();  // this thread's copies of step ks are in (later ones may not be)
-      __syncthreads();  // and everyone's
+      if constexpr (!(ABL & 16)) {
+        __syncthreads();  // and everyone's
+      }
       compute(st, cur);
-      __syncthreads();  // buffer st is free for step ks + ST
+      if constexpr (!(ABL & 16)) {
+        __syncthreads();  // buffer st is free for step ks + ST
+      }
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
         cur[i] = nxt[i];
@@ -461,6 +477,19 @@ def min_blocks() -> int:
     return int(os.environ.get(LB_ENV, "0"))
 
 
+ABL_ENV = "MARKBASE_GPU_QGEMM_ABL"
+
+
+def ablation() -> int:
+    """``MARKBASE_GPU_QGEMM_ABL`` (bench/gpu/qgemm_sweep.py only): a bit mask of the
+    kernel's parts to leave out (1 x's shared reads, 2 the dequantization, 4 the weight
+    loads after the first step, 8 x's copies, 16 the block barriers), so that timing the
+    rest says what the part costs. Why: no profiler here says what bounds the kernel
+    (session 18: not the pipeline depth, not the warps an SM, not mma.sync's rate).
+    The products are wrong with any bit set: never in serving."""
+    return int(os.environ.get(ABL_ENV, "0"))
+
+
 def wide_enough(rows: int, m_tiles: int) -> bool:
     """Whether ``geometry`` gives this product blocks of 4+ m-tiles and at least
     MIN_BLOCKS of them. With fewer m-tiles a block, each block reads all of x from L2 for
@@ -483,9 +512,12 @@ def takes(rows: int, m_tiles: int, glu: bool) -> bool:
 
 
 @cache
-def _template(dtype, gs: int, ntw: int, wm: int, st: int, mt: int, ws: bool = False) -> tuple:
+def _template(
+    dtype, gs: int, ntw: int, wm: int, st: int, mt: int, ws: bool = False, abl: int = 0
+) -> tuple:
     return (
-        ("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm), ("ST", st), ("MT", mt), ("WS", ws)
+        ("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm), ("ST", st), ("MT", mt), ("WS", ws),
+        ("ABL", abl),
     )  # fmt: skip
 
 
@@ -512,9 +544,11 @@ def _launch(
     st = stages(mt, ws)
     if min_blocks():
         kind += f"_lb{wm * 32}x{min_blocks()}"
-    fn = _kernel(
-        kind, _template(dtype, gs, bm // 8, wm, st, mt, ws), shared_bytes(bm, st, wm, mt, ws, gs)
-    )
+    abl = ablation()
+    smem = shared_bytes(bm, st, wm, mt, ws, gs)
+    if abl:  # fewer registers must not mean more blocks an SM: at most 2, as the default
+        smem = max(smem, 80 << 10)
+    fn = _kernel(kind, _template(dtype, gs, bm // 8, wm, st, mt, ws, abl), smem)
     grid = (n // 16 // (wm * mt) * -(-rows // bm) * wm * 32, 1, 1)
     shape = (rows, n // 2 if glu else n)
     return one_output_call(fn, grid, (wm * 32, 1, 1), shape, dtype)
@@ -567,12 +601,17 @@ def kernel_specs_for_check() -> list[KernelSpec]:
         (8, 4, 3, 2, True, 64, 0), (8, 4, 3, 2, True, 64, 3), (8, 4, 4, 2, True, 64, 2),
         (8, 4, 2, 2, True, 64, 4), (8, 4, 3, 2, True, 32, 3), (16, 8, 3, 1, True, 64, 0),
     ]  # fmt: skip
+    forms = [(*f, 0) for f in forms] + [
+        (8, 4, 2, 2, False, 64, 0, abl) for abl in (1, 2, 4, 8, 16, 31)
+    ]
     for base in ("q4", "q4_res", "q4_glu"):
         for dtype in ("bfloat16", "float16"):
-            for ntw, wm, st, mt, ws, gs, blocks in forms:
+            for ntw, wm, st, mt, ws, gs, blocks, abl in forms:
+                if abl and (base != "q4_glu" or dtype != "bfloat16"):
+                    continue  # the ablations: the form they time only
                 spec = _spec(base + (f"_lb{wm * 32}x{blocks}" if blocks else ""))
                 tmpl = [("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm), ("ST", st),
-                        ("MT", mt), ("WS", ws)]  # fmt: skip
-                name = f"{spec.name}_{dtype}_{ntw}_{wm}_{st}_{mt}_{'w' if ws else 'r'}{gs}"
+                        ("MT", mt), ("WS", ws), ("ABL", abl)]  # fmt: skip
+                name = f"{spec.name}_{dtype}_{ntw}_{wm}_{st}_{mt}_{'w' if ws else 'r'}{gs}_a{abl}"
                 out.append(for_dtype(spec, dtype, name, tmpl))
     return out

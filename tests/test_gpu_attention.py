@@ -454,8 +454,9 @@ def test_tensor_core_form_rules(monkeypatch):
     monkeypatch.setenv(tc.WARPS_ENV, "2")
     monkeypatch.setenv(tc.BK_ENV, "32")
     assert tc.geometry() == (2, 32)
-    # 8b heads, 4 warps, 16 keys: 2 stages of K and V, q, new k and v: ~74 KB a block
-    assert tc.shared_bytes(4, 16, 4, 128) == 4 * (4 * 16 * 136 + 6 * 128) * 2
+    # 8b heads, 4 warps, 16 keys: 2 stages of K and V, q, new k and v, the RoPE's cos and
+    # sin as floats: ~75 KB a block
+    assert tc.shared_bytes(4, 16, 4, 128) == 4 * (4 * 16 * 136 + 8 * 128) * 2
     # stages: 2 unless set; fewer than asked where the block's shared memory would not fit
     monkeypatch.delenv(tc.SPLIT_STAGES_ENV, raising=False)
     assert tc.stages(True, 8, 16, 4, 128) == 2

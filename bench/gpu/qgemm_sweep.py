@@ -68,8 +68,10 @@ def main() -> None:
         default="",
         help="instead of --stages x GEOMETRIES: the default geometry in these forms, "
         "comma-separated pipeline:stages:blocks-an-SM, pipeline r (weights in registers) "
-        "or w (in shared memory, MARKBASE_GPU_QGEMM_WS), e.g. r:2:0,w:3:0,w:3:3",
+        "or w (in shared memory, MARKBASE_GPU_QGEMM_WS), e.g. r:2:0,w:3:0,w:3:3; a 4th "
+        "field: MARKBASE_GPU_QGEMM_ABL's parts left out (timing only), e.g. r:2:0:2",
     )
+    ap.add_argument("--products", default="", help="only these (qkv,o,gate_up,down,lm_head)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=100)
@@ -82,7 +84,11 @@ def main() -> None:
     print("|---|---|---:|---|---:|---:|---:|")
     for name in [m for m in args.models.split(",") if m]:
         cfg = CONFIGS[name]
-        for pname, n, k, residual, glu in products(cfg):
+        # the output layer too, when asked (vocab rows; on qmma in the default plan)
+        head = [("lm_head", cfg["vocab_size"], cfg["hidden_size"], False, False)]
+        for pname, n, k, residual, glu in products(cfg) + head:
+            if pname not in (args.products or "qkv,o,gate_up,down").split(","):
+                continue
             weights = []
             if on_gpu:
                 for _ in range(3):
@@ -116,10 +122,11 @@ def main() -> None:
                         us = timed(fn, inputs, args.calls, args.reps)
                         forms.append((f"qgemm bm{bm} w{wm} mt{mt} st{st}", us))
                 for form in [f for f in args.forms.split(",") if f]:
-                    pipe, st, blocks = form.split(":")
+                    pipe, st, blocks, *abl = form.split(":")
                     os.environ[gpu_qgemm.WS_ENV] = "1" if pipe == "w" else "0"
                     os.environ[gpu_qgemm.STAGES_ENV] = st
                     os.environ[gpu_qgemm.LB_ENV] = blocks
+                    os.environ[gpu_qgemm.ABL_ENV] = abl[0] if abl else "0"
                     bm, wm, mt = gpu_qgemm.geometry(rows, n // 16)
                     try:
                         fn = gpu_qgemm._launch(mx.bfloat16, rows, n, GS, residual, glu, bm, wm, mt)
@@ -128,7 +135,8 @@ def main() -> None:
                         print(f"{form}: {e}")
                         us = float("nan")
                     forms.append((f"qgemm bm{bm} w{wm} mt{mt} {form}", us))
-                for env in (gpu_qgemm.STAGES_ENV, gpu_qgemm.WS_ENV, gpu_qgemm.LB_ENV):
+                envs = (gpu_qgemm.STAGES_ENV, gpu_qgemm.WS_ENV, gpu_qgemm.LB_ENV, gpu_qgemm.ABL_ENV)
+                for env in envs:
                     os.environ.pop(env, None)
                 for form, s in forms:
                     print(
