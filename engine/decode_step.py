@@ -458,7 +458,8 @@ class FusedDecodeStep:
 
         dtype = self.inner.norm.weight.dtype
         out = set()
-        for linear, residual, glu, _ in self._products:
+        # the output layer too (gpu_qgemm.takes may give it to the kernel)
+        for linear, residual, glu, _ in self._products + [(self._lm_head, False, False, True)]:
             if not isinstance(linear, GpuQuantizedLinear):
                 continue
             n, k = linear.weight.shape[0], linear.scales.shape[-1] * linear.group_size

@@ -117,6 +117,9 @@ _SOURCE = r"""
     }
     mb_commit();
   }
+  if constexpr (ABL & 1) {
+    return;  // ablation (timing only, see ablation()): the launch and the first copies
+  }
 
   // RoPE as engine/gpu_attention.py's append form: angle = scale * position * inv_freq,
   // pairs (d, d + HD/2), or (2i, 2i + 1) when TRAD; the result rounded to T
@@ -158,6 +161,9 @@ _SOURCE = r"""
     }
   }
   __syncwarp();
+  if constexpr (ABL & 2) {
+    return;  // ablation: up to the RoPE and the cache write
+  }
 
   // the query heads as A fragments of every k-step: rows g < G, rows g + 8 zero
   uint32_t qf[KS][2];
@@ -176,7 +182,7 @@ _SOURCE = r"""
     o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
   }
 
-  for (int it = 0; kt < ntiles; kt += kstep, ++it) {
+  for (int it = 0; kt < ntiles && !(ABL & 4); kt += kstep, ++it) {
     const int k0 = row0 + kt * BK;
     const int st = it % STG;
     if (kt + (STG - 1) * kstep < ntiles) {
@@ -262,6 +268,9 @@ _SOURCE = r"""
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   T* const ob = out + (static_cast<int64_t>(b) * n_kv + hkv) * G * HD;
+  if constexpr (ABL & 8) {
+    return;  // ablation: no merge, no output
+  }
   if constexpr (SPLIT) {
     // the warps' softmaxes merged through shared memory (the stages are free now); a
     // warp without tiles has m -inf and adds nothing; warp 0 always has tile 0
@@ -351,6 +360,19 @@ def split_enabled() -> bool:
     return os.environ.get(SPLIT_ENV, "1") == "1"
 
 
+ABL_ENV = "MARKBASE_GPU_ATTN_TC_ABL"
+
+
+def ablation() -> int:
+    """``MARKBASE_GPU_ATTN_TC_ABL`` (bench/gpu/attn_bench.py only): a bit mask of where
+    the kernel stops, so that timing what is left says what the rest costs (1 after the
+    first tiles' copies are issued, 2 after the RoPE and the cache write, 4 no tiles,
+    8 no merge and no output). Why: one row's call takes ~11 us at 64 positions (H100,
+    session 19) for ~0.3 MB of KV, and no profiler here says where. The attention is
+    wrong with any bit set: never in serving."""
+    return int(os.environ.get(ABL_ENV, "0"))
+
+
 MAX_SHARED = 227 << 10  # dynamic shared memory a block may have (H100/H200)
 
 
@@ -405,6 +427,7 @@ def launch(inputs, rows: int, n_kv: int, group: int, head_dim: int, dtype, scale
     stg = stages(split, warps, bk, group, head_dim)
     template = (("T", dtype), ("HD", head_dim), ("G", group), ("WARPS", warps), ("BK", bk))
     template += (("TRAD", traditional), ("TPOS", whole_buffers), ("SPLIT", split), ("STG", stg))
+    template += (("ABL", ablation()),)
     kern = _kernels(float(scale), float(rope_scale))
     fn = kern("append_tc", template, shared_bytes(warps, bk, group, head_dim, stg))
     blocks = rows * n_kv if split else -(-rows * n_kv // warps)
@@ -433,6 +456,11 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                                                    (64, 4, 4, 32, False, True, 2)):  # fmt: skip
             tmpl = [("T", dtype), ("HD", hd), ("G", g), ("WARPS", warps), ("BK", bk)]
             tmpl += [("TRAD", trad), ("TPOS", bk == 16), ("SPLIT", split), ("STG", stg)]
+            tmpl += [("ABL", 0)]
             name = f"{spec.name}_{dtype}_{hd}_{g}_{warps}_{bk}_{int(split)}_{stg}"
             out.append(for_dtype(spec, dtype, name, tmpl))
+    for abl in (1, 2, 4, 8):  # the ablations (timing only) of the one-row split form
+        tmpl = [("T", "bfloat16"), ("HD", 128), ("G", 4), ("WARPS", 8), ("BK", 16)]
+        tmpl += [("TRAD", False), ("TPOS", True), ("SPLIT", True), ("STG", 2), ("ABL", abl)]
+        out.append(for_dtype(spec, "bfloat16", f"{spec.name}_split_abl{abl}", tmpl))
     return out

@@ -311,7 +311,7 @@ class GpuQuantizedLinear(_Routes):
                     return None
                 return gpu_qstream.launcher(dtype, n, k, self.group_size, residual, glu, norm)
             form = "qmma"
-        form = self._qgemm_or_qmma(form, rows, dtype, glu)
+        form = self._qgemm_or_qmma(form, rows, dtype, glu, k, residual)
         if form == "qgemm":
             if norm:  # not a form of this kernel: the norm as its own op (_make_route)
                 return None
@@ -326,16 +326,17 @@ class GpuQuantizedLinear(_Routes):
 
         return gpu_mma.launcher("q4", dtype, rows, n, k, self.group_size, residual, glu, norm)
 
-    def _qgemm_or_qmma(self, form: str, rows: int, dtype, glu: bool) -> str:
+    def _qgemm_or_qmma(
+        self, form: str, rows: int, dtype, glu: bool, k: int = 0, residual: bool = False
+    ) -> str:
         """``form``, except ``qgemm`` where its kernel does not take this layer or the
         product (``gpu_qgemm.takes``: the SwiGLU gate/up with enough blocks): ``qmma``."""
         if form != "qgemm":
             return form
         from engine import gpu_qgemm
 
-        if gpu_qgemm.takes(rows, self.weight.shape[0] // 16, glu) and self._kernel_ok(
-            "qgemm", dtype
-        ):
+        m_tiles = self.weight.shape[0] // 16
+        if gpu_qgemm.takes(rows, m_tiles, glu, k, residual) and self._kernel_ok("qgemm", dtype):
             return form
         return "qmma"
 

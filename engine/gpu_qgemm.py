@@ -502,13 +502,25 @@ def wide_enough(rows: int, m_tiles: int) -> bool:
     return wm * mt >= 4 and m_tiles // (wm * mt) * -(-rows // bm) >= MIN_BLOCKS
 
 
-def takes(rows: int, m_tiles: int, glu: bool) -> bool:
-    """Whether the plan's ``qgemm`` runs this product here: the SwiGLU gate/up only,
-    where ``wide_enough``. Measured by CUPTI (session 17, H100, 128 rows, against
-    gpu_mma): gate/up 0.84x at 8b and 0.68-0.76x at 1b; qkv 1.32-1.74x, o_proj and
-    down_proj 1.95-4.3x; with the output layer on qgemm too, the engine's 1b B=128 step
-    was 8.5% slower than all-qmma while the 8b's was 5-7% faster."""
-    return glu and wide_enough(rows, m_tiles)
+PLAIN_ENV = "MARKBASE_GPU_QGEMM_PLAIN"
+PLAIN_MIN_K = 4096  # inputs: 32+ k-steps a block
+
+
+def takes(rows: int, m_tiles: int, glu: bool, k: int = 0, residual: bool = False) -> bool:
+    """Whether the plan's ``qgemm`` runs this product here: the SwiGLU gate/up where
+    ``wide_enough``, and with ``MARKBASE_GPU_QGEMM_PLAIN=1`` a wide product without a
+    residual of PLAIN_MIN_K+ inputs too (the output layer of the 8b model, not the
+    1b's: K 2048). Measured by CUPTI (session 17, H100, 128 rows, against gpu_mma):
+    gate/up 0.84x at 8b and 0.68-0.76x at 1b; qkv 1.32-1.74x, o_proj and down_proj
+    1.95-4.3x; with the output layer on qgemm too, the engine's 1b B=128 step was 8.5%
+    slower than all-qmma while the 8b's was 5-7% faster. Session 19: the 8b output
+    layer alone 727 us against qmma's 966."""
+    if not wide_enough(rows, m_tiles):
+        return False
+    if glu:
+        return True
+    plain = os.environ.get(PLAIN_ENV, "0") == "1"
+    return plain and not residual and k >= PLAIN_MIN_K
 
 
 @cache
@@ -577,7 +589,7 @@ def warm(dtype, products) -> None:
         shapes = {
             geometry(r, n_rows // 16)
             for r in range(1, WARM_ROWS + 1)
-            if takes(r, n_rows // 16, glu)  # the others run on gpu_mma (gpu_linear)
+            if takes(r, n_rows // 16, glu, k, residual)  # the others run on gpu_mma
         }
         for bm, wm, mt in sorted(shapes):
             rows, n = bm, 16 * wm * mt  # a small weight with the same template

@@ -87,7 +87,13 @@ def test_wide_enough_and_stages_switch(monkeypatch):
     assert not gpu_qgemm.wide_enough(128, 6144 // 16)  # 8b qkv: 96
     assert not gpu_qgemm.wide_enough(1024, 126)  # 126 m-tiles: 64-row blocks of 1 warp
     assert gpu_qgemm.takes(128, 28672 // 16, glu=True)
-    assert not gpu_qgemm.takes(128, 128256 // 16, glu=False)  # the output layer: qmma
+    monkeypatch.delenv(gpu_qgemm.PLAIN_ENV, raising=False)
+    assert not gpu_qgemm.takes(128, 128256 // 16, False, 4096)  # the output layer: qmma
+    monkeypatch.setenv(gpu_qgemm.PLAIN_ENV, "1")  # unless plain wide products are on:
+    assert gpu_qgemm.takes(128, 128256 // 16, False, 4096)  # 8b's output layer
+    assert not gpu_qgemm.takes(128, 32000 // 16, False, 2048)  # 1b's: K too short
+    assert not gpu_qgemm.takes(128, 4096 // 16, False, 14336, residual=True)  # down_proj
+    monkeypatch.delenv(gpu_qgemm.PLAIN_ENV)
     with pytest.raises(ValueError, match="do not split"):
         gpu_qgemm._launch(mx.bfloat16, 64, 16 * 6, 64, False, False, 64, 4, mt=2)
     monkeypatch.setenv(gpu_qgemm.STAGES_ENV, "2")
