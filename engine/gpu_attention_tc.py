@@ -81,6 +81,30 @@ _SOURCE = r"""
   T* const vn = kn + HD;          // [HD] the new v
   float* const rcos = reinterpret_cast<float*>(vn + HD);  // [HD/2] per frequency
   float* const rsin = rcos + HD / 2;
+  // every qkv value this lane's RoPE needs, read first: the reads then overlap each
+  // other and start/pos's. Why: written as loads inside the loop that stores into
+  // qsm, each waited for the store before it (generic pointers may alias): one L2
+  // round trip an element, ~4 us of one row's ~11 us call (session 19's ablation)
+  const T* xb = qkv + b * qkv_strides[0];
+  const int nq = n_kv * G * HD;
+  constexpr int QPL = G * HD / 32;  // query elements a lane (i = lane + 32 j)
+  constexpr int KPL = HD / 32;      // new k (and v) elements a lane (d = lane + 32 j)
+  auto partner = [](int d) { return TRAD ? d ^ 1 : (d < HD / 2 ? d + HD / 2 : d - HD / 2); };
+  T qx[QPL], qp[QPL], kx[KPL], kp[KPL], vx[KPL];
+#pragma unroll
+  for (int j = 0; j < QPL; ++j) {
+    const int i = lane + 32 * j;
+    const T* src = xb + (hkv * G + i / HD) * HD;
+    qx[j] = src[i % HD];
+    qp[j] = src[partner(i % HD)];
+  }
+#pragma unroll
+  for (int j = 0; j < KPL; ++j) {
+    const int d = lane + 32 * j;
+    kx[j] = xb[nq + hkv * HD + d];
+    kp[j] = xb[nq + hkv * HD + partner(d)];
+    vx[j] = xb[nq + n_kv * HD + hkv * HD + d];
+  }
   const int row0 = start[b];
   const int t_len = TPOS ? pos[b] + row0 + 1 : keys_shape[2];
   const int t_new = t_len - 1;
@@ -123,41 +147,36 @@ _SOURCE = r"""
 
   // RoPE as engine/gpu_attention.py's append form: angle = scale * position * inv_freq,
   // pairs (d, d + HD/2), or (2i, 2i + 1) when TRAD; the result rounded to T
-  const T* xb = qkv + b * qkv_strides[0];
-  const int nq = n_kv * G * HD;
   const float pos_f = MB_ROPE_SCALE * static_cast<float>(pos[b]);
   // one sincos a frequency (HD/2 of them), not one an element: G + 1 heads share them
-  // (20 a lane at 8b, ~10 us of one row's fixed cost when every lane did its own)
+  // (20 a lane at 8b: ~1.7 us of one row's call, session 19)
   for (int f = lane; f < HD / 2; f += 32) {
     sincosf(pos_f * inv_freq[f], &rsin[f], &rcos[f]);
   }
   __syncwarp();
-  auto rope_at = [&](const T* src, int d) -> T {
+  auto rope = [&](T xt, T pt, int d) -> T {
     const int f = TRAD ? d / 2 : d % (HD / 2);
     const float c = rcos[f];
     const float s = rsin[f];
-    const float x = static_cast<float>(src[d]);
-    float r;
-    if (TRAD) {
-      const float p = static_cast<float>(src[d ^ 1]);
-      r = (d & 1) ? p * s + x * c : x * c - p * s;
-    } else {
-      const float p = static_cast<float>(src[d < HD / 2 ? d + HD / 2 : d - HD / 2]);
-      r = d < HD / 2 ? x * c - p * s : p * s + x * c;
-    }
-    return static_cast<T>(r);
+    const float x = static_cast<float>(xt);
+    const float p = static_cast<float>(pt);
+    const bool first = TRAD ? !(d & 1) : d < HD / 2;
+    return static_cast<T>(first ? x * c - p * s : p * s + x * c);
   };
-  for (int i = lane; i < G * HD; i += 32) {
-    qsm[i] = rope_at(xb + (hkv * G + i / HD) * HD, i % HD);
+#pragma unroll
+  for (int j = 0; j < QPL; ++j) {
+    const int i = lane + 32 * j;
+    qsm[i] = rope(qx[j], qp[j], i % HD);
   }
-  for (int d = lane; d < HD; d += 32) {
-    const T kv = rope_at(xb + nq + hkv * HD, d);
-    const T vv = xb[nq + n_kv * HD + hkv * HD + d];
+#pragma unroll
+  for (int j = 0; j < KPL; ++j) {
+    const int d = lane + 32 * j;
+    const T kv = rope(kx[j], kp[j], d);
     kn[d] = kv;
-    vn[d] = vv;
+    vn[d] = vx[j];
     if (!SPLIT || warp == 0) {
       kb[t_new * kst + d] = kv;  // the cache's new slot (no lane of this kernel reads it)
-      vb[t_new * vst + d] = vv;
+      vb[t_new * vst + d] = vx[j];
     }
   }
   __syncwarp();
