@@ -17,7 +17,8 @@ a step). The same product can be written in ways that reach other kernels:
   ``qstream`` = engine/gpu_qstream.py's 1-row 4-bit kernel (loads through shared
   memory, the RMSNorm before it folded in where asked; other row counts go to ``qmma``);
   ``qgemm`` = engine/gpu_qgemm.py's 4-bit kernel for many rows (x staged in shared
-  memory; the plan's ``qgemm`` runs only the SwiGLU gate/up, the rest on ``qmma``);
+  memory; the plan's ``qgemm`` runs the SwiGLU gate/up and a wide output layer of
+  4096+ inputs, the rest on ``qmma``: gpu_qgemm.takes);
   ``qmm`` = ``mx.quantized_matmul``; ``deq`` = dequantize the weight to
   the activations' dtype, then ``xwt`` (reads the 4-bit weight, writes and reads a
   bf16 copy: about 3x the bytes of a bf16 product, but at bf16 speed); ``deqwxt``;
@@ -54,7 +55,9 @@ DEFAULT_FLOAT_PLAN = "1:xwt,2:mma,33:xwt"
 # 1 row: engine/gpu_qstream.py (session 10: 8b 4-bit B=1 279 -> 307 tok/s in one lease;
 # a layer's 4 products 75.6 -> 65.2 us); from 33 rows the SwiGLU gate/up on
 # engine/gpu_qgemm.py (session 17, H100: 0.68-0.85x qmma's kernel time by CUPTI; 8b
-# 4-bit B=128 +5-7% in one lease; the other products stay on qmma, gpu_qgemm.takes)
+# 4-bit B=128 +5-7% in one lease), and since session 19 an output layer of 4096+ inputs
+# (8b 4-bit B=128 7,629 -> 8,111-8,168 tok/s); the other products stay on qmma
+# (gpu_qgemm.takes)
 DEFAULT_QUANT_PLAN = "1:qstream,2:qmma,33:qgemm"
 
 
@@ -330,7 +333,8 @@ class GpuQuantizedLinear(_Routes):
         self, form: str, rows: int, dtype, glu: bool, k: int = 0, residual: bool = False
     ) -> str:
         """``form``, except ``qgemm`` where its kernel does not take this layer or the
-        product (``gpu_qgemm.takes``: the SwiGLU gate/up with enough blocks): ``qmma``."""
+        product (``gpu_qgemm.takes``: the SwiGLU gate/up or a long output layer, with
+        enough blocks): ``qmma``."""
         if form != "qgemm":
             return form
         from engine import gpu_qgemm

@@ -29,7 +29,8 @@ memory feed that many weight tiles: ``geometry`` picks 64-row blocks of 4 warps 
 m-tiles each, 2 stages, wherever the weight's m-tiles split so.
 
 In the default quantized plan from 33 rows (``33:qgemm``) for the SwiGLU gate/up
-where it gives enough blocks (``takes``); the other products stay on gpu_mma.
+and an output layer of 4096+ inputs where they give enough blocks (``takes``); the
+other products stay on gpu_mma.
 Measured on an H100 (bench/gpu/NOTES.md, session 17): in the engine's 8b 4-bit step at
 B=128, gate/up 203 us a call against gpu_mma's 233; o_proj/down_proj (64 blocks) 151
 against 69. (bench/gpu/qgemm_sweep.py's first form timed independent calls, which
@@ -508,18 +509,20 @@ PLAIN_MIN_K = 4096  # inputs: 32+ k-steps a block
 
 def takes(rows: int, m_tiles: int, glu: bool, k: int = 0, residual: bool = False) -> bool:
     """Whether the plan's ``qgemm`` runs this product here: the SwiGLU gate/up where
-    ``wide_enough``, and with ``MARKBASE_GPU_QGEMM_PLAIN=1`` a wide product without a
-    residual of PLAIN_MIN_K+ inputs too (the output layer of the 8b model, not the
-    1b's: K 2048). Measured by CUPTI (session 17, H100, 128 rows, against gpu_mma):
-    gate/up 0.84x at 8b and 0.68-0.76x at 1b; qkv 1.32-1.74x, o_proj and down_proj
-    1.95-4.3x; with the output layer on qgemm too, the engine's 1b B=128 step was 8.5%
-    slower than all-qmma while the 8b's was 5-7% faster. Session 19: the 8b output
-    layer alone 727 us against qmma's 966."""
+    ``wide_enough``, and a wide product without a residual of PLAIN_MIN_K+ inputs (the
+    output layer of the 8b model, not the 1b's: K 2048) unless
+    ``MARKBASE_GPU_QGEMM_PLAIN=0``. Measured by CUPTI (session 17, H100, 128 rows,
+    against gpu_mma): gate/up 0.84x at 8b and 0.68-0.76x at 1b; qkv 1.32-1.74x, o_proj
+    and down_proj 1.95-4.3x; with the output layer on qgemm too, the engine's 1b B=128
+    step was 8.5% slower than all-qmma while the 8b's was 5-7% faster. Session 19 (H100):
+    the 8b output layer alone 727 us against qmma's 973 (1b: 99 against 146, not
+    measured in the engine since); the engine's 8b 4-bit B=128 7,629 -> 8,111 and 8,168
+    tok/s, against compiled PyTorch's 8,030 in the same lease."""
     if not wide_enough(rows, m_tiles):
         return False
     if glu:
         return True
-    plain = os.environ.get(PLAIN_ENV, "0") == "1"
+    plain = os.environ.get(PLAIN_ENV, "1") == "1"
     return plain and not residual and k >= PLAIN_MIN_K
 
 

@@ -88,11 +88,11 @@ def test_wide_enough_and_stages_switch(monkeypatch):
     assert not gpu_qgemm.wide_enough(1024, 126)  # 126 m-tiles: 64-row blocks of 1 warp
     assert gpu_qgemm.takes(128, 28672 // 16, glu=True)
     monkeypatch.delenv(gpu_qgemm.PLAIN_ENV, raising=False)
-    assert not gpu_qgemm.takes(128, 128256 // 16, False, 4096)  # the output layer: qmma
-    monkeypatch.setenv(gpu_qgemm.PLAIN_ENV, "1")  # unless plain wide products are on:
     assert gpu_qgemm.takes(128, 128256 // 16, False, 4096)  # 8b's output layer
     assert not gpu_qgemm.takes(128, 32000 // 16, False, 2048)  # 1b's: K too short
     assert not gpu_qgemm.takes(128, 4096 // 16, False, 14336, residual=True)  # down_proj
+    monkeypatch.setenv(gpu_qgemm.PLAIN_ENV, "0")  # off: the output layer on qmma
+    assert not gpu_qgemm.takes(128, 128256 // 16, False, 4096)
     monkeypatch.delenv(gpu_qgemm.PLAIN_ENV)
     with pytest.raises(ValueError, match="do not split"):
         gpu_qgemm._launch(mx.bfloat16, 64, 16 * 6, 64, False, False, 64, 4, mt=2)
@@ -283,17 +283,22 @@ def test_warm_compiles_without_error():
 
 
 @needs_gpu
-def test_gpu_decode_step_with_the_kernel_matches_the_model():
+@pytest.mark.parametrize("head_on_kernel", [False, True])
+def test_gpu_decode_step_with_the_kernel_matches_the_model(head_on_kernel, monkeypatch):
     """The GPU decode step with its gate/up product of 33+ rows on this kernel (the
     SwiGLU in it; 8192 intermediate dims give it its 128 blocks at 40 rows) equals the
-    model's own call, 40 ragged rows."""
+    model's own call, 40 ragged rows; ``head_on_kernel``: the output layer too (a
+    16,384-word vocabulary: 128 blocks at 40 rows; its K lowered to this model's 256)."""
     from engine.decode_step import FusedDecodeStep
     from engine.loading import build_random_model
 
     cfg = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=8192,
                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-               vocab_size=512, tie_word_embeddings=False)  # fmt: skip
+               vocab_size=16384 if head_on_kernel else 512,
+               tie_word_embeddings=False)  # fmt: skip
     assert gpu_qgemm.takes(40, 2 * 8192 // 16, glu=True)
+    monkeypatch.setattr(gpu_qgemm, "PLAIN_MIN_K", 256 if head_on_kernel else 1 << 30)
+    assert gpu_qgemm.takes(40, cfg["vocab_size"] // 16, False, 256) == head_on_kernel
     model = build_random_model("llama", cfg, seed=9, quantize_bits=4, group_size=64).model
     model.set_dtype(mx.bfloat16)
     try:
