@@ -31,7 +31,9 @@
 #   bash bench/gpu/suite.sh attn-tc; MARKBASE_GPU_ATTN_TC=1 TABLE_CONFIGS="8b:q4 1b:q4" \
 #       TABLE_BATCHES=64,128 TABLE_TAG=tc bash bench/gpu/suite.sh engine-table  (session 17, prepared)
 #   bash bench/gpu/suite.sh qgemm-ws                                          (session 18)
-#   bash bench/gpu/suite.sh mma-peak                                          (session 18, prepared)
+#   bash bench/gpu/suite.sh mma-peak                                          (session 18; run in 19)
+#   MARKBASE_GPU_ATTN_TC_ABL=2 ATTN_ENV=0 ATTN_VARIANTS=tcsw8k16 bash bench/gpu/suite.sh attn-bench
+#                                         (session 19: where one row's attention call spends its time)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
