@@ -922,13 +922,15 @@ def _launch(
     if traditional is not None:
         from engine import gpu_attention_tc as tc
 
+        multi = n > 1 and tc.multi_enabled()
         if n == 1:
             on = shape.tc if shape else tc.enabled()
         else:
-            on = (shape.tc_split if shape else tc.split_enabled()) and n <= tc.MAX_SPLITS
+            on = (shape.tc_split if shape else tc.split_enabled()) and (n <= tc.MAX_SPLITS or multi)
         if on and tc.supported(g, d, dtype):
             return tc.launch(inputs, b, hkv, g, d, dtype, *scales, traditional,
-                             nsplit is not None, split=n > 1)  # fmt: skip
+                             nsplit is not None, split=n > 1, nblocks=n if multi else 1,
+                             counter=_counters(b * hkv, slot) if multi else None)  # fmt: skip
     shape = shape or auto_shape(n * hkv * b, d)
     warps = min(shape.warps, warps_for(g, d))
     lanes = max(shape.lanes, d // 16)  # at most 16 values a lane

@@ -67,8 +67,18 @@ _SOURCE = r"""
   const int g = lane / 4;
   const int tg = lane % 4;
   const int n_kv = keys_shape[1];
-  // (row, KV head) of this warp; SPLIT: of the block, whose warps share its tiles
+  // (row, KV head) of this warp; SPLIT: of the block, whose warps share its tiles;
+  // MB_TC_MULTI (the split form over nb blocks a (row, KV head), nb from the grid):
+  // block = unit * nb + part, part taking a contiguous share of the unit's tiles
+#if MB_TC_MULTI
+  const int nb = gridDim.x / (qkv_shape[0] * n_kv);
+  const int unit = blockIdx.x / nb;
+  const int part = blockIdx.x % nb;
+#else
+  constexpr int nb = 1;
+  constexpr int part = 0;
   const int unit = SPLIT ? blockIdx.x : blockIdx.x * WARPS + warp;
+#endif
   if (unit >= qkv_shape[0] * n_kv) {
     return;  // the whole warp (never with SPLIT: the grid is exact there)
   }
@@ -116,6 +126,8 @@ _SOURCE = r"""
   // tile kt's keys [k0, k0 + BK) into stage st, keys past the end as zeros; not the new
   // slot, which the tile takes from the warp's copy once it has landed (patched below)
   const int ntiles = (t_len - row0 + BK - 1) / BK;
+  const int tpp = (ntiles + nb - 1) / nb;        // tiles a part
+  const int kt_hi = min(ntiles, (part + 1) * tpp);  // this block's tiles: [part * tpp, kt_hi)
   auto load = [&](int kt, int st) {
     const int k0 = row0 + kt * BK;
 #pragma unroll
@@ -133,10 +145,10 @@ _SOURCE = r"""
   };
   // the warp's first STG - 1 tiles are on their way while the RoPE below is computed
   const int kstep = SPLIT ? WARPS : 1;  // SPLIT: warp w takes tiles w, w + WARPS, ...
-  int kt = SPLIT ? warp : 0;
+  int kt = SPLIT ? part * tpp + warp : 0;
 #pragma unroll
   for (int s0 = 0; s0 < STG - 1; ++s0) {
-    if (kt + s0 * kstep < ntiles) {
+    if (kt + s0 * kstep < kt_hi) {
       load(kt + s0 * kstep, s0);
     }
     mb_commit();
@@ -174,7 +186,7 @@ _SOURCE = r"""
     const T kv = rope(kx[j], kp[j], d);
     kn[d] = kv;
     vn[d] = vx[j];
-    if (!SPLIT || warp == 0) {
+    if (!SPLIT || (warp == 0 && part == 0)) {
       kb[t_new * kst + d] = kv;  // the cache's new slot (no lane of this kernel reads it)
       vb[t_new * vst + d] = vx[j];
     }
@@ -201,10 +213,10 @@ _SOURCE = r"""
     o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
   }
 
-  for (int it = 0; kt < ntiles && !(ABL & 4); kt += kstep, ++it) {
+  for (int it = 0; kt < kt_hi && !(ABL & 4); kt += kstep, ++it) {
     const int k0 = row0 + kt * BK;
     const int st = it % STG;
-    if (kt + (STG - 1) * kstep < ntiles) {
+    if (kt + (STG - 1) * kstep < kt_hi) {
       // STG - 1 tiles ahead, into the stage the last __syncwarp freed
       load(kt + (STG - 1) * kstep, (it + STG - 1) % STG);
     }
@@ -292,7 +304,8 @@ _SOURCE = r"""
   }
   if constexpr (SPLIT) {
     // the warps' softmaxes merged through shared memory (the stages are free now); a
-    // warp without tiles has m -inf and adds nothing; warp 0 always has tile 0
+    // warp without tiles has m -inf and adds nothing; warp 0 always has tile 0 (of the
+    // block's share: with MB_TC_MULTI a part may have none, then its partial is -inf)
     __syncthreads();
     float* const sm_m = reinterpret_cast<float*>(mb_smem);  // [WARPS][8]
     float* const sm_l = sm_m + WARPS * 8;                   // [WARPS][8]
@@ -327,8 +340,67 @@ _SOURCE = r"""
           A += sm_o[w * G * HD + i] * e;
         }
       }
+#if MB_TC_MULTI
+      if (nb > 1) {  // this block's partial, for the unit's last block to merge
+        const int64_t pr = static_cast<int64_t>(unit) * nb + part;
+        pacc[pr * G * HD + i] = A;
+        if (i % HD == 0) {
+          pm[pr * G + gg] = M;
+          pl[pr * G + gg] = L;
+        }
+        continue;
+      }
+#endif
       ob[i] = static_cast<T>(A / L);
     }
+#if MB_TC_MULTI
+    if (nb > 1) {
+      // the last of the unit's blocks to finish merges the parts (the counter, an
+      // input that stays zero between launches, set back to 0 by it); other blocks'
+      // partials are read through L2, made visible by their fences
+      __shared__ int mb_last;
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        int* cnt = const_cast<int*>(counter) + unit;
+        const bool last = atomicAdd(cnt, 1) == nb - 1;
+        if (last) {
+          *cnt = 0;
+        }
+        mb_last = last;
+      }
+      __syncthreads();
+      if (!mb_last) {
+        return;
+      }
+      __threadfence();
+      float* const pmm = reinterpret_cast<float*>(mb_smem);  // [nb][G] the parts' m
+      float* const pll = pmm + nb * G;                       // [nb][G] and l
+      for (int e = threadIdx.x; e < nb * G; e += WARPS * 32) {
+        pmm[e] = __ldcg(pm + static_cast<int64_t>(unit) * nb * G + e);
+        pll[e] = __ldcg(pl + static_cast<int64_t>(unit) * nb * G + e);
+      }
+      __syncthreads();
+      const float* pa = pacc + static_cast<int64_t>(unit) * nb * G * HD;
+      for (int i = threadIdx.x; i < G * HD; i += WARPS * 32) {
+        const int gg = i / HD;
+        float M = -INFINITY;
+        for (int p = 0; p < nb; ++p) {
+          M = fmaxf(M, pmm[p * G + gg]);
+        }
+        float L = 0.f;
+        float A = 0.f;
+#pragma unroll 8
+        for (int p = 0; p < nb; ++p) {  // every part's load, -inf parts weighted 0
+          const float mw = pmm[p * G + gg];
+          const float e = mw == -INFINITY ? 0.f : exp2f(mw - M);
+          L += pll[p * G + gg] * e;
+          A += __ldcg(pa + p * G * HD + i) * e;
+        }
+        ob[i] = static_cast<T>(A / L);
+      }
+    }
+#endif
   } else if (g < G) {
     const float i0 = 1.f / l0;
 #pragma unroll
@@ -349,13 +421,21 @@ def _header(scale: float, rope_scale: float) -> str:
 
 
 def _specs(scale: float, rope_scale: float) -> dict[str, KernelSpec]:
-    from engine.gpu_attention import APPEND_INPUTS
+    from engine.gpu_attention import _COUNTER, _SPLIT_OUT, APPEND_INPUTS
 
+    header = _header(scale, rope_scale)
     return {
         "append_tc": KernelSpec(
-            "mb_decode_attn_tc", APPEND_INPUTS, [("out", "T")], _SOURCE, _header(scale, rope_scale)
-        )
-    }
+            "mb_decode_attn_tc", APPEND_INPUTS, [("out", "T")], _SOURCE,
+            "#define MB_TC_MULTI 0\n" + header,
+        ),
+        # the split form over several blocks a (row, KV head): their partials and a
+        # counter per (row, KV head), merged by the last block (MULTI_ENV)
+        "append_tc_multi": KernelSpec(
+            "mb_decode_attn_tcm", [*APPEND_INPUTS, _COUNTER], _SPLIT_OUT, _SOURCE,
+            "#define MB_TC_MULTI 1\n" + header,
+        ),
+    }  # fmt: skip
 
 
 @cache
@@ -369,6 +449,19 @@ def enabled() -> bool:
     78.6 -> 55.4; the engine's 1b 4-bit B=128 25,652 -> 36,959 tok/s, 8b 6,912 ->
     7,188 (bench/gpu/NOTES.md)."""
     return os.environ.get(ENV, "1") == "1"
+
+
+MULTI_ENV = "MARKBASE_GPU_ATTN_TC_MULTI"
+
+
+def multi_enabled() -> bool:
+    """The split form over as many blocks a (row, KV head) as the CUDA-core kernel
+    would split it into (engine/gpu_attention.py's ``splits``: ~128 positions a block,
+    up to 64), merged by the last block; and then for any such split count, not only
+    up to MAX_SPLITS. ``MARKBASE_GPU_ATTN_TC_MULTI=1``; off until measured (session 19:
+    one row's split form keeps a (row, KV head)'s tiles on one SM, ~7 us for the 2.4 MB
+    of the 8b's 600 positions, 26 us at 2,000 where the CUDA-core kernel took 21)."""
+    return os.environ.get(MULTI_ENV, "0") == "1"
 
 
 def split_enabled() -> bool:
@@ -436,11 +529,14 @@ def shared_bytes(warps: int, bk: int, group: int, head_dim: int, n_stages: int =
 
 def launch(inputs, rows: int, n_kv: int, group: int, head_dim: int, dtype, scale, rope_scale,
            traditional: bool, whole_buffers: bool, split: bool = False,
-           warps: int | None = None, bk: int | None = None):  # fmt: skip
+           warps: int | None = None, bk: int | None = None, nblocks: int = 1,
+           counter=None):  # fmt: skip
     """``decode_attention_append``'s inputs (qkv, keys, values, start, pos, inv_freq) ->
     the attention [rows, Hq, 1, D]; the new k and v written into the buffers. ``split``:
     one block a (row, KV head), its warps taking every WARPS-th tile, merged in the
-    block; else one warp a (row, KV head)."""
+    block; else one warp a (row, KV head). ``nblocks`` > 1 (with ``split``): that many
+    blocks a (row, KV head), each a contiguous share of the tiles, merged by the last
+    to finish through ``counter`` (engine/gpu_attention.py's ``_counters``)."""
     dw, dbk = geometry(split)
     warps, bk = warps or dw, bk or dbk
     stg = stages(split, warps, bk, group, head_dim)
@@ -448,7 +544,20 @@ def launch(inputs, rows: int, n_kv: int, group: int, head_dim: int, dtype, scale
     template += (("TRAD", traditional), ("TPOS", whole_buffers), ("SPLIT", split), ("STG", stg))
     template += (("ABL", ablation()),)
     kern = _kernels(float(scale), float(rope_scale))
-    fn = kern("append_tc", template, shared_bytes(warps, bk, group, head_dim, stg))
+    smem = shared_bytes(warps, bk, group, head_dim, stg)
+    if split and nblocks > 1:
+        import mlx.core as mx
+
+        units = rows * n_kv * nblocks
+        return kern("append_tc_multi", template, smem)(
+            inputs=[*inputs, counter],
+            grid=(units * warps * 32, 1, 1),
+            threadgroup=(warps * 32, 1, 1),
+            output_shapes=[(rows, n_kv * group, 1, head_dim), (units * group,),
+                           (units * group,), (units * group * head_dim,)],
+            output_dtypes=[dtype, mx.float32, mx.float32, mx.float32],
+        )[0]  # fmt: skip
+    fn = kern("append_tc", template, smem)
     blocks = rows * n_kv if split else -(-rows * n_kv // warps)
     return fn(
         inputs=inputs,
@@ -461,7 +570,8 @@ def launch(inputs, rows: int, n_kv: int, group: int, head_dim: int, dtype, scale
 
 def kernel_specs_for_check() -> list[KernelSpec]:
     """The source with concrete template values (bench/gpu/nvrtc_check.py)."""
-    spec = _specs(0.125, 1.0)["append_tc"]
+    specs = _specs(0.125, 1.0)
+    spec = specs["append_tc"]
     out = []
     for dtype in ("bfloat16", "float16"):
         for hd, g, warps, bk, trad, split, stg in ((128, 4, 4, 16, False, False, 2),
@@ -478,6 +588,9 @@ def kernel_specs_for_check() -> list[KernelSpec]:
             tmpl += [("ABL", 0)]
             name = f"{spec.name}_{dtype}_{hd}_{g}_{warps}_{bk}_{int(split)}_{stg}"
             out.append(for_dtype(spec, dtype, name, tmpl))
+            if split:  # and over several blocks a (row, KV head) (MULTI_ENV)
+                multi = specs["append_tc_multi"]
+                out.append(for_dtype(multi, dtype, name.replace(spec.name, multi.name), tmpl))
     for abl in (1, 2, 4, 8):  # the ablations (timing only) of the one-row split form
         tmpl = [("T", "bfloat16"), ("HD", 128), ("G", 4), ("WARPS", 8), ("BK", 16)]
         tmpl += [("TRAD", False), ("TPOS", True), ("SPLIT", True), ("STG", 2), ("ABL", abl)]

@@ -392,6 +392,34 @@ def test_tensor_core_split_form_equals_rope_write_and_attention(case, geometry, 
     _append_case(case, "traditional" if d == 128 else "plain", dtype)
 
 
+MULTI_CASES = SPLIT_CASES + [
+    (1, 32, 8, 2600, 128, [0]),  # 21 blocks a KV head: past MAX_SPLITS
+    (2, 32, 8, 5000, 64, [0, 4000]),  # 17, one row mostly before its start
+]
+
+
+@cuda
+@pytest.mark.parametrize("case", MULTI_CASES)
+@pytest.mark.parametrize("geometry", ["8,16", "4,32"])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_tensor_core_multi_block_form_equals_rope_write_and_attention(
+    case, geometry, dtype, monkeypatch
+):
+    """The split form over several blocks a (row, KV head) (MARKBASE_GPU_ATTN_TC_MULTI=1):
+    each block a contiguous share of the tiles (some without any), merged by the last
+    block through the counters, which are zero again after (``_append_case``)."""
+    from engine import gpu_attention_tc
+
+    warps, bk = geometry.split(",")
+    monkeypatch.setenv(gpu_attention_tc.SPLIT_ENV, "1")
+    monkeypatch.setenv(gpu_attention_tc.MULTI_ENV, "1")
+    monkeypatch.setenv(gpu_attention_tc.SPLIT_WARPS_ENV, warps)
+    monkeypatch.setenv(gpu_attention_tc.BK_ENV, bk)
+    b, hq, hkv, t, d, starts = case
+    assert gpu_attention.splits(b, hkv, t + 1) > 1
+    _append_case(case, "traditional" if d == 64 else "plain", dtype)
+
+
 @cuda
 @pytest.mark.parametrize("stages", ["3", "4"])
 @pytest.mark.parametrize("split", [True, False])
@@ -417,7 +445,8 @@ def test_tensor_core_forms_with_more_stages(stages, split, dtype, monkeypatch):
 def test_tensor_core_form_emulated_equals_attention():
     """bench/gpu/attn_tc_emulation.py: the tensor-core kernel's statements lane by lane
     (numpy) equal RoPE + attention, one warp a (row, KV head) and the split form (tiles
-    from each row's start, the new slot patched in, a row with only it, the merge)."""
+    from each row's start, the new slot patched in, a row with only it, the merge),
+    also over several blocks a (row, KV head) merged as the last block does."""
     import sys
     from pathlib import Path
 
@@ -426,6 +455,9 @@ def test_tensor_core_form_emulated_equals_attention():
 
     assert check(2, 1, 4, 40, 64, [0, 30], 4, 16, True, False) < 1e-9
     assert check(2, 1, 2, 20, 64, [0, 20], 2, 16, False, True) < 1e-9
+    # several blocks a (row, KV head) (MB_TC_MULTI): 3 tiles over 4 parts, one row
+    # with only the new slot
+    assert check(2, 1, 4, 40, 64, [0, 40], 2, 16, True, False, parts=4) < 1e-9
 
 
 def test_tensor_core_form_rules(monkeypatch):
@@ -470,10 +502,12 @@ def test_tensor_core_form_rules(monkeypatch):
 
 
 @cuda
-def test_decode_step_on_tensor_cores_equals_model(monkeypatch):
+@pytest.mark.parametrize("form", ["unsplit", "multi"])
+def test_decode_step_on_tensor_cores_equals_model(form, monkeypatch):
     """The bf16 decode step with MARKBASE_GPU_ATTN_TC=1 and a loop shape that never
-    splits (every launch on tensor cores) gives the model's logits over several steps,
-    ragged rows, and the cache the kernel filled equals the model's."""
+    splits (every launch on tensor cores; ``multi``: one that splits every launch into
+    blocks of 16 positions, on the multi-block form) gives the model's logits over
+    several steps, ragged rows, and the cache the kernel filled equals the model's."""
     from conftest_loading import RAGGED_PROMPTS, prefilled_batch
 
     from engine import gpu_attention_tc
@@ -481,7 +515,11 @@ def test_decode_step_on_tensor_cores_equals_model(monkeypatch):
     from engine.loading import build_random_model
 
     monkeypatch.setenv(gpu_attention_tc.ENV, "1")
-    gpu_attention.set_loop_shape(gpu_attention.LoopShape(ppb=100_000, tc=True))
+    if form == "multi":
+        monkeypatch.setenv(gpu_attention_tc.MULTI_ENV, "1")
+        gpu_attention.set_loop_shape(gpu_attention.LoopShape(ppb=16, tc=True, tc_split=True))
+    else:
+        gpu_attention.set_loop_shape(gpu_attention.LoopShape(ppb=100_000, tc=True))
     cfg = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
                vocab_size=512, tie_word_embeddings=False)  # fmt: skip
@@ -508,16 +546,20 @@ def test_decode_step_on_tensor_cores_equals_model(monkeypatch):
 
 @cuda
 @pytest.mark.parametrize("compiled", [True, False])
-def test_warm_up_compiles_both_tensor_core_forms(compiled, monkeypatch):
+@pytest.mark.parametrize("multi", [False, True])
+def test_warm_up_compiles_both_tensor_core_forms(compiled, multi, monkeypatch):
     """With the tensor-core forms on (the default), the step's warm-up compiles the
     unsplit and the split one (a 200-token row at B=1 takes the split one: it must not
-    wait on NVRTC), besides the CUDA-core forms of every automatic shape."""
+    wait on NVRTC), besides the CUDA-core forms of every automatic shape; with
+    MARKBASE_GPU_ATTN_TC_MULTI=1 the split one is the multi-block kernel."""
     from engine import gpu_attention_tc as tc
     from engine.decode_step import make_decode_step
     from engine.loading import build_random_model
 
-    for env in (tc.ENV, tc.SPLIT_ENV):
+    for env in (tc.ENV, tc.SPLIT_ENV, tc.MULTI_ENV):
         monkeypatch.delenv(env, raising=False)
+    if multi:
+        monkeypatch.setenv(tc.MULTI_ENV, "1")
     gpu_attention.set_loop_shape(None)
     cfg = dict(hidden_size=256, num_hidden_layers=1, intermediate_size=512,
                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
@@ -533,6 +575,8 @@ def test_warm_up_compiles_both_tensor_core_forms(compiled, monkeypatch):
     step.warm_up()
     made = {dict(t)["SPLIT"] for _, t in kern._made}
     assert made == {False, True}, made
+    split_kinds = {kind for kind, t in kern._made if dict(t)["SPLIT"]}
+    assert split_kinds == {"append_tc_multi" if multi else "append_tc"}, split_kinds
     assert all(dict(t)["TPOS"] == compiled for _, t in kern._made)
 
 

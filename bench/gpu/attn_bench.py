@@ -19,8 +19,10 @@ m = the last block merges the splits through shared memory), or
 must set no MARKBASE_GPU_ATTN_* for it), or ``tcw4k16``: the automatic shapes with the
 unsplit launches on tensor cores (engine/gpu_attention_tc.py; w warps a block, k keys
 a tile, g stages: tiles in flight a warp + 1), ``tcsw8k16``: the split launches too (w,
-g: the split form's), never picked for ``--env``. ``auto`` and the loop shapes run on
-CUDA cores only (the tensor-core forms are off for them).
+g: the split form's), ``tcmw8k16``: the split form over several blocks a (row, KV head)
+(MARKBASE_GPU_ATTN_TC_MULTI; ``p256``: ~256 positions a block), never picked for
+``--env``. ``auto`` and the loop shapes run on CUDA cores only (the tensor-core forms
+are off for them).
 """
 
 from __future__ import annotations
@@ -125,19 +127,26 @@ def main() -> None:
             auto = name == "auto"  # auto_shape's choice per launch
             tc = gpu_attention_tc
             if name.startswith("tc"):  # tensor cores: "tcw4k16" unsplit, "tcsw8k16" split too
-                knobs = dict(re.findall(r"([wkg])(\d+)", name[3:]))
-                split = name.startswith("tcs")
+                knobs = dict(re.findall(r"([wkgp])(\d+)", name[3:]))
+                multi = name.startswith("tcm")  # the split form over several blocks
+                split = name.startswith("tcs") or multi
                 os.environ[tc.WARPS_ENV] = "4" if split else knobs.get("w", "4")
                 os.environ[tc.SPLIT_WARPS_ENV] = knobs.get("w", "8")
                 os.environ[tc.BK_ENV] = knobs.get("k", "16")
                 os.environ[tc.STAGES_ENV] = "2" if split else knobs.get("g", "2")
                 os.environ[tc.SPLIT_STAGES_ENV] = knobs.get("g", "2")
                 os.environ[tc.SPLIT_ENV] = "1" if split else "0"
-                gpu_attention.set_loop_shape(None)
+                os.environ[tc.MULTI_ENV] = "1" if multi else "0"
+                gpu_attention.set_loop_shape(
+                    gpu_attention.LoopShape(ppb=int(knobs["p"]), tc=True, tc_split=True)
+                    if "p" in knobs
+                    else None
+                )
                 os.environ[tc.ENV] = "1"
             else:  # CUDA cores only (the tensor-core forms are on by default since session 18)
                 os.environ[tc.ENV] = "0"
                 os.environ[tc.SPLIT_ENV] = "0"
+                os.environ[tc.MULTI_ENV] = "0"
                 gpu_attention.set_loop_shape(None if auto else gpu_attention.LoopShape.parse(name))
             try:
                 r = timed(m, length, args.steps)
@@ -157,6 +166,7 @@ def main() -> None:
     gpu_attention.set_loop_shape(None)
     os.environ.pop(gpu_attention_tc.ENV, None)
     os.environ.pop(gpu_attention_tc.SPLIT_ENV, None)
+    os.environ.pop(gpu_attention_tc.MULTI_ENV, None)
     best = pick([r for r in rows if not r["variant"].startswith("tc")])
     if args.out:
         doc = dict(stage="attn_bench", rows=rows, best=best)

@@ -61,20 +61,25 @@ def reference(qkv, keys, values, start, pos, inv_freq, trad, scale, group):
     return out
 
 
-def kernel(qkv, keys, values, start, pos, inv_freq, trad, scale, group, warps, bk, split):
+def kernel(qkv, keys, values, start, pos, inv_freq, trad, scale, group, warps, bk, split,
+           parts=1):  # fmt: skip
     """The CUDA source for every block, warp and lane. ``keys``/``values``: the cache
-    [B, Hkv, T, D] whose slot T - 1 is the new one (its contents ignored)."""
+    [B, Hkv, T, D] whose slot T - 1 is the new one (its contents ignored). ``parts``
+    (split form, MB_TC_MULTI): blocks a (row, KV head), each a contiguous share of its
+    tiles, their partials merged as the unit's last block does."""
     b_n, n_kv, t_len_all, hd = keys.shape
     g_n = group
     ks_n, dt, rs = hd // 16, hd // 8, hd + 8
     units = b_n * n_kv
-    blocks = units if split else -(-units // warps)
+    blocks = units * parts if split else -(-units // warps)
     out = np.full((b_n, n_kv * g_n, hd), np.nan)
     sl2 = scale * np.log2(np.e)
+    partials = {}  # unit -> [(part, M [G], L [G], A [G, HD])]
     for bx in range(blocks):
         states = []
         for warp in range(warps):
-            unit = bx if split else bx * warps + warp
+            unit = bx // parts if split else bx * warps + warp
+            part = bx % parts if split else 0
             if unit >= units:
                 continue
             b, hkv = divmod(unit, n_kv)
@@ -87,6 +92,8 @@ def kernel(qkv, keys, values, start, pos, inv_freq, trad, scale, group, warps, b
             kn = rope(xb[nq + hkv * hd :][:hd], pos[b], inv_freq, trad)
             vn = xb[nq + n_kv * hd + hkv * hd :][:hd]
             ntiles = (t_len - row0 + bk - 1) // bk
+            tpp = -(-ntiles // parts)
+            kt_hi = min(ntiles, (part + 1) * tpp)
             # qf[kk][lane]: rows g < G the query heads, rows g + 8 and g >= G zero
             qf = [
                 a_regs(lambda r, c, kk=kk, qsm=qsm: qsm[r, kk * 16 + c] if r < g_n else 0.0)
@@ -96,8 +103,8 @@ def kernel(qkv, keys, values, start, pos, inv_freq, trad, scale, group, warps, b
             l0 = np.zeros(32)
             o = np.zeros((dt, 32, 4))
             kstep = warps if split else 1
-            kt = warp if split else 0
-            while kt < ntiles:
+            kt = part * tpp + warp if split else 0
+            while kt < kt_hi:
                 k0 = row0 + kt * bk
                 ks = np.zeros((bk, rs))
                 vs = np.zeros((bk, rs))
@@ -144,7 +151,7 @@ def kernel(qkv, keys, values, start, pos, inv_freq, trad, scale, group, warps, b
                         mma(o[d + 1], aregs, [(x[2], x[3]) for x in r])
                 kt += kstep
             l0 = np.repeat(l0.reshape(8, 4).sum(axis=1), 4)
-            states.append((b, hkv, m0, l0, o))
+            states.append((b, hkv, m0, l0, o, unit, part))
             if not split:
                 for lane in range(32):
                     g, tg = divmod(lane, 4)
@@ -164,15 +171,33 @@ def kernel(qkv, keys, values, start, pos, inv_freq, trad, scale, group, warps, b
                     if g < g_n:
                         for d in range(dt):
                             sm_o[w, g, d * 8 + tg * 2 : d * 8 + tg * 2 + 2] = st[4][d, lane, 0:2]
+            big_m, big_l, big_a = np.full(g_n, -np.inf), np.zeros(g_n), np.zeros((g_n, hd))
             for gg in range(g_n):
                 big = sm_m[:, gg].max()
+                if big == -np.inf:  # a part without tiles: its partial is -inf, 0, 0
+                    continue
                 ok = sm_m[:, gg] != -np.inf
                 e = np.where(ok, np.exp2(np.where(ok, sm_m[:, gg], 0) - big), 0.0)
-                out[b, hkv * g_n + gg] = (sm_o[:, gg] * e[:, None]).sum(0) / (sm_l[:, gg] * e).sum()
+                big_m[gg], big_l[gg] = big, (sm_l[:, gg] * e).sum()
+                big_a[gg] = (sm_o[:, gg] * e[:, None]).sum(0)
+            if parts == 1:
+                out[b, hkv * g_n : (hkv + 1) * g_n] = big_a / big_l[:, None]
+            else:
+                partials.setdefault(states[0][5], []).append((big_m, big_l, big_a))
+    for unit, got in partials.items():  # the unit's last block: every part merged
+        b, hkv = divmod(unit, n_kv)
+        assert len(got) == parts
+        pm = np.array([x[0] for x in got])  # [parts, G]
+        m = pm.max(axis=0)
+        e = np.where(pm == -np.inf, 0.0, np.exp2(np.where(pm == -np.inf, 0, pm) - m))
+        big_l = (np.array([x[1] for x in got]) * e).sum(0)
+        big_a = (np.array([x[2] for x in got]) * e[:, :, None]).sum(0)
+        out[b, hkv * g_n : (hkv + 1) * g_n] = big_a / big_l[:, None]
     return out
 
 
-def check(b_n, n_kv, group, t_cached, hd, starts, warps, bk, split, trad, seed=0) -> float:
+def check(b_n, n_kv, group, t_cached, hd, starts, warps, bk, split, trad, parts=1,
+          seed=0) -> float:  # fmt: skip
     rng = np.random.default_rng(seed)
     qkv = rng.standard_normal((b_n, (n_kv * group + 2 * n_kv) * hd))
     keys = rng.standard_normal((b_n, n_kv, t_cached + 1, hd))
@@ -183,7 +208,8 @@ def check(b_n, n_kv, group, t_cached, hd, starts, warps, bk, split, trad, seed=0
     scale = hd**-0.5
     want = reference(qkv, keys[:, :, :t_cached], values[:, :, :t_cached], start, pos,
                      inv_freq, trad, scale, group)  # fmt: skip
-    got = kernel(qkv, keys, values, start, pos, inv_freq, trad, scale, group, warps, bk, split)
+    got = kernel(qkv, keys, values, start, pos, inv_freq, trad, scale, group, warps, bk, split,
+                 parts)  # fmt: skip
     return float(np.abs(got - want).max())
 
 
@@ -194,6 +220,11 @@ CASES = [
     (1, 2, 4, 90, 64, [0], 4, 16, True, False),
     (2, 1, 8, 50, 64, [30, 1], 8, 16, True, True),  # fewer tiles than warps
     (1, 1, 1, 33, 128, [0], 2, 32, True, False),
+    # several blocks a (row, KV head): 6 tiles over 5 parts (two parts without tiles),
+    # ragged starts, a row with only the new slot, more tiles than a part's warps
+    (2, 2, 4, 90, 64, [0, 90], 1, 16, True, False, 5),
+    (1, 2, 4, 300, 64, [7], 2, 16, True, True, 3),
+    (3, 1, 8, 70, 128, [0, 30, 65], 4, 16, True, False, 2),
 ]
 
 
