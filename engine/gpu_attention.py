@@ -375,22 +375,9 @@ _WRITE_PARTS = r"""
 # array is an input that stays zero between launches (``_counters``); the partials are
 # read through L2 (``__ldcg``: another block's writes, made visible by its fence).
 _MERGE_LAST = r"""
-  __shared__ bool mb_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* cnt = const_cast<int*>(counter) + b * n_kv + hkv;
-    const bool last = atomicAdd(cnt, 1) == nsplit - 1;
-    if (last) {
-      *cnt = 0;
-    }
-    mb_last = last;
-  }
-  __syncthreads();
-  if (!mb_last) {
+  if (!mb_last_of(const_cast<int*>(counter) + b * n_kv + hkv, nsplit)) {
     return;
   }
-  __threadfence();
   if constexpr (PM) {
     // the splits' partials WARPS at a time into the block's merge buffers, every load
     // of a round issued before any is used (one L2 latency a round, not one a split),
@@ -528,6 +515,33 @@ __device__ __forceinline__ float mb_elem(const uint32_t* w, int i, __half) {
 """
 
 
+# Whether this block is the last of the ``n`` blocks of its (row, KV head) to get here
+# (each counts itself on ``cnt``, which is zero between launches: the last sets it back
+# to 0); the same answer in every thread, and the other blocks' writes made before
+# their count are visible to the last one (the fences). Also the tensor-core kernel's
+# multi-block form (engine/gpu_attention_tc.py).
+LAST_BLOCK = r"""
+__device__ __forceinline__ bool mb_last_of(int* cnt, int n) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const bool l = atomicAdd(cnt, 1) == n - 1;
+    if (l) {
+      *cnt = 0;
+    }
+    last = l;
+  }
+  __syncthreads();
+  const bool mine = last;
+  if (mine) {
+    __threadfence();
+  }
+  return mine;
+}
+"""
+
+
 # The splits' partial softmaxes of one (row, query head) merged, for dim d: by the merge
 # kernel (two-pass) and by the last block of a split (one-pass). Read through L2
 # (``__ldcg``): in the one-pass form the partials are other blocks' writes.
@@ -557,7 +571,7 @@ __device__ __forceinline__ float mb_merge_splits(
 
 def _header(scale: float, rope_scale: float = 1.0) -> str:
     head = f"#define MB_SCALE {float(scale)!r}f\n#define MB_ROPE_SCALE {float(rope_scale)!r}f\n"
-    return head + _LOAD + _MERGE_SPLITS
+    return head + _LOAD + _MERGE_SPLITS + LAST_BLOCK
 
 
 @dataclass(frozen=True)

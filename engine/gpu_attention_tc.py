@@ -358,22 +358,9 @@ _SOURCE = r"""
       // the last of the unit's blocks to finish merges the parts (the counter, an
       // input that stays zero between launches, set back to 0 by it); other blocks'
       // partials are read through L2, made visible by their fences
-      __shared__ int mb_last;
-      __threadfence();
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        int* cnt = const_cast<int*>(counter) + unit;
-        const bool last = atomicAdd(cnt, 1) == nb - 1;
-        if (last) {
-          *cnt = 0;
-        }
-        mb_last = last;
-      }
-      __syncthreads();
-      if (!mb_last) {
+      if (!mb_last_of(const_cast<int*>(counter) + unit, nb)) {
         return;
       }
-      __threadfence();
       float* const pmm = reinterpret_cast<float*>(mb_smem);  // [nb][G] the parts' m
       float* const pll = pmm + nb * G;                       // [nb][G] and l
       for (int e = threadIdx.x; e < nb * G; e += WARPS * 32) {
@@ -413,11 +400,12 @@ _SOURCE = r"""
 
 
 def _header(scale: float, rope_scale: float) -> str:
+    from engine.gpu_attention import LAST_BLOCK
     from engine.gpu_mma import _HEADER as MMA_HEADER
     from engine.gpu_prefill_attention import _HEADER as CP_HEADER
 
     head = f"#define MB_SCALE {float(scale)!r}f\n#define MB_ROPE_SCALE {float(rope_scale)!r}f\n"
-    return head + MMA_HEADER + CP_HEADER
+    return head + MMA_HEADER + CP_HEADER + LAST_BLOCK
 
 
 def _specs(scale: float, rope_scale: float) -> dict[str, KernelSpec]:
