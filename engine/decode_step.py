@@ -451,6 +451,11 @@ class FusedDecodeStep:
                     out.add((0, k, n, residual, glu, norm))
         return out
 
+    def _products_and_head(self) -> list:
+        """``_products`` and the output layer (no residual, no SwiGLU, its RMSNorm
+        before it), for the warm-ups of the kernels that may run it."""
+        return self._products + [(self._lm_head, False, False, True)]
+
     def _qgemm_products(self) -> set:
         """(group size, K, N, residual, glu) of every product the step can send to
         engine/gpu_qgemm.py (gpu_qgemm.warm compiles their variants)."""
@@ -459,7 +464,7 @@ class FusedDecodeStep:
         dtype = self.inner.norm.weight.dtype
         out = set()
         # the output layer too (gpu_qgemm.takes may give it to the kernel)
-        for linear, residual, glu, _ in self._products + [(self._lm_head, False, False, True)]:
+        for linear, residual, glu, _ in self._products_and_head():
             if not isinstance(linear, GpuQuantizedLinear):
                 continue
             n, k = linear.weight.shape[0], linear.scales.shape[-1] * linear.group_size
@@ -477,7 +482,7 @@ class FusedDecodeStep:
 
         dtype = self.inner.norm.weight.dtype
         out = set()
-        for linear, residual, glu, normed in self._products + [(self._lm_head, False, False, True)]:
+        for linear, residual, glu, normed in self._products_and_head():
             if not isinstance(linear, GpuQuantizedLinear):
                 continue
             n, k = linear.weight.shape[0], linear.scales.shape[-1] * linear.group_size

@@ -329,9 +329,7 @@ class GpuQuantizedLinear(_Routes):
 
         return gpu_mma.launcher("q4", dtype, rows, n, k, self.group_size, residual, glu, norm)
 
-    def _qgemm_or_qmma(
-        self, form: str, rows: int, dtype, glu: bool, k: int = 0, residual: bool = False
-    ) -> str:
+    def _qgemm_or_qmma(self, form: str, rows: int, dtype, glu: bool, k: int, residual: bool) -> str:
         """``form``, except ``qgemm`` where its kernel does not take this layer or the
         product (``gpu_qgemm.takes``: the SwiGLU gate/up or a long output layer, with
         enough blocks): ``qmma``."""
