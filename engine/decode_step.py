@@ -498,7 +498,7 @@ class FusedDecodeStep:
         apply (a cache without ``reserve``/``start``, more than one token a row)."""
         import mlx.core as mx
 
-        from engine import gpu_attention
+        from engine import gpu_attention, gpu_linear, gpu_qgemm
 
         first = cache[0]
         start = getattr(first, "start", None)
@@ -518,6 +518,8 @@ class FusedDecodeStep:
         if nsplit > 1 and b not in self._counted:
             gpu_attention.ensure_counters(b * hkv, len(cache))
             self._counted.add(b)
+        if gpu_linear.uses("qgemm"):
+            gpu_qgemm.ensure_stream_k()  # its buffers are made outside the trace
         return self._whole(tokens, offset, start, buffers, nsplit)
 
     def _whole_step(self, tokens, offset, start, buffers, nsplit: int):

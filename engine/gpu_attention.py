@@ -902,17 +902,22 @@ def ensure_counters(n: int, slots: int) -> None:
 
 def _counters(n: int, slot: int):
     """A zeroed int32 array of at least ``n`` counters for the one-kernel split forms
-    (each launch leaves it zero again), one per ``slot`` and size class: launches that
-    may run at the same time (MLX's CUDA graphs run nodes without a data dependency
-    side by side) must use different slots; the decode step uses one per layer."""
+    (each launch leaves it zero again), one per ``slot``, size class and thread:
+    launches that may run at the same time must use different arrays. MLX's CUDA graphs
+    run nodes without a data dependency side by side (the decode step uses one slot per
+    layer), and each model's worker thread has its own MLX stream, so two models'
+    steps may run at once."""
+    import threading
+
     import mlx.core as mx
 
     size = max(1024, 1 << (n - 1).bit_length())
-    arr = _COUNTERS.get((slot, size))
+    key = (threading.get_ident(), slot, size)
+    arr = _COUNTERS.get(key)
     if arr is None:
         arr = mx.zeros((size,), dtype=mx.int32)
         mx.eval(arr)
-        _COUNTERS[(slot, size)] = arr
+        _COUNTERS[key] = arr
     return arr
 
 

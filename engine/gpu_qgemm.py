@@ -42,7 +42,7 @@ from __future__ import annotations
 import os
 from functools import cache
 
-from engine.cuda_kernels import Baked, KernelSpec, for_dtype, one_output_call
+from engine.cuda_kernels import SMS, Baked, KernelSpec, for_dtype, one_output_call
 
 KSTEP = 128  # inputs a step: 4 lanes of a quad x 32
 MIN_BLOCKS = 128  # about one a SM of an H100/H200 (132)
@@ -57,6 +57,7 @@ _SOURCE = r"""
   // units and its rows' scale/bias words [MT][16][2][SW]
   constexpr int SW = GS >= 128 ? 1 : 64 / GS;  // 32-bit words of a row's scales a step (WS)
   static_assert(!WS || GS <= 64, "weights in shared memory need groups of 32 or 64");
+  static_assert(!(SK && ABL), "the ablations time the one-tile-a-block form only");
   constexpr int WU = WS ? WM * MT * 64 : 0;
   constexpr int SU = WS ? (WM * MT * 32 * SW + 3) / 4 : 0;
   constexpr int SSZ = XU + WU + SU;
@@ -70,56 +71,38 @@ _SOURCE = r"""
   const int NW = w_shape[0];
   const int N = GLU ? NW / 2 : NW;  // outputs a row
   const int RC = (M + BM - 1) / BM;
-  // the row chunks of one weight tile are neighbouring blocks (the tile from HBM once)
-  const int m0 = (blockIdx.x % RC) * BM;
-  // a warp's MT m-tiles are neighbours; each x fragment read feeds all of them
-  const int tile0 = ((blockIdx.x / RC) * WM + warp) * MT;
   const int words = K / 8;
   const int groups = K / GS;
   const int steps = K / 128;
-  // the weight row of MMA row r (0-15) of the warp's m-tile i; GLU: an m-tile is 8
-  // gate rows (MMA rows 0-7) and their 8 up rows (8-15)
-  auto wrow = [&](int i, int r) {
-    const int fr = (tile0 + i) * (GLU ? 8 : 16) + (r & 7);
-    return r < 8 ? fr : (GLU ? N + fr : fr + 8);
-  };
-  // lane (g, t)'s rows: g and g + 8 of each m-tile (GLU: the gate row and its up row)
-  int row0[MT], row1[MT];
-#pragma unroll
-  for (int i = 0; i < MT; ++i) {
-    row0[i] = wrow(i, g);
-    row1[i] = wrow(i, g + 8);
+  // The work: tile tl is BM x rows ((tl % RC) * BM..) by the weight m-tiles of block
+  // column tl / RC (the row chunks of one weight tile are neighbours: the tile from HBM
+  // once), in `steps` k-steps; item it = tl * steps + ks. One tile a block, or (SK,
+  // stream-K) an even share of all the items a block, cut across tiles, so that every
+  // block of the grid (the SMs' worth, and never more blocks than items: each has one at
+  // least) has as much to do: a tile that several blocks share is summed, in block
+  // order, by the last of them to finish its part.
+  int it0, it1;
+  int64_t items = 0;
+  if constexpr (SK) {
+    items = static_cast<int64_t>((NW / 16) / (WM * MT)) * RC * steps;
+    it0 = static_cast<int>(items * blockIdx.x / gridDim.x);
+    it1 = static_cast<int>(items * (blockIdx.x + 1) / gridDim.x);
+  } else {
+    it0 = blockIdx.x * steps;
+    it1 = it0 + steps;
   }
 
-  float c[MT][NTW][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i) {
-#pragma unroll
-    for (int j = 0; j < NTW; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        c[i][j][e] = 0.f;
-      }
-    }
-  }
-
-  // step ks of x into buffer st: unit u = row rr (u / 16) and inputs q * 8.. (q = u % 16,
-  // lane t = q / 4's 32 inputs, pair hp = q % 4 of its MMA steps); rows past M are zeros
-  // a thread's XIT copies a step are rows rr0 + it * RSTEP with the same 8 inputs q8:
-  // their addresses worked out once (the per-unit index math was ~a quarter of a
-  // step's instructions in the SASS, session 18)
+  // x's copies: a thread's XIT copies a step are rows rr0 + it * RSTEP with the same 8
+  // inputs q8 (their addresses worked out once a tile: the per-unit index math was ~a
+  // quarter of a step's instructions in the SASS, session 18)
   constexpr int XIT = XU / NTH;
   constexpr int RSTEP = NTH / 16;
   static_assert(XU % NTH == 0 && NTH % 16 == 0, "x copies a thread");
   const int q8 = threadIdx.x & 15, rr0 = threadIdx.x >> 4;
-  const T* xsrc0 = x + (int64_t)(m0 + rr0) * K + q8 * 8;
   const int64_t xstep = (int64_t)RSTEP * K;
-  uint32_t xok = 0;
-#pragma unroll
-  for (int it = 0; it < XIT; ++it) {
-    xok |= (m0 + rr0 + it * RSTEP < M ? 1u : 0u) << it;
-  }
   const uint32_t xdst0 = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
+  // step ks of x into buffer st: unit u = row rr (u / 16) and inputs q * 8.. (q = u % 16,
+  // lane t = q / 4's 32 inputs, pair hp = q % 4 of its MMA steps); rows past M are zeros
 #define MB_STAGE(ks, st)                                                                   \
   _Pragma("unroll") for (int it = 0; it < XIT; ++it) {                                     \
     const int rr = rr0 + it * RSTEP;                                                       \
@@ -146,8 +129,51 @@ _SOURCE = r"""
     }                                                                                      \
   }
 
-  // the rows' words and scale/bias pointers, once (registers are not what limits the
-  // blocks an SM: 2 of 4 warps at 169-255 registers)
+  for (int wi = it0; wi < it1;) {
+  // this pass: tile tl's k-steps k0..k1 - 1 (all of them but where stream-K cuts)
+  const int tl = wi / steps;
+  const int k0 = wi - tl * steps;
+  const int k1 = min(steps, k0 + (it1 - wi));
+  const bool first_pass = wi == it0;
+  wi += k1 - k0;
+  const int m0 = (tl % RC) * BM;
+  // a warp's MT m-tiles are neighbours; each x fragment read feeds all of them
+  const int tile0 = ((tl / RC) * WM + warp) * MT;
+  // the weight row of MMA row r (0-15) of the warp's m-tile i; GLU: an m-tile is 8
+  // gate rows (MMA rows 0-7) and their 8 up rows (8-15)
+  auto wrow = [&](int i, int r) {
+    const int fr = (tile0 + i) * (GLU ? 8 : 16) + (r & 7);
+    return r < 8 ? fr : (GLU ? N + fr : fr + 8);
+  };
+  // lane (g, t)'s rows: g and g + 8 of each m-tile (GLU: the gate row and its up row)
+  int row0[MT], row1[MT];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    row0[i] = wrow(i, g);
+    row1[i] = wrow(i, g + 8);
+  }
+
+  float c[MT][NTW][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int j = 0; j < NTW; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        c[i][j][e] = 0.f;
+      }
+    }
+  }
+
+  const T* xsrc0 = x + (int64_t)(m0 + rr0) * K + q8 * 8;
+  uint32_t xok = 0;
+#pragma unroll
+  for (int it = 0; it < XIT; ++it) {
+    xok |= (m0 + rr0 + it * RSTEP < M ? 1u : 0u) << it;
+  }
+
+  // the rows' words and scale/bias pointers, once a tile (registers are not what
+  // limits the blocks an SM: 2 of 4 warps at 169-255 registers)
   const uint32_t* wp0[MT];
   const uint32_t* wp1[MT];
   const T* sp0[MT];
@@ -224,18 +250,18 @@ _SOURCE = r"""
     // and no register holds a load
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
-      if (s < steps) {
-        MB_STAGE(s, s)
-        MB_STAGE_W(s, s)
+      if (k0 + s < k1) {
+        MB_STAGE(k0 + s, s)
+        MB_STAGE_W(k0 + s, s)
       }
       mb_commit();
     }
     const int gl = t * 32 / GS;  // the lane's group within a row's SW words
-    for (int ks = 0; ks < steps; ++ks) {
-      const int st = ks % ST;
-      if (ks + ST - 1 < steps) {
-        MB_STAGE(ks + ST - 1, (ks + ST - 1) % ST)
-        MB_STAGE_W(ks + ST - 1, (ks + ST - 1) % ST)
+    for (int ks = k0; ks < k1; ++ks) {
+      const int st = (ks - k0) % ST;
+      if (ks + ST - 1 < k1) {
+        MB_STAGE(ks + ST - 1, (ks - k0 + ST - 1) % ST)
+        MB_STAGE_W(ks + ST - 1, (ks - k0 + ST - 1) % ST)
       }
       mb_commit();
       mb_wait<ST - 1>();
@@ -260,26 +286,26 @@ _SOURCE = r"""
     // ST buffers of x: step ks + ST - 1's copy is issued while step ks is computed, and
     // each warp's weight words (registers) are loaded as many steps ahead
     MbQw cur[MT], nxt[MT], nn[MT];
-    MB_STAGE(0, 0)
+    MB_STAGE(k0, 0)
     mb_commit();
-    wload(0, cur);
+    wload(k0, cur);
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
       nxt[i] = cur[i];
       nn[i] = cur[i];
     }
     if constexpr (ST == 3) {
-      if (steps > 1) {
-        MB_STAGE(1, 1)
-        wload(1, nxt);
+      if (k0 + 1 < k1) {
+        MB_STAGE(k0 + 1, 1)
+        wload(k0 + 1, nxt);
       }
       mb_commit();
     }
-    for (int ks = 0; ks < steps; ++ks) {
-      const int st = ks % ST;
-      if (ks + ST - 1 < steps) {
+    for (int ks = k0; ks < k1; ++ks) {
+      const int st = (ks - k0) % ST;
+      if (ks + ST - 1 < k1) {
         if constexpr (!(ABL & 8)) {
-          MB_STAGE(ks + ST - 1, (ks + ST - 1) % ST)
+          MB_STAGE(ks + ST - 1, (ks - k0 + ST - 1) % ST)
         }
         if constexpr (ABL & 4) {
         } else if constexpr (ST == 3) {
@@ -295,7 +321,7 @@ _SOURCE = r"""
       }
       compute(st, cur);
       if constexpr (!(ABL & 16)) {
-        __syncthreads();  // buffer st is free for step ks + ST
+        __syncthreads();  // buffer st is free for step ks + ST (or the next pass)
       }
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
@@ -306,8 +332,63 @@ _SOURCE = r"""
       }
     }
   }
-#undef MB_STAGE
-#undef MB_STAGE_W
+
+  if constexpr (SK) {
+    if (k0 != 0 || k1 != steps) {
+      // a part of a tile: this pass's sums into the block's partial (slot 0 its first
+      // pass, 1 its last), value-major so that a warp's stores are contiguous; the last
+      // of the tile's blocks (counted on cnt[tl], zero between launches) sums every
+      // block's partial in block order (the same sum whichever finishes last)
+      constexpr int V = MT * NTW * 4;
+      float* mine = const_cast<float*>(wsp) +
+          (static_cast<int64_t>(blockIdx.x) * 2 + (first_pass ? 0 : 1)) * (V * NTH) + threadIdx.x;
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            mine[((i * NTW + j) * 4 + e) * NTH] = c[i][j][e];
+          }
+        }
+      }
+      // the tile's blocks: the owners of its first and last items (the owner of item
+      // x is the last block whose share starts at or before it)
+      const int64_t P = gridDim.x;
+      const int64_t x0 = static_cast<int64_t>(tl) * steps;
+      const int b0 = static_cast<int>(((x0 + 1) * P - 1) / items);
+      const int b1 = static_cast<int>(((x0 + steps) * P - 1) / items);
+      if (!mb_last_of(const_cast<int*>(cnt) + tl, b1 - b0 + 1)) {
+        continue;
+      }
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            c[i][j][e] = 0.f;
+          }
+        }
+      }
+      for (int bb = b0; bb <= b1; ++bb) {
+        // block bb's part of this tile is its first pass if its share starts in it
+        const int64_t sb = items * bb / P;
+        const float* part = wsp + (static_cast<int64_t>(bb) * 2 + (sb / steps == tl ? 0 : 1)) * (V * NTH) +
+            threadIdx.x;
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+#pragma unroll
+          for (int j = 0; j < NTW; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              c[i][j][e] += __ldcg(part + ((i * NTW + j) * 4 + e) * NTH);
+            }
+          }
+        }
+      }
+    }
+  }
 
   // lane (g, t) holds weight rows g / g + 8 (c[i][.][0..1] / c[i][.][2..3]) of m-tile i,
   // x rows j * 8 + 2t and 2t + 1
@@ -335,6 +416,9 @@ _SOURCE = r"""
       }
     }
   }
+  }  // the passes
+#undef MB_STAGE
+#undef MB_STAGE_W
 """
 
 
@@ -365,21 +449,33 @@ __device__ __forceinline__ void mb_cpw(void* dst, const void* src) {
 def _spec(kind: str) -> KernelSpec:
     """Kinds ``q4``, ``q4_res`` (a residual ``r`` [M, N] added) and ``q4_glu`` (w =
     [gate; up], the output silu(gate) * up): the decode step's products at many rows.
-    A suffix ``_lbTxB`` declares the kernel ``__launch_bounds__(T, B)`` (at most T
-    threads a block, B blocks an SM): MLX writes the kernel's signature, so the header
-    redefines ``__global__`` to carry it. Why: with 2 m-tiles a warp ptxas takes 206
-    registers, which leaves 2 blocks of 4 warps an SM (bench/gpu/NOTES.md, session 18)."""
+    A suffix ``_sk``: the stream-K form (``stream_k``), with its tile counters ``cnt``
+    and partial sums ``wsp`` as inputs (``_stream_k_buffers``). A suffix ``_lbTxB``
+    declares the kernel ``__launch_bounds__(T, B)`` (at most T threads a block, B
+    blocks an SM): MLX writes the kernel's signature, so the header redefines
+    ``__global__`` to carry it. Why: with 2 m-tiles a warp ptxas takes 206 registers,
+    which leaves 2 blocks of 4 warps an SM (bench/gpu/NOTES.md, session 18)."""
+    from engine.gpu_attention import LAST_BLOCK
     from engine.gpu_mma import _HEADER as MMA_HEADER
     from engine.gpu_prefill_attention import _HEADER as CP_HEADER
 
     base, _, bounds = kind.partition("_lb")
+    sk = base.endswith("_sk")
+    base = base.removesuffix("_sk")
     glu, res = {"q4": (False, False), "q4_res": (False, True), "q4_glu": (True, False)}[base]
     inputs = [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)]
+    if res:
+        inputs.append(("r", "T", 2))
+    if sk:
+        inputs += [("cnt", "int32", 1), ("wsp", "float32", 1)]
     flags = f"  constexpr bool GLU = {'true' if glu else 'false'};\n"
     flags += f"  constexpr bool RES = {'true' if res else 'false'};\n"
+    flags += f"  constexpr bool SK = {'true' if sk else 'false'};\n"
     if not res:
         flags += "  const T* r = nullptr;\n"
-    header = MMA_HEADER + CP_HEADER + _QW
+    if not sk:
+        flags += "  const int* cnt = nullptr;\n  const float* wsp = nullptr;\n"
+    header = MMA_HEADER + CP_HEADER + _QW + LAST_BLOCK  # (named in the SK branch either way)
     if bounds:
         threads, blocks = (int(v) for v in bounds.split("x"))
         header += (
@@ -387,8 +483,8 @@ def _spec(kind: str) -> KernelSpec:
             f"__launch_bounds__({threads}, {blocks})\n"
         )
     return KernelSpec(
-        "mb_qgemm" + base[2:] + (f"_lb{bounds}" if bounds else ""),
-        inputs + ([("r", "T", 2)] if res else []),
+        "mb_qgemm" + base[2:] + ("_sk" if sk else "") + (f"_lb{bounds}" if bounds else ""),
+        inputs,
         [("y", "T")],
         flags + _SOURCE,
         header,
@@ -511,19 +607,100 @@ def takes(rows: int, m_tiles: int, glu: bool, k: int = 0, residual: bool = False
     """Whether the plan's ``qgemm`` runs this product here: the SwiGLU gate/up where
     ``wide_enough``, and a wide product without a residual of PLAIN_MIN_K+ inputs (the
     output layer of the 8b model, not the 1b's: K 2048) unless
-    ``MARKBASE_GPU_QGEMM_PLAIN=0``. Measured by CUPTI (session 17, H100, 128 rows,
+    ``MARKBASE_GPU_QGEMM_PLAIN=0``; with ``stream_k`` 2, every product whose m-tiles
+    split into the 2-m-tile geometry. Measured by CUPTI (session 17, H100, 128 rows,
     against gpu_mma): gate/up 0.84x at 8b and 0.68-0.76x at 1b; qkv 1.32-1.74x, o_proj
-    and down_proj 1.95-4.3x; with the output layer on qgemm too, the engine's 1b B=128
-    step was 8.5% slower than all-qmma while the 8b's was 5-7% faster. Session 19 (H100):
-    the 8b output layer alone 727 us against qmma's 973 (1b: 99 against 146, not
-    measured in the engine since); the engine's 8b 4-bit B=128 7,629 -> 8,111 and 8,168
-    tok/s, against compiled PyTorch's 8,030 in the same lease."""
+    and down_proj 1.95-4.3x (64 blocks: half the SMs idle, which stream-K is for); with
+    the output layer on qgemm too, the engine's 1b B=128 step was 8.5% slower than
+    all-qmma while the 8b's was 5-7% faster. Session 19 (H100): the 8b output layer
+    alone 727 us against qmma's 973 (1b: 99 against 146, not measured in the engine
+    since); the engine's 8b 4-bit B=128 7,629 -> 8,111 and 8,168 tok/s, against
+    compiled PyTorch's 8,030 in the same lease."""
+    if stream_k() == 2:
+        return m_tiles % (PAIR_WARPS * 2) == 0
     if not wide_enough(rows, m_tiles):
         return False
     if glu:
         return True
     plain = os.environ.get(PLAIN_ENV, "1") == "1"
     return plain and not residual and k >= PLAIN_MIN_K
+
+
+SK_ENV = "MARKBASE_GPU_QGEMM_SK"
+SK_MAX_TILES = 1 << 16  # tile counters a thread keeps (8b output layer, 1,024 rows: 16,032)
+SK_MAX_THREADS = 256  # threads an SM of the stream-K grid, at most (2 blocks of 4 warps)
+SK_MAX_VALUES = 64  # accumulators a thread (MT x NTW x 4), at most
+
+
+def stream_k() -> int:
+    """``MARKBASE_GPU_QGEMM_SK``: 0 (default) one tile a block; 1 the same products in
+    the stream-K form; 2 stream-K for every product of 33+ rows whose weight splits into
+    the 2-m-tile geometry (qkv, o_proj and down_proj too).
+
+    Why: a launch of one tile a block runs in whole waves. The 8b gate/up at 128 rows is
+    448 tiles on 264 block slots (2 an SM): 1.7 waves, so its second wave leaves 30% of
+    the GPU idle; o_proj and down_proj are 64 tiles, a quarter of the slots. Stream-K
+    (Osama et al., 2023) gives each of the grid's blocks (the SMs' worth) an equal share
+    of the tiles' k-steps, cut across tiles; a tile cut between blocks is summed by the
+    last of them from the others' partial sums (fp32, in block order: deterministic).
+    Off until measured (prepared in session 20 without a GPU)."""
+    text = os.environ.get(SK_ENV, "0")
+    if text not in ("0", "1", "2"):
+        raise ValueError(f"{SK_ENV}={text!r}: want 0, 1 or 2")
+    return int(text)
+
+
+def blocks_per_sm(wm: int, mt: int) -> int:
+    """Blocks of the form an SM holds at once: 2 of the 2-m-tile form's 4 warps (206
+    registers, session 18), otherwise about 8 warps' worth. Sizes the stream-K grid; a
+    wrong guess costs balance, not correctness."""
+    return 2 if (wm, mt) == (PAIR_WARPS, 2) else max(1, 8 // wm)
+
+
+def stream_k_grid(tiles: int, steps: int, wm: int, mt: int) -> int:
+    """Blocks of a stream-K launch: every SM's slots, or fewer where there are fewer
+    k-steps than that in all."""
+    from engine import gpu_qlayer
+
+    sms = gpu_qlayer.sm_count() or SMS
+    return max(1, min(tiles * steps, sms * blocks_per_sm(wm, mt)))
+
+
+def _partials_size() -> int:
+    from engine import gpu_qlayer
+
+    return (gpu_qlayer.sm_count() or SMS) * SK_MAX_THREADS * 2 * SK_MAX_VALUES
+
+
+def stream_k_buffers():
+    """(tile counters, partial sums) of the calling thread's stream-K launches: int32
+    zeros that every launch leaves zero again, and float32 room for two partials a
+    block. Per thread: each model's worker thread has its own MLX stream, and launches
+    on two streams may run at the same time. Made (and evaluated) at the first call:
+    under ``mx.compile`` they must exist before the trace (``ensure_stream_k``)."""
+    import threading
+
+    key = threading.get_ident()
+    bufs = _SK_BUFFERS.get(key)
+    if bufs is None:
+        import mlx.core as mx
+
+        bufs = (
+            mx.zeros((SK_MAX_TILES,), dtype=mx.int32),
+            mx.zeros((_partials_size(),), dtype=mx.float32),
+        )
+        mx.eval(bufs)
+        _SK_BUFFERS[key] = bufs
+    return bufs
+
+
+_SK_BUFFERS: dict = {}
+
+
+def ensure_stream_k() -> None:
+    """Make this thread's stream-K buffers now if the form is on (before a trace)."""
+    if stream_k():
+        stream_k_buffers()
 
 
 @cache
@@ -543,30 +720,44 @@ def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, 
     if glu and residual:
         raise ValueError("gpu_qgemm: glu and residual together are not a kernel")
     bm, wm, mt = geometry(rows, n // 16)
-    return _launch(dtype, rows, n, gs, residual, glu, bm, wm, mt)
+    return _launch(dtype, rows, n, gs, residual, glu, bm, wm, mt, sk=stream_k() > 0, k=k)
 
 
 def _launch(
-    dtype, rows: int, n: int, gs: int, residual: bool, glu: bool, bm: int, wm: int, mt: int = 1
-):
+    dtype, rows: int, n: int, gs: int, residual: bool, glu: bool, bm: int, wm: int,
+    mt: int = 1, sk: bool = False, k: int = 0,
+):  # fmt: skip
     """The launch of ``launcher`` with its geometry given (``warm`` gives each one);
     ``mt`` m-tiles a warp (2: each x fragment read from shared memory feeds two weight
-    tiles; bench/gpu/qgemm_sweep.py measures it; N must be a multiple of 16 wm mt)."""
+    tiles; bench/gpu/qgemm_sweep.py measures it; N must be a multiple of 16 wm mt);
+    ``sk``: the stream-K form (``stream_k``) for inputs of ``k``, unless the tiles pass
+    SK_MAX_TILES (its grid is sized by the k-steps)."""
+    if sk and k < KSTEP:
+        raise ValueError("gpu_qgemm: the stream-K form needs the input size k")
     if (n // 16) % (wm * mt):
         raise ValueError(f"gpu_qgemm: {n} weight rows do not split into {wm} x {mt} m-tiles")
     kind = "q4_glu" if glu else "q4_res" if residual else "q4"
     ws = weights_in_shared(gs)
     st = stages(mt, ws)
+    abl = ablation()
+    tiles = n // 16 // (wm * mt) * -(-rows // bm)
+    blocks = stream_k_grid(tiles, max(1, k // KSTEP), wm, mt)
+    partials = blocks * 2 * wm * 32 * mt * (bm // 8) * 4  # floats: two a thread's sums
+    sk = sk and not abl and tiles <= SK_MAX_TILES and partials <= _partials_size()
+    if sk:
+        kind += "_sk"
     if min_blocks():
         kind += f"_lb{wm * 32}x{min_blocks()}"
-    abl = ablation()
     smem = shared_bytes(bm, st, wm, mt, ws, gs)
     if abl:  # fewer registers must not mean more blocks an SM: at most 2, as the default
         smem = max(smem, 80 << 10)
     fn = _kernel(kind, _template(dtype, gs, bm // 8, wm, st, mt, ws, abl), smem)
-    grid = (n // 16 // (wm * mt) * -(-rows // bm) * wm * 32, 1, 1)
     shape = (rows, n // 2 if glu else n)
-    return one_output_call(fn, grid, (wm * 32, 1, 1), shape, dtype)
+    if not sk:
+        return one_output_call(fn, (tiles * wm * 32, 1, 1), (wm * 32, 1, 1), shape, dtype)
+    run = one_output_call(fn, (blocks * wm * 32, 1, 1), (wm * 32, 1, 1), shape, dtype)
+    extra = list(stream_k_buffers())
+    return lambda inputs: run([*inputs, *extra])
 
 
 def quantized_matmul(x, w, scales, biases, group_size: int, residual=None, glu: bool = False):
@@ -587,6 +778,7 @@ def warm(dtype, products) -> None:
     picks (a new one mid-serving would be an NVRTC compile, ~1 s, in a step)."""
     import mlx.core as mx
 
+    sk = stream_k() > 0
     outs = []
     for gs, k, n_rows, residual, glu in sorted(set(products)):
         shapes = {
@@ -600,14 +792,14 @@ def warm(dtype, products) -> None:
             ins = [mx.zeros((rows, k), dtype=dtype), mx.zeros((n, k // 8), dtype=mx.uint32), s, s]
             if residual:
                 ins.append(mx.zeros((rows, n), dtype=dtype))
-            outs.append(_launch(dtype, rows, n, gs, residual, glu, bm, wm, mt)(ins))
+            outs.append(_launch(dtype, rows, n, gs, residual, glu, bm, wm, mt, sk, k)(ins))
     mx.eval(outs)
 
 
 def kernel_specs_for_check() -> list[KernelSpec]:
     """The sources with concrete template values (bench/gpu/nvrtc_check.py): the
     register-pipelined forms, and those with the weights in shared memory (``ws``), with
-    and without launch bounds."""
+    and without launch bounds, one tile a block and stream-K."""
     out = []
     forms = [  # (ntw, wm, st, mt, ws, gs, blocks an SM)
         *((ntw, wm, st, mt, False, 64, 0) for ntw, wm, st, mt in (
@@ -616,15 +808,19 @@ def kernel_specs_for_check() -> list[KernelSpec]:
         (8, 4, 3, 2, True, 64, 0), (8, 4, 3, 2, True, 64, 3), (8, 4, 4, 2, True, 64, 2),
         (8, 4, 2, 2, True, 64, 4), (8, 4, 3, 2, True, 32, 3), (16, 8, 3, 1, True, 64, 0),
     ]  # fmt: skip
-    forms = [(*f, 0) for f in forms] + [
-        (8, 4, 2, 2, False, 64, 0, abl) for abl in (1, 2, 4, 8, 16, 31)
+    forms = [(*f, 0, False) for f in forms] + [
+        (8, 4, 2, 2, False, 64, 0, abl, False) for abl in (1, 2, 4, 8, 16, 31)
     ]
+    # the stream-K forms: the 2-m-tile default, one m-tile a warp, weights in shared memory
+    forms += [(8, 4, 2, 2, False, 64, 0, 0, True), (16, 8, 3, 1, False, 64, 0, 0, True),
+              (8, 2, 3, 1, False, 128, 0, 0, True), (8, 4, 3, 2, True, 64, 0, 0, True)]  # fmt: skip
     for base in ("q4", "q4_res", "q4_glu"):
         for dtype in ("bfloat16", "float16"):
-            for ntw, wm, st, mt, ws, gs, blocks, abl in forms:
+            for ntw, wm, st, mt, ws, gs, blocks, abl, sk in forms:
                 if abl and (base != "q4_glu" or dtype != "bfloat16"):
                     continue  # the ablations: the form they time only
-                spec = _spec(base + (f"_lb{wm * 32}x{blocks}" if blocks else ""))
+                kind = base + ("_sk" if sk else "") + (f"_lb{wm * 32}x{blocks}" if blocks else "")
+                spec = _spec(kind)
                 tmpl = [("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm), ("ST", st),
                         ("MT", mt), ("WS", ws), ("ABL", abl)]  # fmt: skip
                 name = f"{spec.name}_{dtype}_{ntw}_{wm}_{st}_{mt}_{'w' if ws else 'r'}{gs}_a{abl}"

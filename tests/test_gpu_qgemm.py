@@ -1,7 +1,8 @@
 """engine/gpu_qgemm.py: 4-bit products of many rows with x staged in shared memory equal
 float32 products of the dequantized weights (33-257 rows: 64- and 128-row blocks, 1-8
 warps, rows past the last block's), exactly on small integers; the residual and SwiGLU
-forms; the plan form ``qgemm``; the decode step with it equals the model.
+forms; the stream-K form (exact, deterministic, its counters left at zero); the plan
+form ``qgemm``; the decode step with it equals the model.
 
 The launch geometry and the kernel's index logic (bench/gpu/qgemm_emulation.py, lane by
 lane in numpy) are checked on any machine; the rest needs MLX's CUDA backend. On the
@@ -69,6 +70,16 @@ def test_emulated_layout_equals_the_product():
         # the weights-in-shared-memory form's copies and reads (MB_STAGE_W)
         got = run(x, pack(q), s, b, gs, (64, 2, 2) if nw % 64 == 0 else shape, ws=True)
         np.testing.assert_allclose(got, x @ wd.T, atol=1e-9)
+    # stream-K: 2 tiles of 4 k-steps over 3 blocks (cut tiles, a block with two cut
+    # passes), the blocks in two orders: the same sums to the bit, and the product
+    x = 0.1 * rng.standard_normal((40, 512))
+    q = rng.integers(0, 16, (128, 512))
+    s, b = 0.1 * rng.standard_normal((128, 8)), 0.1 * rng.standard_normal((128, 8))
+    wd = q * np.repeat(s, 64, axis=1) + np.repeat(b, 64, axis=1)
+    res = rng.standard_normal((40, 128))
+    first, second = (run(x, pack(q), s, b, 64, (64, 2, 2), res, sk_grid=3, seed=i) for i in (0, 1))
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_allclose(first, res + x @ wd.T, atol=1e-9)
 
 
 @needs_gpu
@@ -220,6 +231,113 @@ def test_weights_in_shared_memory_switch(monkeypatch):
     assert gpu_qgemm.shared_bytes(64, 3) == 3 * 16384
 
 
+def test_stream_k_switch(monkeypatch):
+    """``MARKBASE_GPU_QGEMM_SK``: 0/1/2, checked; at 2 every product whose m-tiles
+    split into the 2-m-tile geometry is the kernel's (o_proj and down_proj too); the
+    grid is the SMs' slots, never more blocks than k-steps; the form needs K."""
+    monkeypatch.delenv(gpu_qgemm.SK_ENV, raising=False)
+    assert gpu_qgemm.stream_k() == 0
+    assert not gpu_qgemm.takes(128, 4096 // 16, False, 14336, residual=True)
+    monkeypatch.setenv(gpu_qgemm.SK_ENV, "2")
+    assert gpu_qgemm.takes(128, 4096 // 16, False, 14336, residual=True)  # down_proj
+    assert gpu_qgemm.takes(40, 6144 // 16, False, 4096)  # qkv
+    assert not gpu_qgemm.takes(128, 1796, glu=True)  # 4 x 2 do not divide 1796 m-tiles
+    monkeypatch.setenv(gpu_qgemm.SK_ENV, "3")
+    with pytest.raises(ValueError, match="want 0, 1 or 2"):
+        gpu_qgemm.stream_k()
+    monkeypatch.setenv(gpu_qgemm.SK_ENV, "1")
+    assert gpu_qgemm.takes(128, 28672 // 16, glu=True)
+    assert not gpu_qgemm.takes(128, 4096 // 16, False, 14336, residual=True)
+    from engine import gpu_qlayer
+
+    slots = (gpu_qlayer.sm_count() or gpu_qgemm.SMS) * 2
+    assert gpu_qgemm.stream_k_grid(448, 32, 4, 2) == slots  # 8b gate/up at 128 rows
+    assert gpu_qgemm.stream_k_grid(2, 3, 4, 2) == 6  # a k-step a block at least
+    with pytest.raises(ValueError, match="needs the input size"):
+        gpu_qgemm._launch(mx.bfloat16, 64, 128, 64, False, False, 64, 4, mt=2, sk=True)
+
+
+@needs_gpu
+@pytest.mark.parametrize("grid", [1, 3, 0])  # 0: as the launch sizes it
+@pytest.mark.parametrize("shape", [(64, 4, 2), (128, 8, 1), (64, 2, 1)])
+def test_stream_k_exact(shape, grid, monkeypatch):
+    """The stream-K form (``sk``): exact on small integers with scales and biases that
+    differ by row and group, plain, residual and SwiGLU, 1-5 k-steps, 33-150 rows, with
+    one block doing every tile, 3 blocks cutting tiles, and the SMs' worth; called
+    twice in a row (the tile counters are left at zero for the next launch) and equal
+    to the bit each time; the thread's counters are all zero after."""
+    from qgemm_emulation import pack
+
+    if grid:
+        monkeypatch.setattr(gpu_qgemm, "stream_k_grid", lambda tiles, steps, wm, mt: grid)
+    bm, wm, mt = shape
+    rng = np.random.default_rng(13)
+    n = 16 * wm * mt * 2  # two blocks' worth of m-tiles
+    for k in (128, 640):
+        q = rng.integers(0, 16, (n, k))
+        s = 2.0 ** rng.integers(-1, 2, (n, k // 64))
+        b = rng.integers(-8, 1, (n, k // 64)).astype(np.float64)
+        wint = (q * np.repeat(s, 64, axis=1) + np.repeat(b, 64, axis=1)).astype(np.float32)
+        ins = [mx.array(pack(q)), mx.array(s).astype(mx.bfloat16), mx.array(b).astype(mx.bfloat16)]
+        for m in (33, 150):
+            x = rng.integers(-3, 4, (m, k)).astype(np.float32)
+            xb = mx.array(x).astype(mx.bfloat16)
+            r = mx.array(rng.integers(-3, 4, (m, n)).astype(np.float32)).astype(mx.bfloat16)
+            want = x @ wint.T
+
+            fns = {
+                (res, glu): gpu_qgemm._launch(mx.bfloat16, m, n, 64, res, glu, bm, wm, mt, True, k)
+                for res, glu in ((False, False), (True, False), (False, True))
+            }
+            got = _twice(fns[False, False], [xb, *ins])
+            np.testing.assert_array_equal(got, _bf16(want))
+            got = _twice(fns[True, False], [xb, *ins, r])
+            np.testing.assert_array_equal(got, _bf16(want + np.array(r.astype(mx.float32))))
+            gate, up = want[:, : n // 2], want[:, n // 2 :]
+            got = _twice(fns[False, True], [xb, *ins])
+            _close(mx.array(got), mx.array(gate / (1 + np.exp(-gate)) * up))
+    counters, _ = gpu_qgemm.stream_k_buffers()
+    assert int(mx.abs(counters).sum().item()) == 0
+
+
+@needs_gpu
+def test_stream_k_equals_one_tile_a_block_on_model_shapes(monkeypatch):
+    """8b-like gate/up (28,672 x 4,096) and down_proj (4,096 x 14,336, residual) at 128
+    and 64 rows, random weights: the stream-K form within a rounding of the one-tile
+    form, deterministic over three calls."""
+    rng = np.random.default_rng(17)
+    for n, k, residual, glu in ((28672, 4096, False, True), (4096, 14336, True, False)):
+        w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.02).astype(mx.bfloat16)
+        wq, s, b = mx.quantize(w, group_size=64, bits=4)
+        for m in (128, 64):
+            x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(mx.bfloat16)
+            ins = [x, wq, s, b]
+            if residual:
+                ins.append(mx.array(rng.standard_normal((m, n)).astype(np.float32)).astype(x.dtype))
+            bm, wm, mt = gpu_qgemm.geometry(m, n // 16)
+            one = gpu_qgemm._launch(mx.bfloat16, m, n, 64, residual, glu, bm, wm, mt)(ins)
+            sk = gpu_qgemm._launch(mx.bfloat16, m, n, 64, residual, glu, bm, wm, mt, True, k)
+            outs = []
+            for _ in range(3):
+                outs.append(sk(ins))
+                mx.eval(outs[-1])
+            for o in outs[1:]:
+                assert mx.array_equal(o, outs[0]).item()
+            _close(outs[0], one.astype(mx.float32))
+
+
+def _twice(fn, inputs) -> np.ndarray:
+    """``fn(inputs)`` twice, one evaluation at a time (the stream-K launches share the
+    thread's tile counters), equal to the bit; the first as float32 numpy."""
+    first = fn(inputs)
+    mx.eval(first)
+    second = fn(inputs)
+    mx.eval(second)
+    a, b = (np.array(o.astype(mx.float32)) for o in (first, second))
+    np.testing.assert_array_equal(a, b)
+    return a
+
+
 def _bf16(a: np.ndarray) -> np.ndarray:
     return np.array(mx.array(a).astype(mx.bfloat16).astype(mx.float32))
 
@@ -283,12 +401,15 @@ def test_warm_compiles_without_error():
 
 
 @needs_gpu
+@pytest.mark.parametrize("sk", ["0", "2"])
 @pytest.mark.parametrize("head_on_kernel", [False, True])
-def test_gpu_decode_step_with_the_kernel_matches_the_model(head_on_kernel, monkeypatch):
+def test_gpu_decode_step_with_the_kernel_matches_the_model(head_on_kernel, sk, monkeypatch):
     """The GPU decode step with its gate/up product of 33+ rows on this kernel (the
     SwiGLU in it; 8192 intermediate dims give it its 128 blocks at 40 rows) equals the
     model's own call, 40 ragged rows; ``head_on_kernel``: the output layer too (a
-    16,384-word vocabulary: 128 blocks at 40 rows; its K lowered to this model's 256)."""
+    16,384-word vocabulary: 128 blocks at 40 rows; its K lowered to this model's 256);
+    ``sk`` 2: every product in the stream-K form (qkv, o_proj, down_proj too)."""
+    monkeypatch.setenv(gpu_qgemm.SK_ENV, sk)
     from engine.decode_step import FusedDecodeStep
     from engine.loading import build_random_model
 
@@ -298,7 +419,8 @@ def test_gpu_decode_step_with_the_kernel_matches_the_model(head_on_kernel, monke
                tie_word_embeddings=False)  # fmt: skip
     assert gpu_qgemm.takes(40, 2 * 8192 // 16, glu=True)
     monkeypatch.setattr(gpu_qgemm, "PLAIN_MIN_K", 256 if head_on_kernel else 1 << 30)
-    assert gpu_qgemm.takes(40, cfg["vocab_size"] // 16, False, 256) == head_on_kernel
+    if sk == "0":
+        assert gpu_qgemm.takes(40, cfg["vocab_size"] // 16, False, 256) == head_on_kernel
     model = build_random_model("llama", cfg, seed=9, quantize_bits=4, group_size=64).model
     model.set_dtype(mx.bfloat16)
     try:

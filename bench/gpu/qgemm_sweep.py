@@ -10,6 +10,9 @@ Runs ON the GPU machine (after bench/gpu/remote_setup.sh b and bench/gpu/env.sh)
 
     python3 bench/gpu/qgemm_sweep.py --out $OUT/qgemm_sweep.json
 
+The stream-K form (``--forms r:2:0,s:2:0``, session 20): each call is its own
+``mx.eval`` (``cupti_us``), so no two calls share its tile counters at once.
+
 Each row: one product (8b/1b llama shapes: fused qkv, o_proj + residual, gate/up with
 SwiGLU, down_proj + residual) at ``rows`` rows, us a call (median of ``--reps`` runs of
 ``--calls`` calls over 3 weight copies, so L2 holds none of them), TFLOP/s, and the
@@ -67,9 +70,10 @@ def main() -> None:
         "--forms",
         default="",
         help="instead of --stages x GEOMETRIES: the default geometry in these forms, "
-        "comma-separated pipeline:stages:blocks-an-SM, pipeline r (weights in registers) "
-        "or w (in shared memory, MARKBASE_GPU_QGEMM_WS), e.g. r:2:0,w:3:0,w:3:3; a 4th "
-        "field: MARKBASE_GPU_QGEMM_ABL's parts left out (timing only), e.g. r:2:0:2",
+        "comma-separated pipeline:stages:blocks-an-SM, pipeline r (weights in registers), "
+        "w (in shared memory, MARKBASE_GPU_QGEMM_WS) or s (registers, the stream-K grid: "
+        "MARKBASE_GPU_QGEMM_SK), e.g. r:2:0,s:2:0,w:3:0,w:3:3; a 4th field: "
+        "MARKBASE_GPU_QGEMM_ABL's parts left out (timing only), e.g. r:2:0:2",
     )
     ap.add_argument("--products", default="", help="only these (qkv,o,gate_up,down,lm_head)")
     ap.add_argument("--calls", type=int, default=20)
@@ -129,7 +133,9 @@ def main() -> None:
                     os.environ[gpu_qgemm.ABL_ENV] = abl[0] if abl else "0"
                     bm, wm, mt = gpu_qgemm.geometry(rows, n // 16)
                     try:
-                        fn = gpu_qgemm._launch(mx.bfloat16, rows, n, GS, residual, glu, bm, wm, mt)
+                        fn = gpu_qgemm._launch(
+                            mx.bfloat16, rows, n, GS, residual, glu, bm, wm, mt, pipe == "s", k
+                        )
                         us = timed(fn, inputs, args.calls, args.reps)
                     except Exception as e:  # a form that does not launch (resources)
                         print(f"{form}: {e}")

@@ -34,6 +34,8 @@
 #   bash bench/gpu/suite.sh mma-peak                                          (session 18; run in 19)
 #   MARKBASE_GPU_ATTN_TC_ABL=2 ATTN_ENV=0 ATTN_VARIANTS=tcsw8k16 bash bench/gpu/suite.sh attn-bench
 #                                         (session 19: where one row's attention call spends its time)
+#   bash bench/gpu/suite.sh qgemm-sk; MARKBASE_GPU_QGEMM_SK=2 TABLE_CONFIGS="8b:q4 1b:q4" \
+#       TABLE_BATCHES=64,128 TABLE_TAG=sk bash bench/gpu/suite.sh engine-table   (session 20, prepared)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -256,6 +258,17 @@ for stage in "$@"; do
         timeout ${QW_TIMEOUT:-200} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-200} - 20 )) \
             --rows ${QW_ROWS:-128} --forms ${QW_FORMS:-r:2:0,r:2:3,w:3:0,w:4:0,w:3:3,w:2:4} \
             --out "$OUT/qgemm_ws.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_ws.log"
+        ;;
+    qgemm-sk)  # session 20 (prepared): gpu_qgemm's stream-K form (MARKBASE_GPU_QGEMM_SK): its
+        # tests (exact, deterministic, counters left at zero, the decode step), then every
+        # product of the 8b and 1b models at 64 and 128 rows, one tile a block vs stream-K
+        timeout ${QT_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=short \
+            tests/test_gpu_qgemm.py -k "stream_k or decode_step or warm" 2>&1 | tail -15 \
+            | tee "$OUT/test_qgemm_sk.log"
+        timeout ${QW_TIMEOUT:-200} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-200} - 20 )) \
+            --rows ${QW_ROWS:-128,64} --forms ${QW_FORMS:-r:2:0,s:2:0} \
+            --products ${QW_PRODUCTS:-qkv,o,gate_up,down,lm_head} \
+            --out "$OUT/qgemm_sk.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_sk.log"
         ;;
     attn-tc)  # session 17: engine/gpu_attention_tc.py's tests, then the kernel alone against
         # the CUDA-core shapes at the batch sizes it would take (unsplit launches)
