@@ -431,3 +431,30 @@ def test_gpu_decode_step_with_the_kernel_matches_the_model(head_on_kernel, sk, m
         check_step_matches_model(step, model, prompts)
     finally:
         gpu_linear.reset_plans()
+
+
+def test_counters_and_partials_are_per_thread():
+    """The attention's split counters and the stream-K buffers are one set per thread
+    (each model's worker thread has its own MLX stream, whose launches may run at the
+    same time as another's), the same set on every call of one thread, zeros when made."""
+    import threading
+
+    from engine import gpu_attention
+
+    mine = (gpu_attention._counters(100, 0), gpu_qgemm.stream_k_buffers())
+    assert gpu_attention._counters(100, 0) is mine[0]
+    assert gpu_qgemm.stream_k_buffers()[0] is mine[1][0]
+    other: list = []
+
+    def work():
+        other.append((gpu_attention._counters(100, 0), gpu_qgemm.stream_k_buffers()))
+        mx.synchronize()
+        mx.clear_streams()
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert other[0][0] is not mine[0]
+    assert all(a is not b for a, b in zip(other[0][1], mine[1]))
+    assert int(mx.abs(other[0][0]).sum().item()) == 0
+    assert int(mx.abs(other[0][1][0]).sum().item()) == 0
