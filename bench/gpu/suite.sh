@@ -36,6 +36,7 @@
 #                                         (session 19: where one row's attention call spends its time)
 #   bash bench/gpu/suite.sh qgemm-sk; MARKBASE_GPU_QGEMM_SK=2 TABLE_CONFIGS="8b:q4 1b:q4" \
 #       TABLE_BATCHES=64,128 TABLE_TAG=sk bash bench/gpu/suite.sh engine-table   (session 20, prepared)
+#   bash bench/gpu/suite.sh worker-timeline              (session 20, prepared: host vs GPU at B=128)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -258,6 +259,15 @@ for stage in "$@"; do
         timeout ${QW_TIMEOUT:-200} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-200} - 20 )) \
             --rows ${QW_ROWS:-128} --forms ${QW_FORMS:-r:2:0,r:2:3,w:3:0,w:4:0,w:3:3,w:2:4} \
             --out "$OUT/qgemm_ws.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_ws.log"
+        ;;
+    worker-timeline)  # session 20 (prepared): the served engine's step, host phases and GPU
+        # kernels on one clock (bench/gpu/worker_timeline.py): is a slow B=128 lease the host?
+        for mqb in ${TL_CONFIGS:-8b:q4:128 1b:q4:128}; do
+            m=${mqb%%:*} rest=${mqb#*:} q=${rest%%:*} b=${rest##*:}
+            timeout ${TL_TIMEOUT:-150} python3 bench/gpu/worker_timeline.py --model "$m" --quant "$q" \
+                --batch "$b" --out "$OUT/timeline-$m-$q-$b.json" 2>&1 | grep -v -i "warn\|USDT" \
+                | tee -a "$OUT/timeline.log"
+        done
         ;;
     qgemm-sk)  # session 20 (prepared): gpu_qgemm's stream-K form (MARKBASE_GPU_QGEMM_SK): its
         # tests (exact, deterministic, counters left at zero, the decode step), then every

@@ -1,0 +1,275 @@
+"""Where the served engine's decode step spends its time, host and GPU on one timeline.
+
+Why: in some leases the real worker's 8b 4-bit B=128 step ran ~2 ms above the GPU's
+busy time measured by ``profile_step.py`` (18.9 against 16.8 ms, session 19), in others
+not; that script times a bench loop, not the worker. Here the real ``ModelWorker``
+(behind ``EngineClient``, as ``bench_decode.py``'s ``worker`` variant runs it) decodes
+B rows, and the profiler is started and stopped *inside the worker thread*, so the
+host phases, marked as ``record_function`` ranges there, and CUPTI's kernels share one
+clock. Per step it reports the host phases (the step's graph build, sampling's graph,
+``mx.async_eval``'s encoding, waiting for the previous step's tokens, their
+bookkeeping, the event hand-over, the gauges), the GPU's busy time inside the step, and
+the idle stretches of the GPU with the host phase that was running then: a gap while
+the host is in ``deliver_wait`` cannot be the host's fault, one while it builds or
+encodes the next step is.
+
+Runs ON the GPU machine (after bench/gpu/remote_setup.sh b and bench/gpu/env.sh):
+
+    python3 bench/gpu/worker_timeline.py --model 8b --quant q4 --batch 128 \\
+        --out $OUT/timeline-8b-q4-128.json
+
+CPU smoke run (tiny model; no kernels, the host phases only):
+
+    .venv/bin/python bench/gpu/worker_timeline.py --model tiny --quant f32 --batch 4 --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx.core as mx  # noqa: E402
+from bench_decode import build_model, engine_config, loaded_model, randomize  # noqa: E402
+from shapes import CONFIGS  # noqa: E402
+
+PREFIX = "mb:"
+
+
+def wrap_worker(worker, record) -> dict:
+    """Mark the worker's phases as profiler ranges (``record(name)``: a context manager)
+    and count the steps in which every row decodes; returns the shared state."""
+    import engine.worker as worker_module
+
+    state = {"steps": 0}
+
+    def ranged(name, fn):
+        def inner(*args, **kwargs):
+            with record(PREFIX + name):
+                return fn(*args, **kwargs)
+
+        return inner
+
+    runner = worker.runner
+    # decode_step holds the others but flush and gauges; what it holds beyond them is
+    # mx.async_eval (MLX encoding the step into CUDA graphs and launching them)
+    worker._decode_step = ranged("decode_step", worker._decode_step)
+    runner.decode = ranged("decode_build", runner.decode)
+    worker_module.sample_batch = ranged("sample_build", worker_module.sample_batch)
+    worker._deliver = ranged("deliver", worker._deliver)
+    worker._accept_rows = ranged("accept", worker._accept_rows)
+    worker._flush_outbox = ranged("flush", worker._flush_outbox)
+    worker._update_gauges = ranged("gauges", worker._update_gauges)
+    inner_step = worker.step
+
+    def step():
+        full = len(worker.running) == state["batch"] and not (worker.prefilling or worker.waiting)
+        hook = state.get("hook")
+        if full and hook is not None:
+            hook(state["steps"])
+        if full:
+            state["steps"] += 1
+        with record(PREFIX + ("step" if full else "step_partial")):
+            inner_step()
+
+    worker.step = step
+    return state
+
+
+def analyse(events: list[dict]) -> dict:
+    """Per full step (``mb:step`` ranges): wall, each host phase (``mb:*`` ranges inside
+    it), GPU busy time (the union of kernel intervals clipped to the step), and the GPU's
+    idle stretches over 20 us with the innermost host phase at their midpoint."""
+    ranges = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(PREFIX)]
+    steps = sorted((e for e in ranges if e["name"] == PREFIX + "step"), key=lambda e: e["ts"])
+    kernels = sorted(
+        (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e
+    )
+    api = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e]
+    rows = []
+    gap_phase: dict = defaultdict(float)
+    for s in steps:
+        t0, t1 = s["ts"], s["ts"] + s["dur"]
+        inside = [e for e in ranges if e is not s and t0 <= e["ts"] and e["ts"] + e["dur"] <= t1]
+        phase_us: dict = defaultdict(float)
+        for e in inside:
+            phase_us[e["name"][len(PREFIX) :]] += e["dur"]
+        # the encoding: what the step's decode call leaves after building and sampling
+        # (mx.async_eval, the deliver of the previous step, inside _decode_step)
+        spans = [(max(a, t0), min(b, t1)) for a, b in kernels if b > t0 and a < t1]
+        busy, idle = _union(spans), []
+        cur = t0
+        for a, b in spans:
+            if a - cur > 20:
+                idle.append((cur, a))
+            cur = max(cur, b)
+        if t1 - cur > 20:
+            idle.append((cur, t1))
+        for a, b in idle:
+            mid = (a + b) / 2
+            covering = [e for e in inside if e["ts"] <= mid <= e["ts"] + e["dur"]]
+            name = (
+                min(covering, key=lambda e: e["dur"])["name"][len(PREFIX) :] if covering else "step"
+            )
+            gap_phase[name] += b - a
+        calls: dict = defaultdict(int)
+        for e in api:
+            if t0 <= e["ts"] <= t1:
+                calls[e["name"][:40]] += 1
+        rows.append(
+            dict(
+                wall_us=s["dur"],
+                busy_us=busy,
+                idle_us=sum(b - a for a, b in idle),
+                phases_us=dict(phase_us),
+                api_calls=dict(calls),
+            )
+        )
+    n = len(rows)
+    if not n:
+        return dict(steps=0)
+    med = statistics.median
+    names = sorted({k for r in rows for k in r["phases_us"]})
+    return dict(
+        steps=n,
+        wall_us_median=med(r["wall_us"] for r in rows),
+        busy_us_median=med(r["busy_us"] for r in rows),
+        idle_us_median=med(r["idle_us"] for r in rows),
+        kernels=len(kernels),
+        phases_us_median={k: med(r["phases_us"].get(k, 0.0) for r in rows) for k in names},
+        idle_us_per_step_by_host_phase={k: v / n for k, v in sorted(gap_phase.items())},
+        api_calls_per_step={
+            k: sum(r["api_calls"].get(k, 0) for r in rows) / n
+            for k in sorted({k for r in rows for k in r["api_calls"]})
+        },
+        per_step=rows,
+    )
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def run(model_name: str, quant: str, batch: int, prompt: int, steps: int, skip: int) -> dict:
+    """B requests through the real engine; the profiler runs in the worker thread from
+    full step ``skip`` for ``steps`` full steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from engine.client import EngineClient
+    from engine.types import GenerationRequest, SamplingParams
+
+    cfg = CONFIGS[model_name]
+    model = build_model(cfg, quant)
+    if model_name == "tiny":
+        randomize(model)
+    on_gpu = mx.cuda.is_available()
+    if on_gpu:
+        torch.cuda.init()
+    max_tokens = skip + steps + batch + 16  # rows join one a step; all B stay for the window
+    conf = engine_config(
+        max_num_seqs=batch,
+        max_kv_tokens=batch * (prompt + max_tokens + 16),
+        prefix_cache_tokens=0,
+        max_queued_requests=max(256, batch),
+        queue_timeout_s=600.0,
+        warmup=False,
+    )
+    client = EngineClient.from_loaded([(loaded_model(model, cfg, quant), None)], conf)
+    worker = client.worker("random")
+    state = wrap_worker(worker, record_function)
+    state["batch"] = batch
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=acts):  # the profiler's one-time set-up, on this thread
+        pass
+    prof = profile(activities=acts)
+    trace = Path(tempfile.mkdtemp()) / "trace.json"
+
+    def hook(i: int) -> None:  # in the worker thread: its ranges share CUPTI's clock
+        if i == skip:
+            prof.start()
+        elif i == skip + steps:
+            mx.synchronize()
+            prof.stop()
+            prof.export_chrome_trace(str(trace))
+
+    state["hook"] = hook
+    vocab = cfg["vocab_size"]
+
+    async def one(i):
+        toks = [(j * 31 + i * 7 + 1) % vocab for j in range(prompt)]
+        req = GenerationRequest(
+            request_id=f"t{i}",
+            model="random",
+            prompt_tokens=toks,
+            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        )
+        async for _ in client.generate(req):
+            pass
+
+    async def main():
+        await asyncio.gather(*(one(i) for i in range(batch)))
+
+    t = time.perf_counter()
+    try:
+        asyncio.run(main())
+    finally:
+        client.shutdown()
+    if not trace.exists():
+        raise RuntimeError(f"the window never closed: {state['steps']} full steps")
+    out = analyse(json.loads(trace.read_text()).get("traceEvents", []))
+    out.update(model=model_name, quant=quant, batch=batch, wall_s=time.perf_counter() - t)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="8b")
+    ap.add_argument("--quant", default="q4")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=12, help="full steps profiled")
+    ap.add_argument("--skip", type=int, default=8, help="full steps before the window")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    r = run(a.model, a.quant, a.batch, a.prompt, a.steps, a.skip)
+    print(f"{a.model} {a.quant} B={a.batch}: {r['steps']} steps on {mx.default_device()}")
+    if r["steps"]:
+        print(
+            f"step {r['wall_us_median'] / 1e3:.2f} ms, GPU busy {r['busy_us_median'] / 1e3:.2f} ms, "
+            f"GPU idle {r['idle_us_median'] / 1e3:.2f} ms (medians)"
+        )
+        print("(decode_step holds decode_build, sample_build and deliver (which holds accept);")
+        print(" the rest of it is mx.async_eval's encoding; step: outside every phase)")
+        print("| host phase | ms a step (median) | GPU idle meanwhile, ms a step |")
+        print("|---|---:|---:|")
+        idle = r["idle_us_per_step_by_host_phase"]
+        for k in sorted(set(r["phases_us_median"]) | set(idle)):
+            ms = r["phases_us_median"].get(k, 0.0) / 1e3
+            print(f"| {k} | {ms:.3f} | {idle.get(k, 0.0) / 1e3:.3f} |")
+        calls = sorted(r["api_calls_per_step"].items(), key=lambda kv: -kv[1])[:8]
+        print("CUDA API calls a step:", ", ".join(f"{k} {v:.1f}" for k, v in calls))
+    if a.out:
+        Path(a.out).write_text(json.dumps(r, indent=1))
+
+
+if __name__ == "__main__":
+    main()
