@@ -46,7 +46,7 @@ from engine.cuda_kernels import SMS, Baked, KernelSpec, for_dtype, one_output_ca
 
 KSTEP = 128  # inputs a step: 4 lanes of a quad x 32
 MIN_BLOCKS = 128  # about one a SM of an H100/H200 (132)
-PAIR_WARPS = 4  # warps a block in the 2-m-tiles-a-warp geometry
+PAIR_WARPS = 4  # warps a block in the 2-m-tiles-a-warp geometry (pair_warps)
 
 _SOURCE = r"""
   constexpr int BM = NTW * 8;        // x rows a block
@@ -522,8 +522,9 @@ def geometry(rows: int, m_tiles: int) -> tuple[int, int, int]:
     gave 0.84x and 0.68x; 128-row blocks with 2 m-tiles a warp spill). Otherwise one m-tile a
     warp: 128 rows a block from 65 rows (64 below), 8 warps, fewer warps (then fewer
     rows) while that leaves under MIN_BLOCKS blocks."""
-    if m_tiles % (PAIR_WARPS * 2) == 0:
-        return 64, PAIR_WARPS, 2
+    pw = pair_warps()
+    if m_tiles % (pw * 2) == 0:
+        return 64, pw, 2
     options = [(128 if rows > 64 else 64, wm) for wm in (8, 4, 2)] + [(64, 2), (64, 1)]
     for bm, wm in options:
         if m_tiles % wm == 0 and m_tiles // wm * -(-rows // bm) >= MIN_BLOCKS:
@@ -532,6 +533,22 @@ def geometry(rows: int, m_tiles: int) -> tuple[int, int, int]:
         if m_tiles % wm == 0:
             return bm, wm, 1
     return 64, 1, 1
+
+
+PAIR_WARPS_ENV = "MARKBASE_GPU_QGEMM_PAIR_WARPS"
+
+
+def pair_warps() -> int:
+    """Warps a block of the 2-m-tile geometry: PAIR_WARPS (4: 2 blocks an SM), or 8 with
+    ``MARKBASE_GPU_QGEMM_PAIR_WARPS=8`` (one block of 256 weight rows an SM: x copied
+    from L2 half as often a weight row). Why a switch: where the launch filled the GPU
+    evenly, 8 warps took 0.89x 4 warps' time (1b gate/up at 128 rows: 256 tiles on 264
+    slots, session 17's sweep), where it did not, the two tied (8b: 1.7 waves); the
+    stream-K form makes every launch even."""
+    text = os.environ.get(PAIR_WARPS_ENV, str(PAIR_WARPS))
+    if text not in ("4", "8"):
+        raise ValueError(f"{PAIR_WARPS_ENV}={text!r}: want 4 or 8")
+    return int(text)
 
 
 def shared_bytes(
@@ -617,7 +634,7 @@ def takes(rows: int, m_tiles: int, glu: bool, k: int = 0, residual: bool = False
     since); the engine's 8b 4-bit B=128 7,629 -> 8,111 and 8,168 tok/s, against
     compiled PyTorch's 8,030 in the same lease."""
     if stream_k() == 2:
-        return m_tiles % (PAIR_WARPS * 2) == 0
+        return m_tiles % (pair_warps() * 2) == 0
     if not wide_enough(rows, m_tiles):
         return False
     if glu:
@@ -654,7 +671,7 @@ def blocks_per_sm(wm: int, mt: int) -> int:
     """Blocks of the form an SM holds at once: 2 of the 2-m-tile form's 4 warps (206
     registers, session 18), otherwise about 8 warps' worth. Sizes the stream-K grid; a
     wrong guess costs balance, not correctness."""
-    return 2 if (wm, mt) == (PAIR_WARPS, 2) else max(1, 8 // wm)
+    return 2 if (wm, mt) == (4, 2) else max(1, 8 // wm)
 
 
 def stream_k_grid(tiles: int, steps: int, wm: int, mt: int) -> int:
@@ -812,7 +829,8 @@ def kernel_specs_for_check() -> list[KernelSpec]:
         (8, 4, 2, 2, False, 64, 0, abl, False) for abl in (1, 2, 4, 8, 16, 31)
     ]
     # the stream-K forms: the 2-m-tile default, one m-tile a warp, weights in shared memory
-    forms += [(8, 4, 2, 2, False, 64, 0, 0, True), (16, 8, 3, 1, False, 64, 0, 0, True),
+    forms += [(8, 4, 2, 2, False, 64, 0, 0, True), (8, 8, 2, 2, False, 64, 0, 0, True),
+              (16, 8, 3, 1, False, 64, 0, 0, True),
               (8, 2, 3, 1, False, 128, 0, 0, True), (8, 4, 3, 2, True, 64, 0, 0, True)]  # fmt: skip
     for base in ("q4", "q4_res", "q4_glu"):
         for dtype in ("bfloat16", "float16"):

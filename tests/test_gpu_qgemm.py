@@ -255,11 +255,19 @@ def test_stream_k_switch(monkeypatch):
     assert gpu_qgemm.stream_k_grid(2, 3, 4, 2) == 6  # a k-step a block at least
     with pytest.raises(ValueError, match="needs the input size"):
         gpu_qgemm._launch(mx.bfloat16, 64, 128, 64, False, False, 64, 4, mt=2, sk=True)
+    # 8 warps a block of the 2-m-tile geometry: where the m-tiles split into 16
+    monkeypatch.setenv(gpu_qgemm.PAIR_WARPS_ENV, "8")
+    assert gpu_qgemm.geometry(128, 28672 // 16) == (64, 8, 2)
+    assert gpu_qgemm.stream_k_grid(224, 32, 8, 2) == slots // 2  # one block an SM
+    assert gpu_qgemm.geometry(128, 1800) != (64, 8, 2)  # 1800 m-tiles: not 16s
+    monkeypatch.setenv(gpu_qgemm.PAIR_WARPS_ENV, "6")
+    with pytest.raises(ValueError, match="want 4 or 8"):
+        gpu_qgemm.pair_warps()
 
 
 @needs_gpu
 @pytest.mark.parametrize("grid", [1, 3, 0])  # 0: as the launch sizes it
-@pytest.mark.parametrize("shape", [(64, 4, 2), (128, 8, 1), (64, 2, 1)])
+@pytest.mark.parametrize("shape", [(64, 4, 2), (64, 8, 2), (128, 8, 1), (64, 2, 1)])
 def test_stream_k_exact(shape, grid, monkeypatch):
     """The stream-K form (``sk``): exact on small integers with scales and biases that
     differ by row and group, plain, residual and SwiGLU, 1-5 k-steps, 33-150 rows, with

@@ -73,7 +73,9 @@ def main() -> None:
         "comma-separated pipeline:stages:blocks-an-SM, pipeline r (weights in registers), "
         "w (in shared memory, MARKBASE_GPU_QGEMM_WS) or s (registers, the stream-K grid: "
         "MARKBASE_GPU_QGEMM_SK), e.g. r:2:0,s:2:0,w:3:0,w:3:3; a 4th field: "
-        "MARKBASE_GPU_QGEMM_ABL's parts left out (timing only), e.g. r:2:0:2",
+        "MARKBASE_GPU_QGEMM_ABL's parts left out (timing only), e.g. r:2:0:2; a 5th: "
+        "w8 for 8 warps a block of the 2-m-tile geometry (MARKBASE_GPU_QGEMM_PAIR_WARPS), "
+        "e.g. s:2:0:0:w8",
     )
     ap.add_argument("--products", default="", help="only these (qkv,o,gate_up,down,lm_head)")
     ap.add_argument("--calls", type=int, default=20)
@@ -126,11 +128,13 @@ def main() -> None:
                         us = timed(fn, inputs, args.calls, args.reps)
                         forms.append((f"qgemm bm{bm} w{wm} mt{mt} st{st}", us))
                 for form in [f for f in args.forms.split(",") if f]:
-                    pipe, st, blocks, *abl = form.split(":")
+                    pipe, st, blocks, *more = form.split(":")
                     os.environ[gpu_qgemm.WS_ENV] = "1" if pipe == "w" else "0"
                     os.environ[gpu_qgemm.STAGES_ENV] = st
                     os.environ[gpu_qgemm.LB_ENV] = blocks
-                    os.environ[gpu_qgemm.ABL_ENV] = abl[0] if abl else "0"
+                    os.environ[gpu_qgemm.ABL_ENV] = more[0] if more else "0"
+                    pw = more[1][1:] if len(more) > 1 else str(gpu_qgemm.PAIR_WARPS)
+                    os.environ[gpu_qgemm.PAIR_WARPS_ENV] = pw
                     bm, wm, mt = gpu_qgemm.geometry(rows, n // 16)
                     try:
                         fn = gpu_qgemm._launch(
@@ -141,7 +145,8 @@ def main() -> None:
                         print(f"{form}: {e}")
                         us = float("nan")
                     forms.append((f"qgemm bm{bm} w{wm} mt{mt} {form}", us))
-                envs = (gpu_qgemm.STAGES_ENV, gpu_qgemm.WS_ENV, gpu_qgemm.LB_ENV, gpu_qgemm.ABL_ENV)
+                envs = (gpu_qgemm.STAGES_ENV, gpu_qgemm.WS_ENV, gpu_qgemm.LB_ENV, gpu_qgemm.ABL_ENV,
+                        gpu_qgemm.PAIR_WARPS_ENV)  # fmt: skip
                 for env in envs:
                     os.environ.pop(env, None)
                 for form, s in forms:

@@ -275,8 +275,8 @@ for stage in "$@"; do
         timeout ${QT_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=short \
             tests/test_gpu_qgemm.py -k "stream_k or decode_step or warm" 2>&1 | tail -15 \
             | tee "$OUT/test_qgemm_sk.log"
-        timeout ${QW_TIMEOUT:-200} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-200} - 20 )) \
-            --rows ${QW_ROWS:-128,64} --forms ${QW_FORMS:-r:2:0,s:2:0} \
+        timeout ${QW_TIMEOUT:-280} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-280} - 20 )) \
+            --rows ${QW_ROWS:-128,64} --forms ${QW_FORMS:-r:2:0,s:2:0,r:2:0:0:w8,s:2:0:0:w8} \
             --products ${QW_PRODUCTS:-qkv,o,gate_up,down,lm_head} \
             --out "$OUT/qgemm_sk.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_sk.log"
         ;;
