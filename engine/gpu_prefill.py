@@ -10,6 +10,10 @@ product at full rate. Below ``min_rows`` rows (decode, short prompt chunks) the
 product is memory-bound and reading the 4-bit weight once is what wins, so
 ``quantized_matmul`` stays.
 
+The expansion is engine/gpu_dequant.py's kernel with ``MARKBASE_GPU_DEQUANT=1`` (MLX's
+``affine_dequantize`` ran at ~1 TB/s; prepared, not yet measured), else
+``mx.dequantize``.
+
 ``install`` turns the model's ``nn.QuantizedLinear`` modules into
 ``DequantPrefillLinear`` in place (same parameters, same results up to the float
 product's rounding); the GPU decode step does not call these modules (it has its own
@@ -30,6 +34,8 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine import gpu_dequant
+
 ROWS_ENV = "MARKBASE_GPU_PREFILL_DEQ_ROWS"
 # where dequantizing first starts to win (bench/gpu/matmul_rows.py --forms qmm,deq)
 DEFAULT_MIN_ROWS = 256
@@ -43,7 +49,7 @@ class DequantPrefillLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if x.size < self.min_rows * x.shape[-1]:
             return super().__call__(x)
-        w = mx.dequantize(
+        w = gpu_dequant.dequantize(
             self["weight"],
             self["scales"],
             self.get("biases"),

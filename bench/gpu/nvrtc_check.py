@@ -127,6 +127,7 @@ def main() -> None:
     from engine import (
         gpu_attention,
         gpu_attention_tc,
+        gpu_dequant,
         gpu_gemv,
         gpu_mma,
         gpu_prefill_attention,
@@ -147,6 +148,7 @@ def main() -> None:
         + gpu_qblock.kernel_specs_for_check()
         + gpu_prefill_attention.kernel_specs_for_check()
         + gpu_qgemm.kernel_specs_for_check()
+        + gpu_dequant.kernel_specs_for_check()
     )
     for spec in specs:
         if args.only not in spec.name:

@@ -37,6 +37,7 @@
 #   bash bench/gpu/suite.sh qgemm-sk; MARKBASE_GPU_QGEMM_SK=2 TABLE_CONFIGS="8b:q4 1b:q4" \
 #       TABLE_BATCHES=64,128 TABLE_TAG=sk bash bench/gpu/suite.sh engine-table   (session 20, prepared)
 #   bash bench/gpu/suite.sh worker-timeline              (session 20, prepared: host vs GPU at B=128)
+#   bash bench/gpu/suite.sh dequant                      (session 20, prepared: prefill's 4-bit expansion)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -259,6 +260,19 @@ for stage in "$@"; do
         timeout ${QW_TIMEOUT:-200} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-200} - 20 )) \
             --rows ${QW_ROWS:-128} --forms ${QW_FORMS:-r:2:0,r:2:3,w:3:0,w:4:0,w:3:3,w:2:4} \
             --out "$OUT/qgemm_ws.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_ws.log"
+        ;;
+    dequant)  # session 20 (prepared): engine/gpu_dequant.py (MARKBASE_GPU_DEQUANT=1): its tests
+        # (mx.dequantize's weights bit for bit), the kernel alone against MLX's per product,
+        # then 2048-token 4-bit prefill (one chunk and chunks of 512) with it on and off
+        timeout ${DQ_TEST_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --tb=short \
+            tests/test_gpu_dequant.py 2>&1 | tail -8 | tee "$OUT/test_dequant.log"
+        timeout ${DQ_TIMEOUT:-120} python3 bench/gpu/dequant_bench.py --out "$OUT/dequant.json" 2>&1 \
+            | grep -v -i warn | tee "$OUT/dequant.log"
+        for v in 1 0; do
+            MARKBASE_GPU_DEQUANT=$v timeout ${PA_TIMEOUT:-150} $B --models ${PA_MODELS:-1b,8b} --quants q4 \
+                --batches 1 --variants "" --steps 8 --prefill 2048 --chunk 512 \
+                --budget-s $(( ${PA_TIMEOUT:-150} - 20 )) --tag dequant-$v --out "$OUT/prefill-dequant-$v.json"
+        done
         ;;
     worker-timeline)  # session 20 (prepared): the served engine's step, host phases and GPU
         # kernels on one clock (bench/gpu/worker_timeline.py): is a slow B=128 lease the host?
