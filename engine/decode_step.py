@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 from engine.gpu_linear import GpuLinear, GpuQuantizedLinear
 
@@ -331,7 +332,8 @@ class FusedDecodeStep:
         ]
         if any(self._qlayer_ok):  # made now: a compiled step must find them made
             gpu_qlayer.ensure_barriers(len(self._qlayer_ok))
-        self._counted: set = set()  # batch sizes whose split counters are made
+        # (thread, batch size) whose split counters are made (they are per thread)
+        self._counted: set = set()
 
     def _folds_norm(self, linear, norm) -> bool:
         """Whether ``norm`` is handed to ``linear``'s ``fused`` (``fold``, an
@@ -515,9 +517,9 @@ class FusedDecodeStep:
         nsplit = gpu_attention.append_splits(b, hkv, first.length)
         if b == 1 and self.qblock and all(self._block_ok):
             nsplit = 0  # every layer's attention in its kernel: T does not shape the trace
-        if nsplit > 1 and b not in self._counted:
+        if nsplit > 1 and (threading.get_ident(), b) not in self._counted:
             gpu_attention.ensure_counters(b * hkv, len(cache))
-            self._counted.add(b)
+            self._counted.add((threading.get_ident(), b))
         if gpu_linear.uses("qgemm"):
             gpu_qgemm.ensure_stream_k()  # its buffers are made outside the trace
         return self._whole(tokens, offset, start, buffers, nsplit)
