@@ -277,7 +277,10 @@ def test_stream_k_exact(shape, grid, monkeypatch):
     from qgemm_emulation import pack
 
     if grid:
-        monkeypatch.setattr(gpu_qgemm, "stream_k_grid", lambda tiles, steps, wm, mt: grid)
+        # never more blocks than k-steps in all: the kernel's contract (stream_k_grid)
+        monkeypatch.setattr(
+            gpu_qgemm, "stream_k_grid", lambda tiles, steps, wm, mt: min(grid, tiles * steps)
+        )
     bm, wm, mt = shape
     rng = np.random.default_rng(13)
     n = 16 * wm * mt * 2  # two blocks' worth of m-tiles
