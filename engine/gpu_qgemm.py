@@ -758,7 +758,9 @@ def _launch(
     st = stages(mt, ws)
     abl = ablation()
     tiles = n // 16 // (wm * mt) * -(-rows // bm)
-    blocks = stream_k_grid(tiles, max(1, k // KSTEP), wm, mt)
+    steps = max(1, k // KSTEP)
+    # the kernel's contract: a k-step a block at least (its owner arithmetic needs it)
+    blocks = max(1, min(stream_k_grid(tiles, steps, wm, mt), tiles * steps))
     partials = blocks * 2 * wm * 32 * mt * (bm // 8) * 4  # floats: two a thread's sums
     sk = sk and not abl and tiles <= SK_MAX_TILES and partials <= _partials_size()
     if sk:
