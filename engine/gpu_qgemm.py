@@ -633,8 +633,11 @@ def takes(rows: int, m_tiles: int, glu: bool, k: int = 0, residual: bool = False
     alone 727 us against qmma's 973 (1b: 99 against 146, not measured in the engine
     since); the engine's 8b 4-bit B=128 7,629 -> 8,111 and 8,168 tok/s, against
     compiled PyTorch's 8,030 in the same lease."""
-    if stream_k() == 2:
+    sk = stream_k()
+    if sk == 2:
         return m_tiles % (pair_warps() * 2) == 0
+    if sk == 3:
+        return _worth_stream_k(rows, m_tiles, glu, k, residual)
     if not wide_enough(rows, m_tiles):
         return False
     if glu:
@@ -649,10 +652,34 @@ SK_MAX_THREADS = 256  # threads an SM of the stream-K grid, at most (2 blocks of
 SK_MAX_VALUES = 64  # accumulators a thread (MT x NTW x 4), at most
 
 
+SK_PLAIN_ITEMS = 4  # k-steps of work a block slot from which a plain product gains
+SK_RESIDUAL_ITEMS = 20  # ... and a product with a residual
+
+
+def _worth_stream_k(rows: int, m_tiles: int, glu: bool, k: int, residual: bool) -> bool:
+    """``stream_k`` 3: the kernel where session 20's sweep (H100, 64 and 128 rows,
+    CUPTI, against gpu_mma) saw the stream-K form win: every SwiGLU gate/up, and other
+    products with enough k-steps of work a block slot (plain ones from SK_PLAIN_ITEMS:
+    the 8b qkv at 64 rows, 5.8 a slot, 0.89x; the 1b qkv at 128, 2.9, 1.22x; the output
+    layers 0.64-0.74x; with a residual from SK_RESIDUAL_ITEMS: the 8b down_proj at 128
+    rows, 27 a slot, 0.90x, at 64, 13.6, 1.21x; o_proj 7.8, 1.03x)."""
+    pw = pair_warps()
+    if m_tiles % (pw * 2) or k < KSTEP:
+        return False
+    if glu:
+        return True
+    bm, wm, mt = geometry(rows, m_tiles)
+    tiles = m_tiles // (wm * mt) * -(-rows // bm)
+    slots = stream_k_grid(1 << 30, 1, wm, mt)  # the grid's slots
+    per_slot = tiles * (k // KSTEP) / slots
+    return per_slot >= (SK_RESIDUAL_ITEMS if residual else SK_PLAIN_ITEMS)
+
+
 def stream_k() -> int:
     """``MARKBASE_GPU_QGEMM_SK``: 0 (default) one tile a block; 1 the same products in
     the stream-K form; 2 stream-K for every product of 33+ rows whose weight splits into
-    the 2-m-tile geometry (qkv, o_proj and down_proj too).
+    the 2-m-tile geometry (qkv, o_proj and down_proj too); 3 stream-K where it measured
+    faster than gpu_mma (``_worth_stream_k``).
 
     Why: a launch of one tile a block runs in whole waves. The 8b gate/up at 128 rows is
     448 tiles on 264 block slots (2 an SM): 1.7 waves, so its second wave leaves 30% of
@@ -662,8 +689,8 @@ def stream_k() -> int:
     last of them from the others' partial sums (fp32, in block order: deterministic).
     Off until measured (prepared in session 20 without a GPU)."""
     text = os.environ.get(SK_ENV, "0")
-    if text not in ("0", "1", "2"):
-        raise ValueError(f"{SK_ENV}={text!r}: want 0, 1 or 2")
+    if text not in ("0", "1", "2", "3"):
+        raise ValueError(f"{SK_ENV}={text!r}: want 0, 1, 2 or 3")
     return int(text)
 
 

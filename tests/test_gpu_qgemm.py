@@ -242,9 +242,25 @@ def test_stream_k_switch(monkeypatch):
     assert gpu_qgemm.takes(128, 4096 // 16, False, 14336, residual=True)  # down_proj
     assert gpu_qgemm.takes(40, 6144 // 16, False, 4096)  # qkv
     assert not gpu_qgemm.takes(128, 1796, glu=True)  # 4 x 2 do not divide 1796 m-tiles
-    monkeypatch.setenv(gpu_qgemm.SK_ENV, "3")
-    with pytest.raises(ValueError, match="want 0, 1 or 2"):
+    monkeypatch.setenv(gpu_qgemm.SK_ENV, "4")
+    with pytest.raises(ValueError, match="want 0, 1, 2 or 3"):
         gpu_qgemm.stream_k()
+    # 3: where the sweep saw it win (8 warps a block, 132 SMs)
+    monkeypatch.setattr(
+        gpu_qgemm, "stream_k_grid", lambda t, s, wm, mt: 132 * (2 if wm == 4 else 1)
+    )
+    monkeypatch.setenv(gpu_qgemm.SK_ENV, "3")
+    monkeypatch.setenv(gpu_qgemm.PAIR_WARPS_ENV, "8")
+    assert gpu_qgemm.takes(64, 28672 // 16, True, 4096)  # 8b gate/up
+    assert gpu_qgemm.takes(64, 6144 // 16, False, 4096)  # 8b qkv
+    assert not gpu_qgemm.takes(128, 3072 // 16, False, 2048)  # 1b qkv
+    assert gpu_qgemm.takes(64, 32000 // 16, False, 2048)  # 1b output layer
+    assert gpu_qgemm.takes(128, 4096 // 16, False, 14336, residual=True)  # 8b down_proj
+    assert not gpu_qgemm.takes(64, 4096 // 16, False, 14336, residual=True)
+    assert not gpu_qgemm.takes(128, 4096 // 16, False, 4096, residual=True)  # 8b o_proj
+    assert not gpu_qgemm.takes(128, 2048 // 16, False, 8192, residual=True)  # 1b down_proj
+    monkeypatch.undo()
+    monkeypatch.delenv(gpu_qgemm.PAIR_WARPS_ENV, raising=False)
     monkeypatch.setenv(gpu_qgemm.SK_ENV, "1")
     assert gpu_qgemm.takes(128, 28672 // 16, glu=True)
     assert not gpu_qgemm.takes(128, 4096 // 16, False, 14336, residual=True)
