@@ -81,3 +81,19 @@ def warmup_batch_sizes(max_num_seqs: int) -> list[int]:
         sizes.append(b)
         b *= 2
     return [*sizes, max(1, max_num_seqs)]
+
+
+# Prompt chunks of these row counts go through MLX's quantized_matmul (below the GPU
+# prefill's dequantize route, engine/gpu_prefill.py), which JIT-compiles one kernel per
+# tile size the first time it sees one: on an H100 qmm_sm80's m16 (up to 16 rows), m32
+# (17-32) and m64 (33+) variants took 23-28 s each (bench/gpu/NOTES.md, session 20: a
+# 97-token prompt's first request waited 27.4 s after the warm-up). One chunk in each
+# power-of-two band up to 256 rows covers those and any finer split.
+WARMUP_PREFILL_ROWS = (12, 24, 48, 96, 192)
+
+
+def warmup_prefill_rows(chunk_tokens: int, context_length: int) -> list[int]:
+    """Prompt-chunk row counts the warm-up prefills besides its main chunk: those of
+    WARMUP_PREFILL_ROWS that a chunk can have (below ``chunk_tokens``) and the context
+    holds."""
+    return [r for r in WARMUP_PREFILL_ROWS if r < chunk_tokens and r < context_length - 1]

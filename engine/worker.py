@@ -25,6 +25,7 @@ from engine.config import (
     pipeline_decode_enabled,
     warmup_batch_sizes,
     warmup_enabled,
+    warmup_prefill_rows,
 )
 from engine.kv import BatchKV, SequenceKV
 from engine.prefix_cache import PrefixCache
@@ -176,7 +177,9 @@ class ModelWorker:
 
     def warm_up(self) -> float:
         """Run what serving runs, once, before the first request: one prefill chunk
-        (a chunk without logits and a last one with them), then two decode steps at
+        (a chunk without logits and a last one with them), prompts of 12-192 tokens
+        (``warmup_prefill_rows``: MLX's quantized product compiles per tile size),
+        then two decode steps at
         each of ``warmup_batch_sizes(max_num_seqs)`` (rows of different lengths, as
         in the running batch; one step with equal rows too) with greedy and
         top-p sampling. It compiles MLX's JIT kernels (CUDA: NVRTC, kept in the PTX
@@ -203,6 +206,9 @@ class ModelWorker:
         first = sample_batch(logits[None], [greedy])
         layer_kv = [c.kv() for c in kv]
         mx.eval(first, layer_kv)
+        # chunks of fewer rows: MLX compiles its quantized product per tile size
+        for rows in warmup_prefill_rows(self.scheduler.chunk_tokens, self.context_length):
+            mx.eval(runner.prefill(runner.new_sequence_kv(), prompt[:rows], want_logits=True))
         token = int(first.item())
         length = layer_kv[0][0].shape[2]
         for b in sizes:

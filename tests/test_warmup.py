@@ -9,7 +9,7 @@ from conftest_loading import RANDOM_LLAMA
 from prometheus_client import REGISTRY
 
 from engine.client import EngineClient
-from engine.config import EngineConfig, warmup_batch_sizes
+from engine.config import EngineConfig, warmup_batch_sizes, warmup_prefill_rows
 from engine.gpu_setup import CUDNN_SDPA_ENV, PTX_ENV, default_cuda_attention, default_ptx_cache_dir
 from engine.loading import build_random_model
 from engine.types import GenerationRequest, SamplingParams
@@ -79,6 +79,33 @@ def test_warmup_leaves_no_state_and_same_tokens():
     finally:
         on.shutdown()
         off.shutdown()
+
+
+def test_warmup_prefills_a_chunk_in_each_band_of_rows(monkeypatch):
+    """Besides its main chunk, the warm-up prefills prompts of 12, 24, 48, 96 and 192
+    rows where a chunk can have them: MLX's quantized product JIT-compiles one kernel
+    per tile size (16, 32, 64 rows on an H100), 23-28 s each at a first request."""
+    assert warmup_prefill_rows(16, 4096) == [12]
+    assert warmup_prefill_rows(2048, 4096) == [12, 24, 48, 96, 192]
+    assert warmup_prefill_rows(2048, 40) == [12, 24]
+    from engine.runner import ModelRunner
+
+    seen = []
+    real = ModelRunner.prefill
+
+    def spy(self, kv, tokens, want_logits):
+        seen.append(len(tokens))
+        return real(self, kv, tokens, want_logits)
+
+    monkeypatch.setattr(ModelRunner, "prefill", spy)
+    loaded = build_random_model("llama", TINY, seed=7)
+    loaded.name = "warm-rows"
+    config = EngineConfig(max_num_seqs=2, prefill_chunk_tokens=64, warmup=True)
+    client = EngineClient.from_loaded([(loaded, None)], config)
+    try:
+        assert {12, 24, 48} <= set(seen), seen
+    finally:
+        client.shutdown()
 
 
 def test_warmup_batch_sizes():
