@@ -16,9 +16,12 @@ way: NVRTC contracts the two into one ``HFMA2`` (sm_90a SASS, session 20), as nv
 default does with MLX's. So the weights should be ``mx.dequantize``'s bit for bit; the
 GPU test compares them.
 
-``MARKBASE_GPU_DEQUANT=1`` turns it on (off until measured on a GPU: prepared in
-session 20 without one); elsewhere, and for other bit widths, modes and dtypes,
-``mx.dequantize``.
+Measured on an H100 (session 20, CUPTI): 0.42-0.55x MLX's kernel time on every product
+of the 8b and 1b models (2.4-2.9 TB/s against 1.1-1.2), equal to ``mx.dequantize`` bit
+for bit (26 GPU tests); a 2048-token 4-bit prefill 31,007 -> 34,477 tok/s at 8b
+(chunks of 512: 17,548 -> 23,756), 155,759 -> 160,114 at 1b. On by default;
+``MARKBASE_GPU_DEQUANT=0`` turns it off. Elsewhere, and for other bit widths, modes
+and dtypes, ``mx.dequantize``.
 """
 
 from __future__ import annotations
@@ -106,8 +109,8 @@ _kernel = Baked(lambda: {"q4": _spec()}, ensure_row_contiguous=True)
 
 
 def enabled() -> bool:
-    """``MARKBASE_GPU_DEQUANT``: 1 on, 0 (default) MLX's ``mx.dequantize``."""
-    text = os.environ.get(ENV, "0")
+    """``MARKBASE_GPU_DEQUANT``: 1 (default) this kernel, 0 MLX's ``mx.dequantize``."""
+    text = os.environ.get(ENV, "1")
     if text not in ("0", "1"):
         raise ValueError(f"{ENV}={text!r}: want 0 or 1")
     return text == "1"

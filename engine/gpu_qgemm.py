@@ -46,7 +46,8 @@ from engine.cuda_kernels import SMS, Baked, KernelSpec, for_dtype, one_output_ca
 
 KSTEP = 128  # inputs a step: 4 lanes of a quad x 32
 MIN_BLOCKS = 128  # about one a SM of an H100/H200 (132)
-PAIR_WARPS = 4  # warps a block in the 2-m-tiles-a-warp geometry (pair_warps)
+PAIR_WARPS = 8  # warps a block in the 2-m-tiles-a-warp geometry (pair_warps)
+PAIR_WARPS_FEWER = 4  # ... where the m-tiles do not split into 8 x 2
 
 _SOURCE = r"""
   constexpr int BM = NTW * 8;        // x rows a block
@@ -522,9 +523,9 @@ def geometry(rows: int, m_tiles: int) -> tuple[int, int, int]:
     gave 0.84x and 0.68x; 128-row blocks with 2 m-tiles a warp spill). Otherwise one m-tile a
     warp: 128 rows a block from 65 rows (64 below), 8 warps, fewer warps (then fewer
     rows) while that leaves under MIN_BLOCKS blocks."""
-    pw = pair_warps()
-    if m_tiles % (pw * 2) == 0:
-        return 64, pw, 2
+    for pw in (pair_warps(), PAIR_WARPS_FEWER):  # 8 warps where they divide, else 4
+        if m_tiles % (pw * 2) == 0:
+            return 64, pw, 2
     options = [(128 if rows > 64 else 64, wm) for wm in (8, 4, 2)] + [(64, 2), (64, 1)]
     for bm, wm in options:
         if m_tiles % wm == 0 and m_tiles // wm * -(-rows // bm) >= MIN_BLOCKS:
@@ -539,12 +540,13 @@ PAIR_WARPS_ENV = "MARKBASE_GPU_QGEMM_PAIR_WARPS"
 
 
 def pair_warps() -> int:
-    """Warps a block of the 2-m-tile geometry: PAIR_WARPS (4: 2 blocks an SM), or 8 with
-    ``MARKBASE_GPU_QGEMM_PAIR_WARPS=8`` (one block of 256 weight rows an SM: x copied
-    from L2 half as often a weight row). Why a switch: where the launch filled the GPU
-    evenly, 8 warps took 0.89x 4 warps' time (1b gate/up at 128 rows: 256 tiles on 264
-    slots, session 17's sweep), where it did not, the two tied (8b: 1.7 waves); the
-    stream-K form makes every launch even."""
+    """Warps a block of the 2-m-tile geometry: PAIR_WARPS (8: one block of 256 weight
+    rows an SM, x copied from L2 half as often a weight row), or 4 with
+    ``MARKBASE_GPU_QGEMM_PAIR_WARPS=4`` (2 blocks an SM; the default until session 20).
+    Measured (H100, CUPTI, 128 rows, stream-K, session 20): 8b output layer 647 against
+    704 us, down_proj 93 against 101, gate/up 172 against 171; 1b output layer 94
+    against 106; the engine's 8b 4-bit B=128 with stream-K 7,571-7,906 tok/s against
+    6,636 with 4 warps (stream-K on the gate/up and output layer only)."""
     text = os.environ.get(PAIR_WARPS_ENV, str(PAIR_WARPS))
     if text not in ("4", "8"):
         raise ValueError(f"{PAIR_WARPS_ENV}={text!r}: want 4 or 8")
@@ -635,7 +637,7 @@ def takes(rows: int, m_tiles: int, glu: bool, k: int = 0, residual: bool = False
     compiled PyTorch's 8,030 in the same lease."""
     sk = stream_k()
     if sk == 2:
-        return m_tiles % (pair_warps() * 2) == 0
+        return geometry(rows, m_tiles)[2] == 2
     if sk == 3:
         return _worth_stream_k(rows, m_tiles, glu, k, residual)
     if not wide_enough(rows, m_tiles):
@@ -663,12 +665,11 @@ def _worth_stream_k(rows: int, m_tiles: int, glu: bool, k: int, residual: bool) 
     the 8b qkv at 64 rows, 5.8 a slot, 0.89x; the 1b qkv at 128, 2.9, 1.22x; the output
     layers 0.64-0.74x; with a residual from SK_RESIDUAL_ITEMS: the 8b down_proj at 128
     rows, 27 a slot, 0.90x, at 64, 13.6, 1.21x; o_proj 7.8, 1.03x)."""
-    pw = pair_warps()
-    if m_tiles % (pw * 2) or k < KSTEP:
+    bm, wm, mt = geometry(rows, m_tiles)
+    if mt != 2 or k < KSTEP:
         return False
     if glu:
         return True
-    bm, wm, mt = geometry(rows, m_tiles)
     tiles = m_tiles // (wm * mt) * -(-rows // bm)
     slots = stream_k_grid(1 << 30, 1, wm, mt)  # the grid's slots
     per_slot = tiles * (k // KSTEP) / slots
@@ -676,10 +677,11 @@ def _worth_stream_k(rows: int, m_tiles: int, glu: bool, k: int, residual: bool) 
 
 
 def stream_k() -> int:
-    """``MARKBASE_GPU_QGEMM_SK``: 0 (default) one tile a block; 1 the same products in
-    the stream-K form; 2 stream-K for every product of 33+ rows whose weight splits into
-    the 2-m-tile geometry (qkv, o_proj and down_proj too); 3 stream-K where it measured
-    faster than gpu_mma (``_worth_stream_k``).
+    """``MARKBASE_GPU_QGEMM_SK``: 3 (default) stream-K where it measured faster than
+    gpu_mma (``_worth_stream_k``); 0 one tile a block (the default until session 20);
+    1 the products the one-tile form takes (``takes``' rules), in the stream-K form; 2
+    stream-K for every product of 33+ rows whose weight splits into the 2-m-tile
+    geometry.
 
     Why: a launch of one tile a block runs in whole waves. The 8b gate/up at 128 rows is
     448 tiles on 264 block slots (2 an SM): 1.7 waves, so its second wave leaves 30% of
@@ -687,8 +689,10 @@ def stream_k() -> int:
     (Osama et al., 2023) gives each of the grid's blocks (the SMs' worth) an equal share
     of the tiles' k-steps, cut across tiles; a tile cut between blocks is summed by the
     last of them from the others' partial sums (fp32, in block order: deterministic).
-    Off until measured (prepared in session 20 without a GPU)."""
-    text = os.environ.get(SK_ENV, "0")
+    Measured (H100, session 20, same lease): 8b 4-bit B=128 7,417 tok/s (0) -> 7,926
+    and 8,323 (3), B=64 6,368 -> 7,038 and 6,879; 1b B=128 37,390 -> 38,595, B=64
+    29,340 -> 30,135. Mode 2 lost at 1b (B=128 35,624 -> 31,148)."""
+    text = os.environ.get(SK_ENV, "3")
     if text not in ("0", "1", "2", "3"):
         raise ValueError(f"{SK_ENV}={text!r}: want 0, 1, 2 or 3")
     return int(text)
@@ -850,7 +854,7 @@ def kernel_specs_for_check() -> list[KernelSpec]:
     forms = [  # (ntw, wm, st, mt, ws, gs, blocks an SM)
         *((ntw, wm, st, mt, False, 64, 0) for ntw, wm, st, mt in (
             (16, 8, 3, 1), (16, 8, 2, 1), (8, 8, 3, 1), (8, 2, 3, 1), (8, 8, 3, 2),
-            (8, 4, 2, 2), (16, 4, 2, 2))),
+            (8, 4, 2, 2), (8, 8, 2, 2), (16, 4, 2, 2))),
         (8, 4, 3, 2, True, 64, 0), (8, 4, 3, 2, True, 64, 3), (8, 4, 4, 2, True, 64, 2),
         (8, 4, 2, 2, True, 64, 4), (8, 4, 3, 2, True, 32, 3), (16, 8, 3, 1, True, 64, 0),
     ]  # fmt: skip

@@ -24,9 +24,11 @@ def _quantized(n: int, k: int, group_size: int, dtype, seed: int = 0):
 
 
 def test_switch_and_fallback(monkeypatch):
-    """Off unless MARKBASE_GPU_DEQUANT=1 (checked); where the kernel does not apply (no
+    """On unless MARKBASE_GPU_DEQUANT=0 (checked); where the kernel does not apply (no
     CUDA, 8 bits, no biases) the result is mx.dequantize's."""
     monkeypatch.delenv(gpu_dequant.ENV, raising=False)
+    assert gpu_dequant.enabled()
+    monkeypatch.setenv(gpu_dequant.ENV, "0")
     assert not gpu_dequant.enabled()
     monkeypatch.setenv(gpu_dequant.ENV, "yes")
     with pytest.raises(ValueError, match="want 0 or 1"):

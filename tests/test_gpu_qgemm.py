@@ -33,11 +33,16 @@ SHAPES = [(33, 256, 512), (64, 64, 256), (65, 2048, 1024), (100, 16, 128), (128,
           (130, 256, 384), (257, 512, 256), (8, 256, 512)]  # fmt: skip
 
 
-def test_geometry_keeps_the_gpu_busy():
-    """64-row blocks of 4 warps x 2 m-tiles where the m-tiles split so; otherwise
-    128-row blocks from 65 rows, 8 warps for large weights, fewer warps (then 64-row
-    blocks) until there are MIN_BLOCKS blocks, a divisor of the m-tiles always."""
-    assert gpu_qgemm.geometry(128, 28672 // 16) == (64, 4, 2)  # 8b gate_up
+def test_geometry_keeps_the_gpu_busy(monkeypatch):
+    """64-row blocks of 8 warps x 2 m-tiles where the m-tiles split so (4 warps with
+    MARKBASE_GPU_QGEMM_PAIR_WARPS=4); otherwise 128-row blocks from 65 rows, 8 warps for
+    large weights, fewer warps (then 64-row blocks) until there are MIN_BLOCKS blocks, a
+    divisor of the m-tiles always."""
+    monkeypatch.delenv(gpu_qgemm.PAIR_WARPS_ENV, raising=False)
+    assert gpu_qgemm.geometry(128, 28672 // 16) == (64, 8, 2)  # 8b gate_up
+    assert gpu_qgemm.geometry(128, 1800) == (64, 4, 2)  # 1800 m-tiles: 8s, not 16s
+    monkeypatch.setenv(gpu_qgemm.PAIR_WARPS_ENV, "4")
+    assert gpu_qgemm.geometry(128, 28672 // 16) == (64, 4, 2)
     assert gpu_qgemm.geometry(128, 4096 // 16) == (64, 4, 2)  # 8b o_proj
     assert gpu_qgemm.geometry(128, 2048 // 16) == (64, 4, 2)  # 1b o_proj
     assert gpu_qgemm.geometry(128, 1796) == (128, 4, 1)  # 4 x 2 do not divide 1796 m-tiles
@@ -90,8 +95,11 @@ def test_quantized_qgemm(shape, dtype):
 
 
 def test_wide_enough_and_stages_switch(monkeypatch):
-    """qgemm only for products whose blocks get 4+ warps (the 8b model's gate/up at
-    128 rows, not its o_proj); the stage count comes from the environment, checked."""
+    """One tile a block (MARKBASE_GPU_QGEMM_SK=0, 4 warps a pair block): qgemm only for
+    products whose blocks get 4+ warps (the 8b model's gate/up at 128 rows, not its
+    o_proj); the stage count comes from the environment, checked."""
+    monkeypatch.setenv(gpu_qgemm.SK_ENV, "0")
+    monkeypatch.setenv(gpu_qgemm.PAIR_WARPS_ENV, "4")
     assert gpu_qgemm.wide_enough(128, 28672 // 16)  # 8b gate/up: 448 blocks
     assert gpu_qgemm.wide_enough(64, 28672 // 16)  # 224
     assert not gpu_qgemm.wide_enough(128, 4096 // 16)  # 8b o_proj: 64 blocks
@@ -236,7 +244,9 @@ def test_stream_k_switch(monkeypatch):
     split into the 2-m-tile geometry is the kernel's (o_proj and down_proj too); the
     grid is the SMs' slots, never more blocks than k-steps; the form needs K."""
     monkeypatch.delenv(gpu_qgemm.SK_ENV, raising=False)
-    assert gpu_qgemm.stream_k() == 0
+    assert gpu_qgemm.stream_k() == 3  # the default since session 20
+    monkeypatch.setenv(gpu_qgemm.SK_ENV, "0")
+    monkeypatch.setenv(gpu_qgemm.PAIR_WARPS_ENV, "4")
     assert not gpu_qgemm.takes(128, 4096 // 16, False, 14336, residual=True)
     monkeypatch.setenv(gpu_qgemm.SK_ENV, "2")
     assert gpu_qgemm.takes(128, 4096 // 16, False, 14336, residual=True)  # down_proj
