@@ -438,14 +438,15 @@ def test_warm_compiles_without_error():
 
 
 @needs_gpu
-@pytest.mark.parametrize("sk", ["0", "2"])
+@pytest.mark.parametrize("sk", ["0", "2", "3"])
 @pytest.mark.parametrize("head_on_kernel", [False, True])
 def test_gpu_decode_step_with_the_kernel_matches_the_model(head_on_kernel, sk, monkeypatch):
     """The GPU decode step with its gate/up product of 33+ rows on this kernel (the
     SwiGLU in it; 8192 intermediate dims give it its 128 blocks at 40 rows) equals the
     model's own call, 40 ragged rows; ``head_on_kernel``: the output layer too (a
     16,384-word vocabulary: 128 blocks at 40 rows; its K lowered to this model's 256);
-    ``sk`` 2: every product in the stream-K form (qkv, o_proj, down_proj too)."""
+    ``sk`` 2: every product in the stream-K form (qkv, o_proj, down_proj too); 3: the
+    default's choice."""
     monkeypatch.setenv(gpu_qgemm.SK_ENV, sk)
     from engine.decode_step import FusedDecodeStep
     from engine.loading import build_random_model
