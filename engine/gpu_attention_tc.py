@@ -446,9 +446,12 @@ def multi_enabled() -> bool:
     """The split form over as many blocks a (row, KV head) as the CUDA-core kernel
     would split it into (engine/gpu_attention.py's ``splits``: ~128 positions a block,
     up to 64), merged by the last block; and then for any such split count, not only
-    up to MAX_SPLITS. ``MARKBASE_GPU_ATTN_TC_MULTI=1``; off until measured (session 19:
-    one row's split form keeps a (row, KV head)'s tiles on one SM, ~7 us for the 2.4 MB
-    of the 8b's 600 positions, 26 us at 2,000 where the CUDA-core kernel took 21)."""
+    up to MAX_SPLITS. ``MARKBASE_GPU_ATTN_TC_MULTI=1``; off. Why it was tried (session
+    19): one row's split form keeps a (row, KV head)'s tiles on one SM. Measured
+    (session 20, H100, CUPTI, against the one-block split form, us a call): 8b one row
+    9.0 / 9.0 at 64 positions, 12.8 / 16.6 at 600, 25.3 / 25.8 at 2,000, 49.6 / 42.5 at
+    4,000; 8b B=8 at 600 12.7 / 24.5. Slower or level below ~4,000 positions: left off.
+    Its GPU tests pass (290 with the CUDA-core split kernels)."""
     return os.environ.get(MULTI_ENV, "0") == "1"
 
 
