@@ -820,20 +820,47 @@ def loaded_model(model, cfg: dict, quant: str, name: str = "random"):
     return LoadedModel(**{k: v for k, v in kw.items() if k in fields})
 
 
-def run_worker(model, cfg: dict, quant: str, b: int, prompt: int, steps: int) -> dict:
-    """B requests through EngineClient; per-step times once all B rows decode together."""
-    from engine.client import EngineClient
-    from engine.types import GenerationRequest
-
-    max_tokens = steps + b + 8  # rows join one per step; keep all B together for ~steps steps
-    conf = engine_config(
+def batch_config(b: int, prompt: int, max_tokens: int):
+    """An engine for ``b`` requests of ``prompt`` + ``max_tokens`` at once: every row in
+    the batch, KV for all, no prefix cache, no warm-up (the steps are timed after the
+    batch fills, and the benchmarks predate the engine's warm-up)."""
+    return engine_config(
         max_num_seqs=b,
         max_kv_tokens=b * (prompt + max_tokens + 16),
         prefix_cache_tokens=0,
         max_queued_requests=max(256, b),
         queue_timeout_s=600.0,
-        warmup=False,  # as measured before the engine had one; the steps are timed anyway
+        warmup=False,
     )
+
+
+async def greedy_requests(client, b: int, prompt: int, max_tokens: int, vocab: int) -> list[int]:
+    """``b`` greedy requests of ``prompt`` tokens (different per request) and
+    ``max_tokens`` each, EOS ignored, all at once through ``client``; the tokens each got."""
+    from engine.types import GenerationRequest
+
+    async def one(i):
+        toks = [(j * 31 + i * 7 + 1) % vocab for j in range(prompt)]
+        req = GenerationRequest(
+            request_id=f"b{i}",
+            model="random",
+            prompt_tokens=toks,
+            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        )
+        n = 0
+        async for ev in client.generate(req):
+            n += len(ev.token_ids)
+        return n
+
+    return list(await asyncio.gather(*(one(i) for i in range(b))))
+
+
+def run_worker(model, cfg: dict, quant: str, b: int, prompt: int, steps: int) -> dict:
+    """B requests through EngineClient; per-step times once all B rows decode together."""
+    from engine.client import EngineClient
+
+    max_tokens = steps + b + 8  # rows join one per step; keep all B together for ~steps steps
+    conf = batch_config(b, prompt, max_tokens)
     client = EngineClient.from_loaded([(loaded_model(model, cfg, quant), None)], conf)
     worker = client.worker("random")
     rec = []
@@ -854,27 +881,9 @@ def run_worker(model, cfg: dict, quant: str, b: int, prompt: int, steps: int) ->
 
     worker._decode_step = timed_decode
     worker.step = timed_step
-    vocab = cfg["vocab_size"]
-
-    async def one(i):
-        toks = [(j * 31 + i * 7 + 1) % vocab for j in range(prompt)]
-        req = GenerationRequest(
-            request_id=f"b{i}",
-            model="random",
-            prompt_tokens=toks,
-            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-        )
-        n = 0
-        async for ev in client.generate(req):
-            n += len(ev.token_ids)
-        return n
-
-    async def main():
-        return await asyncio.gather(*(one(i) for i in range(b)))
-
     t = now()
     try:
-        got = asyncio.run(main())
+        got = asyncio.run(greedy_requests(client, b, prompt, max_tokens, cfg["vocab_size"]))
     finally:
         client.shutdown()
     wall = now() - t

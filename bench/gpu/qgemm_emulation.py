@@ -236,6 +236,17 @@ def stage_weights(words, scales, biases, gs, n, glu, wtile0, mt, ks):
     return wsd, ssd
 
 
+def problem(rng, m: int, nw: int, k: int, gs: int):
+    """A random product: x [m, k], 4-bit weights of ``nw`` rows packed as MLX does, their
+    scales and biases, the dequantized weight, and a residual [m, nw]."""
+    x = 0.1 * rng.standard_normal((m, k))
+    q = rng.integers(0, 16, (nw, k))
+    s = 0.1 * rng.standard_normal((nw, k // gs))
+    b = 0.1 * rng.standard_normal((nw, k // gs))
+    wd = q * np.repeat(s, gs, axis=1) + np.repeat(b, gs, axis=1)
+    return x, pack(q), s, b, wd, rng.standard_normal((m, nw))
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     worst = 0.0
@@ -246,13 +257,7 @@ def main() -> None:
                                 (33, 2048, 128, 64, None), (200, 64, 128, 64, (128, 2)),
                                 (70, 256, 256, 64, (64, 4, 2)), (40, 128, 384, 64, (64, 2, 2)),
                                 (130, 64, 128, 32, (64, 1, 2))]:  # fmt: skip
-        x = 0.1 * rng.standard_normal((m, k))
-        q = rng.integers(0, 16, (nw, k))
-        s = 0.1 * rng.standard_normal((nw, k // gs))
-        b = 0.1 * rng.standard_normal((nw, k // gs))
-        wd = q * np.repeat(s, gs, axis=1) + np.repeat(b, gs, axis=1)
-        words = pack(q)
-        res = rng.standard_normal((m, nw))
+        x, words, s, b, wd, res = problem(rng, m, nw, k, gs)
         err = np.abs(run(x, words, s, b, gs, shape) - x @ wd.T).max()
         err_r = np.abs(run(x, words, s, b, gs, shape, res) - (res + x @ wd.T)).max()
         gate, up = x @ wd[: nw // 2].T, x @ wd[nw // 2 :].T
@@ -281,13 +286,7 @@ def main() -> None:
     for m, nw, k, gs, shape, grids in [(70, 256, 384, 64, (64, 4, 2), (3, 5, 12)),
                                        (40, 128, 512, 32, (64, 2, 2), (2, 7, 8)),
                                        (130, 64, 256, 64, (64, 1, 2), (2, 4, 5, 9))]:  # fmt: skip
-        x = 0.1 * rng.standard_normal((m, k))
-        q = rng.integers(0, 16, (nw, k))
-        s = 0.1 * rng.standard_normal((nw, k // gs))
-        b = 0.1 * rng.standard_normal((nw, k // gs))
-        wd = q * np.repeat(s, gs, axis=1) + np.repeat(b, gs, axis=1)
-        words = pack(q)
-        res = rng.standard_normal((m, nw))
+        x, words, s, b, wd, res = problem(rng, m, nw, k, gs)
         gate, up = x @ wd[: nw // 2].T, x @ wd[nw // 2 :].T
         want_g = gate / (1 + np.exp(-gate)) * up
         for grid in grids:

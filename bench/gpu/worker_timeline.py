@@ -38,7 +38,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
-from bench_decode import build_model, engine_config, loaded_model, randomize  # noqa: E402
+from bench_decode import (  # noqa: E402
+    batch_config,
+    build_model,
+    greedy_requests,
+    loaded_model,
+    randomize,
+)
 from shapes import CONFIGS  # noqa: E402
 
 PREFIX = "mb:"
@@ -175,7 +181,6 @@ def run(model_name: str, quant: str, batch: int, prompt: int, steps: int, skip: 
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from engine.client import EngineClient
-    from engine.types import GenerationRequest, SamplingParams
 
     cfg = CONFIGS[model_name]
     model = build_model(cfg, quant)
@@ -185,14 +190,7 @@ def run(model_name: str, quant: str, batch: int, prompt: int, steps: int, skip: 
     if on_gpu:
         torch.cuda.init()
     max_tokens = skip + steps + batch + 16  # rows join one a step; all B stay for the window
-    conf = engine_config(
-        max_num_seqs=batch,
-        max_kv_tokens=batch * (prompt + max_tokens + 16),
-        prefix_cache_tokens=0,
-        max_queued_requests=max(256, batch),
-        queue_timeout_s=600.0,
-        warmup=False,
-    )
+    conf = batch_config(batch, prompt, max_tokens)
     client = EngineClient.from_loaded([(loaded_model(model, cfg, quant), None)], conf)
     worker = client.worker("random")
     state = wrap_worker(worker, record_function)
@@ -212,25 +210,9 @@ def run(model_name: str, quant: str, batch: int, prompt: int, steps: int, skip: 
             prof.export_chrome_trace(str(trace))
 
     state["hook"] = hook
-    vocab = cfg["vocab_size"]
-
-    async def one(i):
-        toks = [(j * 31 + i * 7 + 1) % vocab for j in range(prompt)]
-        req = GenerationRequest(
-            request_id=f"t{i}",
-            model="random",
-            prompt_tokens=toks,
-            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-        )
-        async for _ in client.generate(req):
-            pass
-
-    async def main():
-        await asyncio.gather(*(one(i) for i in range(batch)))
-
     t = time.perf_counter()
     try:
-        asyncio.run(main())
+        asyncio.run(greedy_requests(client, batch, prompt, max_tokens, cfg["vocab_size"]))
     finally:
         client.shutdown()
     if not trace.exists():
