@@ -25,16 +25,21 @@ alike. x's shared buffer is ``[n-tile][pair of MMA steps][g][t]`` of 16-byte uni
 
 x has ``ST`` buffers (step ks + ST - 1's copy and weight registers are loaded while
 step ks is computed). ``MT`` m-tiles a warp make each x fragment read from shared
-memory feed that many weight tiles: ``geometry`` picks 64-row blocks of 4 warps with 2
-m-tiles each, 2 stages, wherever the weight's m-tiles split so.
+memory feed that many weight tiles: ``geometry`` picks 64-row blocks of 8 warps (4
+where the m-tiles do not split into 16s) with 2 m-tiles each, 2 stages, wherever the
+weight's m-tiles split so.
 
-In the default quantized plan from 33 rows (``33:qgemm``) for the SwiGLU gate/up
-and an output layer of 4096+ inputs where they give enough blocks (``takes``); the
-other products stay on gpu_mma.
-Measured on an H100 (bench/gpu/NOTES.md, session 17): in the engine's 8b 4-bit step at
-B=128, gate/up 203 us a call against gpu_mma's 233; o_proj/down_proj (64 blocks) 151
-against 69. (bench/gpu/qgemm_sweep.py's first form timed independent calls, which
-MLX's CUDA graph may overlap: it flattered the small grids.)
+The grid is stream-K (``stream_k``, session 20): every block of an SMs'-worth grid
+takes an even share of all tiles' k-steps, and a tile cut between blocks is summed by
+the last of them (one tile a block ran the 8b gate/up at 128 rows as 1.7 waves).
+
+In the default quantized plan from 33 rows (``33:qgemm``) for the products where it
+measured faster than gpu_mma (``takes``: every SwiGLU gate/up; qkv, the output layer
+and the 8b down_proj at 128 rows by their work a block slot); the others stay on
+gpu_mma. Measured on an H100 (bench/gpu/NOTES.md, session 20, CUPTI, 8b at 128 rows,
+against gpu_mma): gate/up 0.72x, output layer 0.67x, qkv 0.88x, down_proj 0.90x;
+o_proj 1.03x (left on gpu_mma). (bench/gpu/qgemm_sweep.py's first form timed
+independent calls, which MLX's CUDA graph may overlap: it flattered the small grids.)
 """
 
 from __future__ import annotations
