@@ -628,11 +628,13 @@ PLAIN_MIN_K = 4096  # inputs: 32+ k-steps a block
 
 
 def takes(rows: int, m_tiles: int, glu: bool, k: int = 0, residual: bool = False) -> bool:
-    """Whether the plan's ``qgemm`` runs this product here: the SwiGLU gate/up where
+    """Whether the plan's ``qgemm`` runs this product here. By default (``stream_k``
+    3) where the stream-K form measured faster (``_worth_stream_k``); with 2, every
+    product whose m-tiles split into the 2-m-tile geometry; with 0 or 1 (one tile a
+    block, or stream-K on the same products): the SwiGLU gate/up where
     ``wide_enough``, and a wide product without a residual of PLAIN_MIN_K+ inputs (the
     output layer of the 8b model, not the 1b's: K 2048) unless
-    ``MARKBASE_GPU_QGEMM_PLAIN=0``; with ``stream_k`` 2, every product whose m-tiles
-    split into the 2-m-tile geometry. Measured by CUPTI (session 17, H100, 128 rows,
+    ``MARKBASE_GPU_QGEMM_PLAIN=0``. Measured by CUPTI (session 17, H100, 128 rows,
     against gpu_mma): gate/up 0.84x at 8b and 0.68-0.76x at 1b; qkv 1.32-1.74x, o_proj
     and down_proj 1.95-4.3x (64 blocks: half the SMs idle, which stream-K is for); with
     the output layer on qgemm too, the engine's 1b B=128 step was 8.5% slower than
