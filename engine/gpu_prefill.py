@@ -48,7 +48,7 @@ class DequantPrefillLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         if x.size < self.min_rows * x.shape[-1]:
-            return super().__call__(x)
+            return self._few_rows(x)
         w = gpu_dequant.dequantize(
             self["weight"],
             self["scales"],
@@ -61,6 +61,50 @@ class DequantPrefillLinear(nn.QuantizedLinear):
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+    def _few_rows(self, x: mx.array) -> mx.array:
+        """A chunk below ``min_rows``: MLX's ``quantized_matmul``, or with
+        ``MARKBASE_GPU_PREFILL_SMALL=qmma`` engine/gpu_mma.py's kernel (4-bit affine on
+        CUDA; more than one row: one row stays MLX's)."""
+        k = x.shape[-1]
+        rows = x.size // k
+        if (
+            rows > 1
+            and small_route() == "qmma"
+            and self.bits == 4
+            and self.mode == "affine"
+            and x.dtype in (mx.bfloat16, mx.float16)
+            and self["scales"].dtype == x.dtype
+        ):
+            from engine import gpu_mma
+
+            n = self["weight"].shape[0]
+            biases = self.get("biases")
+            if gpu_mma.quant_supported(x.dtype, n, k, 4, self.group_size, "affine", biases):
+                y = gpu_mma.quantized_matmul(
+                    x.reshape(rows, k), self["weight"], self["scales"], biases, self.group_size
+                ).reshape(*x.shape[:-1], n)
+                return y + self["bias"] if "bias" in self else y
+        return super().__call__(x)
+
+
+SMALL_ENV = "MARKBASE_GPU_PREFILL_SMALL"
+
+
+def small_route() -> str:
+    """``MARKBASE_GPU_PREFILL_SMALL``: ``mlx`` (default) or ``qmma``, how prompt chunks
+    of 2 to ``min_rows`` - 1 rows run their 4-bit products.
+
+    Why a second route: MLX's ``quantized_matmul`` runs them on ``qmm_sm80``, which it
+    JIT-compiles per tile size on first use (m16 / m32 / m64: 23-28 s each on an H100,
+    session 20) and which was 3-5x slower than gpu_mma's kernel at 8-32 rows in the
+    decode step (session 6) and 1.4x at 128 (session 7). Chunks that small are every
+    short prompt and the uncached tail of a prompt whose prefix is cached, so they set
+    time to first token in a chat. Prepared in session 20, not yet measured: off."""
+    text = os.environ.get(SMALL_ENV, "mlx")
+    if text not in ("mlx", "qmma"):
+        raise ValueError(f"{SMALL_ENV}={text!r}: want mlx or qmma")
+    return text
 
 
 def is_plain_quantized(module) -> bool:

@@ -85,3 +85,59 @@ def test_the_decode_step_still_fuses_and_replans_the_routes_modules():
     assert fuse_linears([mlp.gate_proj, mlp.up_proj], quantized=True, gpu_plans=True) is not None
     assert isinstance(gpu_linear.for_module(mlp.down_proj), gpu_linear.GpuQuantizedLinear)
     assert not gpu_prefill.is_plain_quantized(nn.Linear(8, 8))
+
+
+def test_small_route_switch(monkeypatch):
+    """MARKBASE_GPU_PREFILL_SMALL: mlx (default) or qmma, checked; on the CPU the qmma
+    route does not apply (the result is quantized_matmul's either way)."""
+    monkeypatch.delenv(gpu_prefill.SMALL_ENV, raising=False)
+    assert gpu_prefill.small_route() == "mlx"
+    monkeypatch.setenv(gpu_prefill.SMALL_ENV, "fast")
+    with pytest.raises(ValueError, match="want mlx or qmma"):
+        gpu_prefill.small_route()
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("rows", [2, 8, 12, 33, 100, 255])
+def test_small_chunks_on_the_mma_kernel_equal_quantized_matmul(rows, monkeypatch):
+    """With MARKBASE_GPU_PREFILL_SMALL=qmma, chunks of 2-255 rows run on gpu_mma's
+    kernel (spied) and give quantized_matmul's product (bf16, with a bias); 256 rows
+    still take the dequantize route."""
+    from engine import gpu_mma
+
+    monkeypatch.setenv(gpu_prefill.SMALL_ENV, "qmma")
+    calls = []
+    real = gpu_mma.quantized_matmul
+    monkeypatch.setattr(
+        gpu_mma, "quantized_matmul", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    mx.random.seed(rows)
+    layer = nn.QuantizedLinear(512, 384, bias=True, group_size=64, bits=4)
+    layer.set_dtype(mx.bfloat16)
+    layer.bias = (mx.random.normal((384,)) * 0.1).astype(mx.bfloat16)
+    reference = nn.QuantizedLinear(512, 384, bias=True, group_size=64, bits=4)
+    reference.update(layer.parameters())
+    assert gpu_prefill.install(layer) == 1
+    x = mx.random.normal((1, rows, 512)).astype(mx.bfloat16)
+    got, want = layer(x).astype(mx.float32), reference(x).astype(mx.float32)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-2, atol=2e-2)
+    assert calls == [1]
+    layer(mx.random.normal((1, 256, 512)).astype(mx.bfloat16))
+    assert calls == [1]
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+def test_prompt_logits_with_small_chunks_on_the_mma_kernel(monkeypatch):
+    """A 4-bit bf16 model's logits over a 40-token prompt (every product below the
+    dequantize route) are the same within bf16 rounding on either small-chunk route."""
+    loaded = build_random_model("llama", {**TINY, "hidden_size": 128}, seed=5, quantize_bits=4)
+    model = loaded.model
+    model.set_dtype(mx.bfloat16)
+    gpu_prefill.install(model)
+    tokens = mx.array([list(range(3, 43))], dtype=mx.int32)
+    out = {}
+    for route in ("mlx", "qmma"):
+        monkeypatch.setenv(gpu_prefill.SMALL_ENV, route)
+        logits = model(tokens, cache=[SequenceKV() for _ in model.layers])
+        out[route] = np.array(logits.astype(mx.float32))
+    np.testing.assert_allclose(out["qmma"], out["mlx"], rtol=5e-2, atol=5e-2)

@@ -37,7 +37,8 @@
 #   bash bench/gpu/suite.sh qgemm-sk; MARKBASE_GPU_QGEMM_SK=2 TABLE_CONFIGS="8b:q4 1b:q4" \
 #       TABLE_BATCHES=64,128 TABLE_TAG=sk bash bench/gpu/suite.sh engine-table   (session 20, prepared)
 #   bash bench/gpu/suite.sh worker-timeline              (session 20, prepared: host vs GPU at B=128)
-#   bash bench/gpu/suite.sh dequant                      (session 20, prepared: prefill's 4-bit expansion)
+#   bash bench/gpu/suite.sh dequant                      (session 20: prefill's 4-bit expansion)
+#   bash bench/gpu/suite.sh prefill-small                (session 20, prepared: short chunks on gpu_mma)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -272,6 +273,20 @@ for stage in "$@"; do
             MARKBASE_GPU_DEQUANT=$v timeout ${PA_TIMEOUT:-150} $B --models ${PA_MODELS:-1b,8b} --quants q4 \
                 --batches 1 --variants "" --steps 8 --prefill 2048 --chunk 512 \
                 --budget-s $(( ${PA_TIMEOUT:-150} - 20 )) --tag dequant-$v --out "$OUT/prefill-dequant-$v.json"
+        done
+        ;;
+    prefill-small)  # session 20 (prepared): prompt chunks under 256 rows on MLX's quantized_matmul
+        # or gpu_mma's kernel (MARKBASE_GPU_PREFILL_SMALL=qmma): its tests, then one-chunk
+        # prefill of 24 / 100 / 200 tokens each way (tok/s, and the first call's compile)
+        timeout ${PS_TEST_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --tb=short \
+            tests/test_gpu_prefill.py 2>&1 | tail -6 | tee "$OUT/test_prefill_small.log"
+        for v in mlx qmma; do
+            for n in ${PS_TOKENS:-24 100 200}; do
+                MARKBASE_GPU_PREFILL_SMALL=$v timeout ${PS_TIMEOUT:-90} $B --models ${PS_MODELS:-8b,1b} \
+                    --quants q4 --batches 1 --variants "" --steps 4 --prefill $n --chunk 0 \
+                    --budget-s $(( ${PS_TIMEOUT:-90} - 15 )) --tag small-$v-$n \
+                    --out "$OUT/prefill-small-$v-$n.json" 2>&1 | grep -E "prefill|rror"
+            done
         done
         ;;
     worker-timeline)  # session 20 (prepared): the served engine's step, host phases and GPU
