@@ -332,8 +332,10 @@ class FusedDecodeStep:
         ]
         if any(self._qlayer_ok):  # made now: a compiled step must find them made
             gpu_qlayer.ensure_barriers(len(self._qlayer_ok))
-        # (thread, batch size) whose split counters are made (they are per thread)
+        # (thread, batch size) whose split counters are made; threads whose stream-K
+        # buffers are (both are per thread)
         self._counted: set = set()
+        self._sk_threads: set = set()
 
     def _folds_norm(self, linear, norm) -> bool:
         """Whether ``norm`` is handed to ``linear``'s ``fused`` (``fold``, an
@@ -517,11 +519,14 @@ class FusedDecodeStep:
         nsplit = gpu_attention.append_splits(b, hkv, first.length)
         if b == 1 and self.qblock and all(self._block_ok):
             nsplit = 0  # every layer's attention in its kernel: T does not shape the trace
-        if nsplit > 1 and (threading.get_ident(), b) not in self._counted:
+        me = threading.get_ident()
+        if nsplit > 1 and (me, b) not in self._counted:
             gpu_attention.ensure_counters(b * hkv, len(cache))
-            self._counted.add((threading.get_ident(), b))
-        if gpu_linear.uses("qgemm"):
-            gpu_qgemm.ensure_stream_k()  # its buffers are made outside the trace
+            self._counted.add((me, b))
+        if me not in self._sk_threads:  # once a thread: not a plan lookup every step
+            if gpu_linear.uses("qgemm"):
+                gpu_qgemm.ensure_stream_k()  # its buffers are made outside the trace
+            self._sk_threads.add(me)
         return self._whole(tokens, offset, start, buffers, nsplit)
 
     def _whole_step(self, tokens, offset, start, buffers, nsplit: int):

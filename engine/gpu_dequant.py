@@ -121,17 +121,16 @@ def supported(w, scales, biases, group_size: int, bits: int, mode: str) -> bool:
     uint32 weight (MLX's packing: weight 8i + j in bits 4j..4j+3 of word i)."""
     import mlx.core as mx
 
+    from engine import gpu_gemv
+
+    n, k = w.shape[0], w.shape[-1] * 8
     return (
-        mx.cuda.is_available()
-        and bits == 4
-        and mode == "affine"
-        and biases is not None
+        gpu_gemv.quant_supported(scales.dtype, n, k, bits, group_size, mode, biases)
         and group_size in (32, 64, 128)
         and w.ndim == 2
         and w.dtype == mx.uint32
-        and scales.dtype in (mx.bfloat16, mx.float16)
         and biases.dtype == scales.dtype
-        and scales.shape == (w.shape[0], w.shape[1] * 8 // group_size)
+        and scales.shape == (n, k // group_size)
     )
 
 

@@ -68,21 +68,14 @@ class DequantPrefillLinear(nn.QuantizedLinear):
         CUDA; more than one row: one row stays MLX's)."""
         k = x.shape[-1]
         rows = x.size // k
-        if (
-            rows > 1
-            and small_route() == "qmma"
-            and self.bits == 4
-            and self.mode == "affine"
-            and x.dtype in (mx.bfloat16, mx.float16)
-            and self["scales"].dtype == x.dtype
-        ):
+        if rows > 1 and small_route() == "qmma" and self["scales"].dtype == x.dtype:
             from engine import gpu_mma
 
-            n = self["weight"].shape[0]
-            biases = self.get("biases")
-            if gpu_mma.quant_supported(x.dtype, n, k, 4, self.group_size, "affine", biases):
+            n, biases = self["weight"].shape[0], self.get("biases")
+            gs, bits, mode = self.group_size, self.bits, self.mode
+            if gpu_mma.quant_supported(x.dtype, n, k, bits, gs, mode, biases):
                 y = gpu_mma.quantized_matmul(
-                    x.reshape(rows, k), self["weight"], self["scales"], biases, self.group_size
+                    x.reshape(rows, k), self["weight"], self["scales"], biases, gs
                 ).reshape(*x.shape[:-1], n)
                 return y + self["bias"] if "bias" in self else y
         return super().__call__(x)

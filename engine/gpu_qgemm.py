@@ -678,8 +678,7 @@ def _worth_stream_k(rows: int, m_tiles: int, glu: bool, k: int, residual: bool) 
     if glu:
         return True
     tiles = m_tiles // (wm * mt) * -(-rows // bm)
-    slots = stream_k_grid(1 << 30, 1, wm, mt)  # the grid's slots
-    per_slot = tiles * (k // KSTEP) / slots
+    per_slot = tiles * (k // KSTEP) / stream_k_slots(wm, mt)
     return per_slot >= (SK_RESIDUAL_ITEMS if residual else SK_PLAIN_ITEMS)
 
 
@@ -712,13 +711,18 @@ def blocks_per_sm(wm: int, mt: int) -> int:
     return 2 if (wm, mt) == (4, 2) else max(1, 8 // wm)
 
 
-def stream_k_grid(tiles: int, steps: int, wm: int, mt: int) -> int:
-    """Blocks of a stream-K launch: every SM's slots, or fewer where there are fewer
-    k-steps than that in all."""
+def stream_k_slots(wm: int, mt: int) -> int:
+    """Blocks of the form the GPU holds at once: its SMs x ``blocks_per_sm``."""
     from engine import gpu_qlayer
 
-    sms = gpu_qlayer.sm_count() or SMS
-    return max(1, min(tiles * steps, sms * blocks_per_sm(wm, mt)))
+    return (gpu_qlayer.sm_count() or SMS) * blocks_per_sm(wm, mt)
+
+
+def stream_k_grid(tiles: int, steps: int, wm: int, mt: int) -> int:
+    """Blocks of a stream-K launch: every slot (``stream_k_slots``), or fewer where
+    there are fewer k-steps than that in all: the kernel's owner arithmetic needs a
+    k-step a block at least."""
+    return max(1, min(tiles * steps, stream_k_slots(wm, mt)))
 
 
 def _partials_size() -> int:
@@ -796,9 +800,7 @@ def _launch(
     st = stages(mt, ws)
     abl = ablation()
     tiles = n // 16 // (wm * mt) * -(-rows // bm)
-    steps = max(1, k // KSTEP)
-    # the kernel's contract: a k-step a block at least (its owner arithmetic needs it)
-    blocks = max(1, min(stream_k_grid(tiles, steps, wm, mt), tiles * steps))
+    blocks = stream_k_grid(tiles, max(1, k // KSTEP), wm, mt)
     partials = blocks * 2 * wm * 32 * mt * (bm // 8) * 4  # floats: two a thread's sums
     sk = sk and not abl and tiles <= SK_MAX_TILES and partials <= _partials_size()
     if sk:

@@ -256,9 +256,7 @@ def test_stream_k_switch(monkeypatch):
     with pytest.raises(ValueError, match="want 0, 1, 2 or 3"):
         gpu_qgemm.stream_k()
     # 3: where the sweep saw it win (8 warps a block, 132 SMs)
-    monkeypatch.setattr(
-        gpu_qgemm, "stream_k_grid", lambda t, s, wm, mt: 132 * (2 if wm == 4 else 1)
-    )
+    monkeypatch.setattr(gpu_qgemm, "stream_k_slots", lambda wm, mt: 132 * (2 if wm == 4 else 1))
     monkeypatch.setenv(gpu_qgemm.SK_ENV, "3")
     monkeypatch.setenv(gpu_qgemm.PAIR_WARPS_ENV, "8")
     assert gpu_qgemm.takes(64, 28672 // 16, True, 4096)  # 8b gate/up

@@ -53,8 +53,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in a.models.split(",") if on_gpu else ["tiny"]:
         cfg = CONFIGS[name]
-        head = [("lm_head", cfg["vocab_size"], cfg["hidden_size"], False, False)]
-        for pname, n, k, _, _ in products(cfg) + head:
+        for pname, n, k, _, _ in products(cfg, head=True):
             copies = weights(n, k, 3)  # rotating copies: L2 holds none of them
             moved = n * k // 2 + 2 * (n * k // GS) * 2 + n * k * 2
             times = {}

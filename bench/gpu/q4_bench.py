@@ -37,16 +37,18 @@ from engine import gpu_mma, gpu_qstream  # noqa: E402
 GS = 64
 
 
-def products(cfg: dict) -> list[tuple[str, int, int, bool, bool]]:
-    """(name, N weight rows, K, residual, glu) of one layer, as the decode step has them."""
+def products(cfg: dict, head: bool = False) -> list[tuple[str, int, int, bool, bool]]:
+    """(name, N weight rows, K, residual, glu) of one layer, as the decode step has them;
+    with ``head``, the output layer (``lm_head``) too."""
     h, f = cfg["hidden_size"], cfg["intermediate_size"]
     kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
-    return [
+    out = [
         ("qkv", h + 2 * kv, h, False, False),
         ("o", h, h, True, False),
         ("gate_up", 2 * f, h, False, True),
         ("down", h, f, True, False),
     ]
+    return out + ([("lm_head", cfg["vocab_size"], h, False, False)] if head else [])
 
 
 def weights(n: int, k: int, copies: int):

@@ -90,9 +90,7 @@ def main() -> None:
     print("|---|---|---:|---|---:|---:|---:|")
     for name in [m for m in args.models.split(",") if m]:
         cfg = CONFIGS[name]
-        # the output layer too, when asked (vocab rows; on qmma in the default plan)
-        head = [("lm_head", cfg["vocab_size"], cfg["hidden_size"], False, False)]
-        for pname, n, k, residual, glu in products(cfg) + head:
+        for pname, n, k, residual, glu in products(cfg, head=True):  # lm_head when asked
             if pname not in (args.products or "qkv,o,gate_up,down").split(","):
                 continue
             weights = []
