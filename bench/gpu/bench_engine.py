@@ -315,10 +315,18 @@ def run_first_request(args) -> None:
             ttft_median_s=statistics.median(r["ttft_s"] for r in burst),
         )
         out["again"] = await one(args.gen)
+        # a burst wide enough for the many-row decode products (gpu_qgemm from 33 rows)
+        t0 = now()
+        wide = await asyncio.gather(*(one(8) for _ in range(args.wide_burst)))
+        out["wide_burst"] = dict(
+            n=args.wide_burst,
+            wall_s=now() - t0,
+            ttft_max_s=max(r["ttft_s"] for r in wide),
+        )
         # prompts of lengths not seen before: a per-shape compile (e.g. a cuDNN attention
         # graph per prompt length) shows as a first TTFT far above the second's
         out["lengths"] = []
-        for n in (97, 300, 701, 1500):
+        for n in args.lengths:
             a, b = await one(4, n), await one(4, n)
             out["lengths"].append(
                 dict(prompt=n, first_ttft_s=a["ttft_s"], again_ttft_s=b["ttft_s"])
@@ -350,6 +358,8 @@ def run_first_request(args) -> None:
         f"{b['n']}: {b['wall_s']:.3f} s (TTFT max {b['ttft_max_s']:.3f} s); again: TTFT "
         f"{a['ttft_s']:.3f} s, total {a['total_s']:.3f} s; state after start {after_start}"
     )
+    w = res["wide_burst"]
+    log(f"burst of {w['n']}: {w['wall_s']:.3f} s (TTFT max {w['ttft_max_s']:.3f} s)")
     log(
         "new prompt lengths, TTFT first / again: "
         + ", ".join(
@@ -382,6 +392,15 @@ def main() -> None:
     ap.add_argument("--shapes", default="equal,ragged", help="ab: equal and/or ragged rows")
     ap.add_argument("--budget-s", type=float, default=45)
     ap.add_argument("--gen", type=int, default=32, help="first-request: tokens per request")
+    ap.add_argument(
+        "--lengths",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[2, 7, 13, 20, 33, 40, 64, 97, 130, 200, 255, 300, 513, 701, 1025, 1500],
+        help="first-request: new prompt lengths, each band of the prefill's routes",
+    )
+    ap.add_argument(
+        "--wide-burst", type=int, default=48, help="first-request: concurrent requests"
+    )
     ap.add_argument("--burst", type=int, default=8)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--gpu-name", default="")
