@@ -398,9 +398,7 @@ def main() -> None:
         default=[2, 7, 13, 20, 33, 40, 64, 97, 130, 200, 255, 300, 513, 701, 1025, 1500],
         help="first-request: new prompt lengths, each band of the prefill's routes",
     )
-    ap.add_argument(
-        "--wide-burst", type=int, default=48, help="first-request: concurrent requests"
-    )
+    ap.add_argument("--wide-burst", type=int, default=48, help="first-request: concurrent requests")
     ap.add_argument("--burst", type=int, default=8)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--gpu-name", default="")
