@@ -83,12 +83,14 @@ def warmup_batch_sizes(max_num_seqs: int) -> list[int]:
     return [*sizes, max(1, max_num_seqs)]
 
 
-# Prompt chunks of these row counts go through MLX's quantized_matmul (below the GPU
-# prefill's dequantize route, engine/gpu_prefill.py), which JIT-compiles one kernel per
-# tile size the first time it sees one: on an H100 qmm_sm80's m16 (up to 16 rows), m32
-# (17-32) and m64 (33+) variants took 23-28 s each (bench/gpu/NOTES.md, session 20: a
+# Prompt chunks of these row counts run below the GPU prefill's dequantize route
+# (engine/gpu_prefill.py): on gpu_mma's kernel by default, whose forms compile per band
+# of rows (~1-6 s each under NVRTC), or with MARKBASE_GPU_PREFILL_SMALL=mlx on MLX's
+# quantized_matmul, which JIT-compiles one qmm_sm80 kernel per tile size (m16 up to 16
+# rows, m32 17-32, m64 33+; 23-28 s each on an H100, bench/gpu/NOTES.md, session 20: a
 # 97-token prompt's first request waited 27.4 s after the warm-up). One chunk in each
-# power-of-two band up to 256 rows covers those and any finer split.
+# power-of-two band up to 256 rows covers either route (session 21, from an empty PTX
+# cache: no new prompt length of 2-1,500 tokens waited after the warm-up).
 WARMUP_PREFILL_ROWS = (12, 24, 48, 96, 192)
 
 

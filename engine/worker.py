@@ -178,7 +178,8 @@ class ModelWorker:
     def warm_up(self) -> float:
         """Run what serving runs, once, before the first request: one prefill chunk
         (a chunk without logits and a last one with them), prompts of 12-192 tokens
-        (``warmup_prefill_rows``: MLX's quantized product compiles per tile size),
+        (``warmup_prefill_rows``: the short-chunk product's forms compile per row band,
+        gpu_mma's on CUDA, MLX's ``quantized_matmul`` per tile size where it runs them),
         then two decode steps at
         each of ``warmup_batch_sizes(max_num_seqs)`` (rows of different lengths, as
         in the running batch; one step with equal rows too) with greedy and
@@ -206,7 +207,7 @@ class ModelWorker:
         first = sample_batch(logits[None], [greedy])
         layer_kv = [c.kv() for c in kv]
         mx.eval(first, layer_kv)
-        # chunks of fewer rows: MLX compiles its quantized product per tile size
+        # chunks of fewer rows: their products' kernels compile per band of rows
         for rows in warmup_prefill_rows(self.scheduler.chunk_tokens, self.context_length):
             mx.eval(runner.prefill(runner.new_sequence_kv(), prompt[:rows], want_logits=True))
         token = int(first.item())

@@ -88,10 +88,10 @@ def test_the_decode_step_still_fuses_and_replans_the_routes_modules():
 
 
 def test_small_route_switch(monkeypatch):
-    """MARKBASE_GPU_PREFILL_SMALL: mlx (default) or qmma, checked; on the CPU the qmma
+    """MARKBASE_GPU_PREFILL_SMALL: qmma (default) or mlx, checked; on the CPU the qmma
     route does not apply (the result is quantized_matmul's either way)."""
     monkeypatch.delenv(gpu_prefill.SMALL_ENV, raising=False)
-    assert gpu_prefill.small_route() == "mlx"
+    assert gpu_prefill.small_route() == "qmma"
     monkeypatch.setenv(gpu_prefill.SMALL_ENV, "fast")
     with pytest.raises(ValueError, match="want mlx or qmma"):
         gpu_prefill.small_route()
