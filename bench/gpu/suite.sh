@@ -39,6 +39,7 @@
 #   bash bench/gpu/suite.sh worker-timeline              (session 20, prepared: host vs GPU at B=128)
 #   bash bench/gpu/suite.sh dequant                      (session 20: prefill's 4-bit expansion)
 #   bash bench/gpu/suite.sh prefill-small                (session 20, prepared: short chunks on gpu_mma)
+#   bash bench/gpu/suite.sh issue-table                  (the issue's table: PyTorch, the engine, report.py)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -136,6 +137,15 @@ for stage in "$@"; do
                 --variant-batches "${TABLE_BATCHES:-1,8,32,128}" --steps $steps --chunk 0 \
                 --budget-s $(( ${TABLE_TIMEOUT:-150} - 20 )) --out "$OUT/table-$m-$q${PIN:+-pinned}${TABLE_TAG:+-$TABLE_TAG}.json"
         done
+        ;;
+    issue-table)  # the issue's table in one command: compiled PyTorch (static cache, CUDA
+        # graphs, the copy bandwidth for the floor) first, then the engine as served for
+        # 1b/8b x bf16/4-bit at B=1,8,32,128 with 2k prefill, then report.py over both
+        timeout ${TORCH_TIMEOUT:-240} python3 bench/gpu/torch_ref.py --models 8b,1b \
+            --batches "${TABLE_BATCHES:-1,8,32,128}" --out "$OUT/torch.json" 2>&1 | grep -v -i warn
+        cp "$OUT/torch.json" /tmp/issue-torch.json
+        TABLE_BATCHES=${TABLE_BATCHES:-1,8,32,128} bash "$0" engine-table
+        python3 bench/gpu/report.py "$OUT/all.json" /tmp/issue-torch.json | tee "$OUT/table.md"
         ;;
     engine-ab)  # session 4: the fused step with the hidden state [B, 1, D] (before) vs [B, D]
         # (now the GPU default), ragged rows, interleaved in one process per model; the
