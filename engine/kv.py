@@ -5,6 +5,8 @@ for RoPE and ask ``cache.make_mask(N, window_size=..., return_array=...)`` for t
 attention mask. Two caches implement that protocol:
 
 - ``SequenceKV``: one sequence, used while its prompt is prefilled chunk by chunk.
+- ``PromptBatchKV``: whole prompts of several new sequences prefilled in one forward,
+  each layer's keys and values handed on to their ``SequenceKV``.
 - ``BatchKV``: the running batch, rows left-padded to a common time axis so one
   forward decodes one token for every row. Each row keeps its own RoPE position
   (``offset`` is a per-row array) and the mask hides its padding, so a row's
@@ -73,6 +75,28 @@ class SequenceKV:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class PromptBatchKV:
+    """One layer's cache for whole prompts prefilled together (``ModelRunner.
+    prefill_together``): rows right-padded to one width, every row from position 0.
+    The forward attends over the padded chunk itself; each sequence's own
+    ``SequenceKV`` keeps only its real positions."""
+
+    def __init__(self, caches: list[SequenceKV], lengths: list[int]) -> None:
+        if any(c.offset for c in caches):
+            raise ValueError("prompts prefilled together must start at position 0")
+        self.caches = caches
+        self.lengths = lengths
+        self.offset = 0  # RoPE position of every row's first token
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        for i, (cache, n) in enumerate(zip(self.caches, self.lengths)):
+            cache.update_and_fetch(keys[i : i + 1, :, :n, :], values[i : i + 1, :, :n, :])
+        return keys, values
+
+    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False):
+        return SequenceKV.make_mask(self, n, window_size=window_size, return_array=return_array)
 
 
 class BatchKV:

@@ -63,6 +63,12 @@ step_batch_size = Histogram(
     ["model"],
     buckets=(1, 2, 4, 8, 16, 32, 64, 128),
 )
+prefill_group_size = Histogram(
+    "markbase_prefill_group_size",
+    "Whole prompts prefilled in one forward (1: alone)",
+    ["model"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+)
 
 
 class ModelMetrics:

@@ -14,7 +14,7 @@ import mlx.core as mx
 from engine import attention, cpu_qgemm, fast_math, gpu_prefill
 from engine.cpu_step import CpuDecodeStep
 from engine.decode_step import make_decode_step, on_gpu
-from engine.kv import BatchKV, SequenceKV
+from engine.kv import BatchKV, PromptBatchKV, SequenceKV
 
 
 class ModelRunner:
@@ -79,6 +79,32 @@ class ModelRunner:
             self._forward_body(kv, tokens[:-1])
         logits = self.model(mx.array([tokens[-1:]], dtype=mx.int32), cache=kv)
         return logits[0, -1]
+
+    def can_prefill_together(self) -> bool:
+        """Whether ``prefill_together`` applies: the one-pass output layer is known
+        (``MARKBASE_PREFILL_TOGETHER=0`` turns it off, for A/B runs)."""
+        return self.head is not None and os.environ.get("MARKBASE_PREFILL_TOGETHER", "1") != "0"
+
+    def prefill_together(self, kvs: list[list[SequenceKV]], prompts: list[list[int]]) -> mx.array:
+        """Whole prompts of several new sequences (empty ``kvs``) in one forward; returns
+        each one's last-position logits [B, V].
+
+        Why: a burst of short prompts prefilled one by one pays a pass over every
+        weight per prompt (and on a GPU a dequantized copy of the 4-bit weights per
+        prompt from 256 rows): 48 prompts of 256 tokens at 8b 4-bit took 1.75 s to
+        the last first token on an H100 (bench/gpu/NOTES.md, session 21). The rows
+        are right-padded to the longest prompt; every prompt starts at position 0, so
+        causal attention never lets a real position see a pad, and each sequence's
+        cache keeps only its own positions (``PromptBatchKV``)."""
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        tokens = mx.array([p + [0] * (width - len(p)) for p in prompts], dtype=mx.int32)
+        layers = [
+            PromptBatchKV([kv[layer] for kv in kvs], lengths) for layer in range(self.num_layers)
+        ]
+        hidden = self.body(tokens, cache=layers)
+        last = hidden[mx.arange(len(prompts)), mx.array(lengths, dtype=mx.int32) - 1]
+        return self.head(last)
 
     def _forward_body(self, kv: list[SequenceKV], tokens: list[int]) -> None:
         x = mx.array([tokens], dtype=mx.int32)

@@ -8,6 +8,8 @@ scheduler mutates nothing itself:
 2. ``plan_prefill``: how many prompt tokens each prefilling sequence computes this
    step. Running sequences always decode one token; the prefill budget bounds how
    much prompt work joins a step, so a long prompt cannot stall running streams.
+3. ``prompt_groups`` / ``defer_shared_starts``: which whole new prompts of the plan
+   run as one forward, and which wait a step for a prefix an earlier one will cache.
 """
 
 from __future__ import annotations
@@ -27,6 +29,43 @@ def kv_need(seq: Sequence) -> int:
 @dataclass
 class PrefillPlan:
     chunks: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens)
+    budget: int = 0  # prompt tokens this step may compute
+
+
+# Prompts that begin with the same this-many tokens are not prefilled together: the
+# later one waits a step and then finds the earlier one's prefix in the prefix cache
+# (a shared system prompt), which saves more than batching would.
+SHARED_PREFIX_TOKENS = 32
+
+
+def defer_shared_starts(seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+    """(to run now, to defer a step): a prompt whose first ``SHARED_PREFIX_TOKENS``
+    tokens an earlier one of ``seqs`` has waits, to reuse that one's cached prefix."""
+    seen: set[tuple[int, ...]] = set()
+    keep, deferred = [], []
+    for seq in seqs:
+        if len(seq.prompt) > SHARED_PREFIX_TOKENS:
+            head = tuple(seq.prompt[:SHARED_PREFIX_TOKENS])
+            if head in seen:
+                deferred.append(seq)
+                continue
+            seen.add(head)
+        keep.append(seq)
+    return keep, deferred
+
+
+def prompt_groups(seqs: list[Sequence], budget: int) -> list[list[Sequence]]:
+    """Whole prompts to prefill together, longest first: each group's right-padded
+    size (members x its longest prompt) within ``budget``; groups of one included (the
+    caller runs those alone)."""
+    groups: list[list[Sequence]] = []
+    for seq in sorted(seqs, key=lambda s: len(s.prompt), reverse=True):
+        group = groups[-1] if groups else None
+        if group and (len(group) + 1) * len(group[0].prompt) <= budget:
+            group.append(seq)
+        else:
+            groups.append([seq])
+    return groups
 
 
 class Scheduler:
@@ -49,7 +88,7 @@ class Scheduler:
     def plan_prefill(self, prefilling: list[Sequence], decoding: bool) -> PrefillPlan:
         # With nothing decoding there is no stream to protect: take bigger chunks.
         budget = self.chunk_tokens * (1 if decoding else 4)
-        plan = PrefillPlan()
+        plan = PrefillPlan(budget=budget)
         for seq in prefilling:
             if budget <= 0:
                 break

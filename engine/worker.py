@@ -31,7 +31,13 @@ from engine.kv import BatchKV, SequenceKV
 from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
 from engine.sampler import RowSampler, sample_batch
-from engine.scheduler import Scheduler, kv_need
+from engine.scheduler import (
+    PrefillPlan,
+    Scheduler,
+    defer_shared_starts,
+    kv_need,
+    prompt_groups,
+)
 from engine.sequence import SeqState, Sequence, StopMatcher
 from engine.tokenizer import StreamingDetokenizer
 from engine.types import (
@@ -293,7 +299,8 @@ class ModelWorker:
             self._decode_step()
             self._flush_outbox()  # before the prefill chunks: they must not delay these tokens
         plan = self.scheduler.plan_prefill(self.prefilling, decoding=decoding)
-        for seq, n in plan.chunks:
+        chunks = self._prefill_whole_prompts(plan)
+        for seq, n in chunks:
             self._prefill_chunk(seq, n)
         self._update_gauges()
         self._flush_outbox()
@@ -319,10 +326,11 @@ class ModelWorker:
             self.metrics.prompt_tokens.inc(len(seq.prompt))
             self.prefilling.append(seq)
 
-    def _start_prefill(self, seq: Sequence) -> None:
-        """Take the longest cached prefix. Done at the first chunk, not at admission,
-        so requests that arrive together still reuse the one prefilled before them."""
-        matched, cached_kv = self.prefix_cache.lookup(seq.prompt)
+    def _start_prefill(self, seq: Sequence, found=None) -> None:
+        """Take the longest cached prefix (``found``: a lookup already made). Done at
+        the first chunk, not at admission, so requests that arrive together still
+        reuse the one prefilled before them."""
+        matched, cached_kv = found or self.prefix_cache.lookup(seq.prompt)
         self.metrics.prefix_cache_queries.inc(len(seq.prompt))
         if matched:
             seq.kv = [SequenceKV.from_kv(k, v) for k, v in cached_kv]
@@ -330,6 +338,51 @@ class ModelWorker:
             self.metrics.prefix_cache_hits.inc(matched)
         else:
             seq.kv = self.runner.new_sequence_kv()
+
+    def _prefill_whole_prompts(self, plan: PrefillPlan) -> list[tuple[Sequence, int]]:
+        """Run the plan's whole new prompts that found no cached prefix in groups of
+        one forward each (``ModelRunner.prefill_together``; a burst of short prompts
+        otherwise pays a pass over the weights per prompt); returns the chunks left to
+        run one by one. A prompt that starts as an earlier one of them does waits a
+        step (not looked up, not counted), then finds that one's prefix cached."""
+        if len(plan.chunks) < 2 or not self.runner.can_prefill_together():
+            return plan.chunks
+        rest, misses = [], []
+        for seq, n in plan.chunks:
+            if seq.kv is None and n == len(seq.prompt):
+                found = self.prefix_cache.lookup(seq.prompt)
+                if not found[0]:
+                    misses.append(seq)
+                    continue
+                self._start_prefill(seq, found)
+            rest.append((seq, n))
+        if self.prefix_cache.enabled:
+            misses, _deferred = defer_shared_starts(misses)
+        for group in prompt_groups(misses, plan.budget):
+            for seq in group:
+                self._start_prefill(seq, (0, None))
+            self.metrics.prefill_group_size.observe(len(group))
+            if len(group) == 1:
+                rest.append((group[0], len(group[0].prompt)))
+            else:
+                self._prefill_group(group)
+        return rest
+
+    def _prefill_group(self, group: list[Sequence]) -> None:
+        try:
+            logits = self.runner.prefill_together([s.kv for s in group], [s.prompt for s in group])
+            tokens = sample_batch(logits, [s.sampler for s in group])
+            mx.eval(tokens, *([c.keys, c.values] for s in group for c in s.kv))
+            firsts = tokens.tolist()
+        except Exception:  # run them one by one instead: a failure there is theirs alone
+            log.exception("prefilling %d prompts together failed; one by one", len(group))
+            for seq in group:
+                seq.kv, seq.prefilled = self.runner.new_sequence_kv(), 0
+                self._prefill_chunk(seq, len(seq.prompt))
+            return
+        for seq, token in zip(group, firsts):
+            seq.prefilled = len(seq.prompt)
+            self._prefilled(seq, token)
 
     def _prefill_chunk(self, seq: Sequence, n: int) -> None:
         try:
@@ -352,11 +405,16 @@ class ModelWorker:
                 seq, FinishReason.ERROR, error=f"Prefill failed: {exc!r}", error_kind="internal"
             )
             return
+        self._prefilled(seq, int(token.item()))
+
+    def _prefilled(self, seq: Sequence, token: int) -> None:
+        """A prompt is in the cache and its first token sampled: keep its prefix for
+        reuse, emit the token, and move the sequence into the running batch."""
         self.prefilling.remove(seq)
         kv, seq.kv = seq.kv, None
         layer_kv = [c.kv() for c in kv]
         self.prefix_cache.insert(seq.prompt, layer_kv)
-        if self._accept_token(seq, int(token.item())):
+        if self._accept_token(seq, token):
             return
         for layer, (k, v) in zip(self.batch, layer_kv):
             layer.add(k, v)

@@ -79,3 +79,57 @@ def test_async_chunks_equal_sync_chunks(monkeypatch) -> None:
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
     monkeypatch.delenv("MARKBASE_PREFILL_ASYNC")
     assert ModelRunner(loaded.model, fused_decode=False).async_prefill is on_gpu()
+
+
+_TOGETHER_CASES = {
+    **TINY_CONFIGS,
+    # a window shorter than the prompts: the sliding layers' masks matter
+    "gemma3_text-window": dict(
+        TINY_CONFIGS["gemma3_text"], sliding_window=4, sliding_window_pattern=2
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_TOGETHER_CASES))
+def test_prompts_prefilled_together_equal_one_by_one(case) -> None:
+    """Whole prompts of different lengths in one right-padded forward give each
+    prompt's own last logits and leave each sequence's cache as its own prefill does
+    (every family: RoPE from position 0, sliding windows, MoE routing of the pads)."""
+    family = case.split("-")[0]
+    loaded = build_random_model(family, dict(_TOGETHER_CASES[case]), seed=7)
+    runner = ModelRunner(loaded.model, fused_decode=False)
+    assert runner.can_prefill_together()
+    prompts = [PROMPT, PROMPT[:5], [9, 8, 7, 6, 5, 4, 3, 2, 1], PROMPT[3:5]]
+    kvs = [runner.new_sequence_kv() for _ in prompts]
+    together = np.array(runner.prefill_together(kvs, prompts).astype(mx.float32))
+    assert together.shape[0] == len(prompts)
+    for i, prompt in enumerate(prompts):
+        kv = runner.new_sequence_kv()
+        alone = np.array(runner.prefill(kv, prompt, True).astype(mx.float32))
+        np.testing.assert_allclose(together[i], alone, rtol=1e-4, atol=1e-4)
+        for mine, theirs in zip(kvs[i], kv):
+            assert mine.offset == theirs.offset == len(prompt)
+            for a, b in zip(mine.kv(), theirs.kv()):
+                np.testing.assert_allclose(
+                    np.array(a.astype(mx.float32)),
+                    np.array(b.astype(mx.float32)),
+                    rtol=1e-4,
+                    atol=1e-4,
+                )
+
+
+def test_prompts_together_need_fresh_caches() -> None:
+    loaded = build_random_model("llama", dict(TINY_CONFIGS["llama"]), seed=1)
+    runner = ModelRunner(loaded.model, fused_decode=False)
+    kv = runner.new_sequence_kv()
+    runner.prefill(kv, PROMPT[:3], False)
+    with pytest.raises(ValueError, match="position 0"):
+        runner.prefill_together([kv], [PROMPT[3:]])
+
+
+def test_prompts_together_switch(monkeypatch) -> None:
+    loaded = build_random_model("llama", dict(TINY_CONFIGS["llama"]), seed=1)
+    runner = ModelRunner(loaded.model, fused_decode=False)
+    assert runner.can_prefill_together()
+    monkeypatch.setenv("MARKBASE_PREFILL_TOGETHER", "0")
+    assert not runner.can_prefill_together()
