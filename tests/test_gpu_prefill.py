@@ -141,3 +141,26 @@ def test_prompt_logits_with_small_chunks_on_the_mma_kernel(monkeypatch):
         logits = model(tokens, cache=[SequenceKV() for _ in model.layers])
         out[route] = np.array(logits.astype(mx.float32))
     np.testing.assert_allclose(out["qmma"], out["mlx"], rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("lengths", [(40, 7, 23), (300, 120, 64)], ids=["small", "dequantized"])
+def test_prompts_prefilled_together_on_the_gpu_routes(lengths):
+    """A 4-bit bf16 model on the GPU's prefill routes (gpu_mma's kernel below 256 rows,
+    dequantized above, the prefill attention kernel over a batch of rows): prompts
+    prefilled together give each one's own last logits, within bf16 rounding."""
+    from engine.runner import ModelRunner
+
+    loaded = build_random_model(
+        "llama", {**TINY, "hidden_size": 128, "vocab_size": 512}, seed=9, quantize_bits=4
+    )
+    loaded.model.set_dtype(mx.bfloat16)
+    runner = ModelRunner(loaded.model, fused_decode=False)
+    prompts = [[(i * 37 + j * 11) % 500 + 3 for j in range(n)] for i, n in enumerate(lengths)]
+    together = runner.prefill_together([runner.new_sequence_kv() for _ in prompts], prompts)
+    together = np.array(together.astype(mx.float32))
+    for i, prompt in enumerate(prompts):
+        alone = runner.prefill(runner.new_sequence_kv(), prompt, True)
+        np.testing.assert_allclose(
+            together[i], np.array(alone.astype(mx.float32)), rtol=5e-2, atol=5e-2
+        )

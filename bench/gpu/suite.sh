@@ -40,6 +40,7 @@
 #   bash bench/gpu/suite.sh dequant                      (session 20: prefill's 4-bit expansion)
 #   bash bench/gpu/suite.sh prefill-small                (session 20, prepared: short chunks on gpu_mma)
 #   bash bench/gpu/suite.sh issue-table                  (the issue's table: PyTorch, the engine, report.py)
+#   ENGINE_MODEL=8b ENGINE_QUANT=q4 bash bench/gpu/suite.sh prefill-together  (session 21, prepared)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -297,6 +298,17 @@ for stage in "$@"; do
                     --budget-s $(( ${PS_TIMEOUT:-90} - 15 )) --tag small-$v-$n \
                     --out "$OUT/prefill-small-$v-$n.json" 2>&1 | grep -E "prefill|rror"
             done
+        done
+        ;;
+    prefill-together)  # session 21 (prepared): whole new prompts of a step in one forward
+        # (ModelRunner.prefill_together): its GPU tests, then the first-request run's bursts
+        # (8 and 48 requests of 256-token prompts) with it on and off
+        timeout ${PG_TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short \
+            tests/test_gpu_prefill.py tests/test_runner_prefill.py tests/test_prefill_groups.py 2>&1 \
+            | tail -6 | tee "$OUT/test_prefill_together.log"
+        for v in 1 0; do
+            MARKBASE_PREFILL_TOGETHER=$v timeout ${PG_TIMEOUT:-150} $E first-request --warmup on $EM \
+                --lengths 97,300 --out "$OUT/first-together-$v.json" 2>&1 | grep -E "burst|start"
         done
         ;;
     worker-timeline)  # session 20 (prepared): the served engine's step, host phases and GPU
