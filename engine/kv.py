@@ -78,25 +78,54 @@ class SequenceKV:
 
 
 class PromptBatchKV:
-    """One layer's cache for whole prompts prefilled together (``ModelRunner.
-    prefill_together``): rows right-padded to one width, every row from position 0.
-    The forward attends over the padded chunk itself; each sequence's own
-    ``SequenceKV`` keeps only its real positions."""
+    """One layer's cache for prompt chunks of several sequences in one forward
+    (``ModelRunner.prefill_together``): the chunks right-padded to one width, each the
+    rest of its prompt after the prefix its ``SequenceKV`` already holds (none for a
+    new prompt, the cached prefix for one that hit the prefix cache).
+
+    Each sequence's own cache keeps only its real positions. Without cached prefixes
+    the forward attends over the padded chunk itself ("causal": every row starts at
+    position 0, so a real position never sees a pad). With them, a row's keys are laid
+    out as [left pad, its cached prefix, its chunk], the chunks all starting at index
+    ``width`` (the longest prefix); RoPE takes each row's own start position, and an
+    array mask hides the left pads and the future."""
 
     def __init__(self, caches: list[SequenceKV], lengths: list[int]) -> None:
-        if any(c.offset for c in caches):
-            raise ValueError("prompts prefilled together must start at position 0")
         self.caches = caches
         self.lengths = lengths
-        self.offset = 0  # RoPE position of every row's first token
+        self.starts = [c.offset for c in caches]  # each row's first position this chunk
+        self.width = max(self.starts)
+        self.offset = mx.array(self.starts, dtype=mx.int32) if self.width else 0
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        for i, (cache, n) in enumerate(zip(self.caches, self.lengths)):
+        rows_k, rows_v = [], []
+        for i, (cache, n, start) in enumerate(zip(self.caches, self.lengths, self.starts)):
             cache.update_and_fetch(keys[i : i + 1, :, :n, :], values[i : i + 1, :, :n, :])
-        return keys, values
+            if self.width:
+                rows_k.append(self._row(cache.keys, start, keys[i : i + 1]))
+                rows_v.append(self._row(cache.values, start, values[i : i + 1]))
+        if not self.width:
+            return keys, values
+        return mx.concatenate(rows_k, axis=0), mx.concatenate(rows_v, axis=0)
+
+    def _row(self, buf: mx.array, start: int, chunk: mx.array) -> mx.array:
+        """[left pad, the cached prefix, the padded chunk] of one row: [1, H, width + L, D]."""
+        parts = [buf[:, :, :start, :], chunk]
+        if start < self.width:
+            pad = mx.zeros((1, chunk.shape[1], self.width - start, chunk.shape[3]), chunk.dtype)
+            parts.insert(0, pad)
+        return mx.concatenate(parts, axis=2)
 
     def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False):
-        return SequenceKV.make_mask(self, n, window_size=window_size, return_array=return_array)
+        if not self.width:
+            return SequenceKV.make_mask(self, n, window_size=window_size, return_array=return_array)
+        q = (self.width + mx.arange(n))[:, None]
+        k = mx.arange(self.width + n)[None]
+        mask = k <= q
+        if window_size is not None:
+            mask = mask & (q < k + window_size)
+        first = self.width - mx.array(self.starts, dtype=mx.int32)  # each row's left pad
+        return mask[None, None] & (k[None, None] >= first[:, None, None, None])
 
 
 class BatchKV:

@@ -85,25 +85,24 @@ class ModelRunner:
         (``MARKBASE_PREFILL_TOGETHER=0`` turns it off, for A/B runs)."""
         return self.head is not None and os.environ.get("MARKBASE_PREFILL_TOGETHER", "1") != "0"
 
-    def prefill_together(self, kvs: list[list[SequenceKV]], prompts: list[list[int]]) -> mx.array:
-        """Whole prompts of several new sequences (empty ``kvs``) in one forward; returns
-        each one's last-position logits [B, V].
+    def prefill_together(self, kvs: list[list[SequenceKV]], chunks: list[list[int]]) -> mx.array:
+        """The rest of several sequences' prompts in one forward: ``chunks[i]`` follows
+        what ``kvs[i]`` holds (nothing for a new prompt, a cached prefix otherwise) and
+        ends its prompt; returns each one's last-position logits [B, V].
 
         Why: a burst of short prompts prefilled one by one pays a pass over every
         weight per prompt (and on a GPU a dequantized copy of the 4-bit weights per
         prompt from 256 rows): 48 prompts of 256 tokens at 8b 4-bit took 1.75 s to
-        the last first token on an H100 (bench/gpu/NOTES.md, session 21). The rows
-        are right-padded to the longest prompt; every prompt starts at position 0, so
-        causal attention never lets a real position see a pad, and each sequence's
-        cache keeps only its own positions (``PromptBatchKV``)."""
-        lengths = [len(p) for p in prompts]
+        the last first token on an H100 (bench/gpu/NOTES.md, session 21). The chunks
+        are right-padded to the longest (``PromptBatchKV``)."""
+        lengths = [len(c) for c in chunks]
         width = max(lengths)
-        tokens = mx.array([p + [0] * (width - len(p)) for p in prompts], dtype=mx.int32)
+        tokens = mx.array([c + [0] * (width - len(c)) for c in chunks], dtype=mx.int32)
         layers = [
             PromptBatchKV([kv[layer] for kv in kvs], lengths) for layer in range(self.num_layers)
         ]
         hidden = self.body(tokens, cache=layers)
-        last = hidden[mx.arange(len(prompts)), mx.array(lengths, dtype=mx.int32) - 1]
+        last = hidden[mx.arange(len(chunks)), mx.array(lengths, dtype=mx.int32) - 1]
         return self.head(last)
 
     def _forward_body(self, kv: list[SequenceKV], tokens: list[int]) -> None:

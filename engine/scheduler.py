@@ -55,13 +55,17 @@ def defer_shared_starts(seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequ
 
 
 def prompt_groups(seqs: list[Sequence], budget: int) -> list[list[Sequence]]:
-    """Whole prompts to prefill together, longest first: each group's right-padded
-    size (members x its longest prompt) within ``budget``; groups of one included (the
-    caller runs those alone)."""
+    """Prompts to finish together, by the tokens each has left (``prompt`` past
+    ``prefilled``), longest first: each group's right-padded size (members x its
+    longest) within ``budget``; groups of one included (the caller runs those alone)."""
+
+    def left(seq: Sequence) -> int:
+        return len(seq.prompt) - seq.prefilled
+
     groups: list[list[Sequence]] = []
-    for seq in sorted(seqs, key=lambda s: len(s.prompt), reverse=True):
+    for seq in sorted(seqs, key=left, reverse=True):
         group = groups[-1] if groups else None
-        if group and (len(group) + 1) * len(group[0].prompt) <= budget:
+        if group and (len(group) + 1) * left(group[0]) <= budget:
             group.append(seq)
         else:
             groups.append([seq])

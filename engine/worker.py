@@ -298,6 +298,7 @@ class ModelWorker:
         if decoding:
             self._decode_step()
             self._flush_outbox()  # before the prefill chunks: they must not delay these tokens
+        self._start_cached_prefixes()
         plan = self.scheduler.plan_prefill(self.prefilling, decoding=decoding)
         chunks = self._prefill_whole_prompts(plan)
         for seq, n in chunks:
@@ -339,38 +340,61 @@ class ModelWorker:
         else:
             seq.kv = self.runner.new_sequence_kv()
 
+    def _start_cached_prefixes(self) -> None:
+        """Before planning: take the cached prefix of every prompt not started yet
+        that has one, so that the plan's budget counts only the tokens left to compute
+        (a chat burst's prompts share a cached system prompt: their tails then fit one
+        step together). Prompts without one start at their first chunk as before."""
+        if not (self.prefix_cache.enabled and self.runner.can_prefill_together()):
+            return
+        for seq in self.prefilling:
+            if seq.kv is None:
+                found = self.prefix_cache.lookup(seq.prompt)
+                if found[0]:
+                    self._start_prefill(seq, found)
+
     def _prefill_whole_prompts(self, plan: PrefillPlan) -> list[tuple[Sequence, int]]:
-        """Run the plan's whole new prompts that found no cached prefix in groups of
-        one forward each (``ModelRunner.prefill_together``; a burst of short prompts
-        otherwise pays a pass over the weights per prompt); returns the chunks left to
-        run one by one. A prompt that starts as an earlier one of them does waits a
-        step (not looked up, not counted), then finds that one's prefix cached."""
+        """Run the plan's prompts that end in this step and have computed nothing yet
+        together, in groups of one forward each (``ModelRunner.prefill_together``: a
+        burst of short prompts otherwise pays a pass over the weights per prompt), each
+        from its cached prefix if it has one; returns the chunks left to run one by
+        one. A prompt that starts as an earlier uncached one does waits a step (not
+        looked up, not counted), then finds that one's prefix cached."""
         if len(plan.chunks) < 2 or not self.runner.can_prefill_together():
             return plan.chunks
-        rest, misses = [], []
+        rest, misses, hits = [], [], []
         for seq, n in plan.chunks:
-            if seq.kv is None and n == len(seq.prompt):
+            if n != len(seq.prompt) - seq.prefilled:  # does not end its prompt this step
+                rest.append((seq, n))
+            elif seq.kv is None:
                 found = self.prefix_cache.lookup(seq.prompt)
-                if not found[0]:
+                if found[0]:
+                    self._start_prefill(seq, found)
+                    hits.append(seq)
+                else:
                     misses.append(seq)
-                    continue
-                self._start_prefill(seq, found)
-            rest.append((seq, n))
+            elif seq.cached_tokens and seq.prefilled == seq.cached_tokens:
+                hits.append(seq)  # started from the prefix cache, nothing computed yet
+            else:
+                rest.append((seq, n))
         if self.prefix_cache.enabled:
             misses, _deferred = defer_shared_starts(misses)
-        for group in prompt_groups(misses, plan.budget):
-            for seq in group:
-                self._start_prefill(seq, (0, None))
+        for seq in misses:
+            self._start_prefill(seq, (0, None))
+        for group in prompt_groups(misses + hits, plan.budget):
             self.metrics.prefill_group_size.observe(len(group))
             if len(group) == 1:
-                rest.append((group[0], len(group[0].prompt)))
+                seq = group[0]
+                rest.append((seq, len(seq.prompt) - seq.prefilled))
             else:
                 self._prefill_group(group)
         return rest
 
     def _prefill_group(self, group: list[Sequence]) -> None:
         try:
-            logits = self.runner.prefill_together([s.kv for s in group], [s.prompt for s in group])
+            logits = self.runner.prefill_together(
+                [s.kv for s in group], [s.prompt[s.prefilled :] for s in group]
+            )
             tokens = sample_batch(logits, [s.sampler for s in group])
             mx.eval(tokens, *([c.keys, c.values] for s in group for c in s.kv))
             firsts = tokens.tolist()

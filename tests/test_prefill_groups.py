@@ -18,7 +18,7 @@ from engine.scheduler import SHARED_PREFIX_TOKENS, defer_shared_starts, prompt_g
 
 
 def _seq(n: int, start: int = 0):
-    return SimpleNamespace(prompt=list(range(start, start + n)))
+    return SimpleNamespace(prompt=list(range(start, start + n)), prefilled=0)
 
 
 def test_groups_fit_the_padded_budget_longest_first():
@@ -40,6 +40,11 @@ def test_a_prompt_starting_like_an_earlier_one_waits():
     keep, deferred = defer_shared_starts([a, short, b, other, c, short])
     assert keep == [a, short, other, short]
     assert deferred == [b, c]
+
+
+# a running request keeps the worker in decode steps (each ~1 ms on the tiny model)
+# while a burst arrives, so the burst's requests meet in a step or two
+BLOCKER_TOKENS = 400
 
 
 def _observed(histogram, model: str) -> tuple[float, float]:
@@ -76,9 +81,11 @@ def test_a_burst_is_prefilled_in_groups_with_the_tokens_each_gets_alone(engine):
         before = _observed(metrics.prefill_group_size, model)
         # a running request keeps the worker busy, so the burst meets in one step
         blocker = asyncio.ensure_future(
-            generate(client, model, [5, 6, 7], max_tokens=60, temperature=0, ignore_eos=True)
+            generate(
+                client, model, [5, 6, 7], max_tokens=BLOCKER_TOKENS, temperature=0, ignore_eos=True
+            )
         )
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.01)
         together = await asyncio.gather(
             *(
                 generate(client, model, p, max_tokens=6, temperature=0, ignore_eos=True)
@@ -121,3 +128,41 @@ def test_prompts_sharing_a_start_still_reuse_the_prefix_cache(engine):
     assert together == alone
     # the three that started like the first waited a step and took its cached prefix
     assert hits >= 3 * 16
+
+
+def test_tails_after_a_cached_prefix_are_prefilled_together(engine):
+    """A chat burst: every prompt starts with a system prompt already in the prefix
+    cache; their different tails run in shared forwards, with the tokens each gets
+    alone."""
+    model, client = engine
+    system = [(3 * j) % 180 + 9 for j in range(48)]
+    prompts = [system + [(11 * i + j) % 150 + 20 for j in range(2 + i)] for i in range(6)]
+
+    async def main():
+        alone = [
+            (await generate(client, model, p, max_tokens=4, temperature=0, ignore_eos=True))[0]
+            for p in prompts
+        ]  # also leaves the system prompt cached
+        before = _observed(metrics.prefill_group_size, model)
+        hits0 = metrics.prefix_cache_hits.labels(model)._value.get()
+        blocker = asyncio.ensure_future(
+            generate(
+                client, model, [5, 6, 7], max_tokens=BLOCKER_TOKENS, temperature=0, ignore_eos=True
+            )
+        )
+        await asyncio.sleep(0.01)
+        together = await asyncio.gather(
+            *(
+                generate(client, model, p, max_tokens=4, temperature=0, ignore_eos=True)
+                for p in prompts
+            )
+        )
+        await blocker
+        after = _observed(metrics.prefill_group_size, model)
+        hits = metrics.prefix_cache_hits.labels(model)._value.get() - hits0
+        return alone, [t[0] for t in together], after[0] - before[0], after[1] - before[1], hits
+
+    alone, together, grouped, groups, hits = asyncio.run(main())
+    assert together == alone
+    assert hits >= len(prompts) * 48
+    assert groups < grouped

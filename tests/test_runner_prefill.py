@@ -118,13 +118,39 @@ def test_prompts_prefilled_together_equal_one_by_one(case) -> None:
                 )
 
 
-def test_prompts_together_need_fresh_caches() -> None:
-    loaded = build_random_model("llama", dict(TINY_CONFIGS["llama"]), seed=1)
+@pytest.mark.parametrize("case", list(_TOGETHER_CASES))
+def test_prompt_tails_after_cached_prefixes_together_equal_one_by_one(case) -> None:
+    """The rest of prompts whose caches already hold prefixes of different lengths (a
+    prefix-cache hit), some none, in one forward: each row's own RoPE start, its
+    cached keys behind a left pad, the mask over both (every family, and a sliding
+    window shorter than the prompts)."""
+    family = case.split("-")[0]
+    loaded = build_random_model(family, dict(_TOGETHER_CASES[case]), seed=8)
     runner = ModelRunner(loaded.model, fused_decode=False)
-    kv = runner.new_sequence_kv()
-    runner.prefill(kv, PROMPT[:3], False)
-    with pytest.raises(ValueError, match="position 0"):
-        runner.prefill_together([kv], [PROMPT[3:]])
+    prompts = [PROMPT, PROMPT[:7], [9, 8, 7, 6, 5, 4, 3, 2, 1], PROMPT[2:], [4, 4, 2]]
+    cached = [5, 0, 8, 3, 0]  # tokens each cache holds before the forward
+    kvs = []
+    for prompt, c in zip(prompts, cached):
+        kv = runner.new_sequence_kv()
+        if c:
+            runner.prefill(kv, prompt[:c], False)
+            mx.eval([layer.keys for layer in kv])
+        kvs.append(kv)
+    tails = [p[c:] for p, c in zip(prompts, cached)]
+    together = np.array(runner.prefill_together(kvs, tails).astype(mx.float32))
+    for i, prompt in enumerate(prompts):
+        kv = runner.new_sequence_kv()
+        alone = np.array(runner.prefill(kv, prompt, True).astype(mx.float32))
+        np.testing.assert_allclose(together[i], alone, rtol=1e-4, atol=1e-4)
+        for mine, theirs in zip(kvs[i], kv):
+            assert mine.offset == theirs.offset == len(prompt)
+            for a, b in zip(mine.kv(), theirs.kv()):
+                np.testing.assert_allclose(
+                    np.array(a.astype(mx.float32)),
+                    np.array(b.astype(mx.float32)),
+                    rtol=1e-4,
+                    atol=1e-4,
+                )
 
 
 def test_prompts_together_switch(monkeypatch) -> None:
