@@ -298,7 +298,6 @@ class ModelWorker:
         if decoding:
             self._decode_step()
             self._flush_outbox()  # before the prefill chunks: they must not delay these tokens
-        self._start_cached_prefixes()
         plan = self.scheduler.plan_prefill(self.prefilling, decoding=decoding)
         chunks = self._prefill_whole_prompts(plan)
         for seq, n in chunks:
@@ -340,19 +339,6 @@ class ModelWorker:
         else:
             seq.kv = self.runner.new_sequence_kv()
 
-    def _start_cached_prefixes(self) -> None:
-        """Before planning: take the cached prefix of every prompt not started yet
-        that has one, so that the plan's budget counts only the tokens left to compute
-        (a chat burst's prompts share a cached system prompt: their tails then fit one
-        step together). Prompts without one start at their first chunk as before."""
-        if not (self.prefix_cache.enabled and self.runner.can_prefill_together()):
-            return
-        for seq in self.prefilling:
-            if seq.kv is None:
-                found = self.prefix_cache.lookup(seq.prompt)
-                if found[0]:
-                    self._start_prefill(seq, found)
-
     def _prefill_whole_prompts(self, plan: PrefillPlan) -> list[tuple[Sequence, int]]:
         """Run the plan's prompts that end in this step and have computed nothing yet
         together, in groups of one forward each (``ModelRunner.prefill_together``: a
@@ -381,13 +367,18 @@ class ModelWorker:
             misses, _deferred = defer_shared_starts(misses)
         for seq in misses:
             self._start_prefill(seq, (0, None))
-        for group in prompt_groups(misses + hits, plan.budget):
+        # A group's prompts all get their first token when its forward ends, so a group
+        # is at most one chunk's worth of padded tokens (CPU 128, GPU 2048: what a step
+        # prefills while others decode), and each group's tokens go out as it ends.
+        cap = min(plan.budget, self.scheduler.chunk_tokens)
+        for group in prompt_groups(misses + hits, cap):
             self.metrics.prefill_group_size.observe(len(group))
             if len(group) == 1:
                 seq = group[0]
                 rest.append((seq, len(seq.prompt) - seq.prefilled))
             else:
                 self._prefill_group(group)
+                self._flush_outbox()
         return rest
 
     def _prefill_group(self, group: list[Sequence]) -> None:

@@ -130,11 +130,22 @@ def test_prompts_sharing_a_start_still_reuse_the_prefix_cache(engine):
     assert hits >= 3 * 16
 
 
-def test_tails_after_a_cached_prefix_are_prefilled_together(engine):
+@pytest.fixture(scope="module")
+def roomy_engine():
+    """A prefill budget of 256 tokens a step while others decode: the plan counts a
+    prompt's whole length before its cached prefix is looked up, so several ~55-token
+    prompts fit one step."""
+    loaded = build_random_model("llama", TINY_LLAMA, seed=12)
+    client = make_client(loaded, max_num_seqs=16, prefill_chunk_tokens=256)
+    yield loaded.name, client
+    client.shutdown()
+
+
+def test_tails_after_a_cached_prefix_are_prefilled_together(roomy_engine):
     """A chat burst: every prompt starts with a system prompt already in the prefix
     cache; their different tails run in shared forwards, with the tokens each gets
     alone."""
-    model, client = engine
+    model, client = roomy_engine
     system = [(3 * j) % 180 + 9 for j in range(48)]
     prompts = [system + [(11 * i + j) % 150 + 20 for j in range(2 + i)] for i in range(6)]
 
