@@ -5,8 +5,8 @@ for RoPE and ask ``cache.make_mask(N, window_size=..., return_array=...)`` for t
 attention mask. Two caches implement that protocol:
 
 - ``SequenceKV``: one sequence, used while its prompt is prefilled chunk by chunk.
-- ``PromptBatchKV``: whole prompts of several new sequences prefilled in one forward,
-  each layer's keys and values handed on to their ``SequenceKV``.
+- ``PromptBatchKV``: the last prompt chunks of several sequences (new prompts, or the
+  tails after cached prefixes) in one forward, handed on to each one's ``SequenceKV``.
 - ``BatchKV``: the running batch, rows left-padded to a common time axis so one
   forward decodes one token for every row. Each row keeps its own RoPE position
   (``offset`` is a per-row array) and the mask hides its padding, so a row's

@@ -65,7 +65,7 @@ step_batch_size = Histogram(
 )
 prefill_group_size = Histogram(
     "markbase_prefill_group_size",
-    "Whole prompts prefilled in one forward (1: alone)",
+    "Prompts finished by one prefill forward (1: alone)",
     ["model"],
     buckets=(1, 2, 4, 8, 16, 32, 64, 128),
 )

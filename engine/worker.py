@@ -340,7 +340,7 @@ class ModelWorker:
             seq.kv = self.runner.new_sequence_kv()
 
     def _prefill_whole_prompts(self, plan: PrefillPlan) -> list[tuple[Sequence, int]]:
-        """Run the plan's prompts that end in this step and have computed nothing yet
+        """Run the plan's prompts that end in this step and have not started yet
         together, in groups of one forward each (``ModelRunner.prefill_together``: a
         burst of short prompts otherwise pays a pass over the weights per prompt), each
         from its cached prefix if it has one; returns the chunks left to run one by
@@ -359,8 +359,6 @@ class ModelWorker:
                     hits.append(seq)
                 else:
                     misses.append(seq)
-            elif seq.cached_tokens and seq.prefilled == seq.cached_tokens:
-                hits.append(seq)  # started from the prefix cache, nothing computed yet
             else:
                 rest.append((seq, n))
         if self.prefix_cache.enabled:
@@ -392,7 +390,7 @@ class ModelWorker:
         except Exception:  # run them one by one instead: a failure there is theirs alone
             log.exception("prefilling %d prompts together failed; one by one", len(group))
             for seq in group:
-                seq.kv, seq.prefilled = self.runner.new_sequence_kv(), 0
+                seq.kv, seq.prefilled, seq.cached_tokens = self.runner.new_sequence_kv(), 0, 0
                 self._prefill_chunk(seq, len(seq.prompt))
             return
         for seq, token in zip(group, firsts):
