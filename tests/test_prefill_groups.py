@@ -61,6 +61,28 @@ def _observed(histogram, model: str) -> tuple[float, float]:
     return total, count
 
 
+async def _alone_then_burst(client, model: str, prompts, max_tokens: int):
+    """Greedy tokens of each prompt alone, then of all of them sent at once while a
+    long request keeps the worker in decode steps (each ~1 ms on the tiny model), so
+    the burst meets in a step or two; and the (prompts, groups) the burst added to
+    ``markbase_prefill_group_size``."""
+    params = dict(temperature=0, ignore_eos=True)
+    alone = [
+        (await generate(client, model, p, max_tokens=max_tokens, **params))[0] for p in prompts
+    ]
+    before = _observed(metrics.prefill_group_size, model)
+    blocker = asyncio.ensure_future(
+        generate(client, model, [5, 6, 7], max_tokens=BLOCKER_TOKENS, **params)
+    )
+    await asyncio.sleep(0.01)
+    together = await asyncio.gather(
+        *(generate(client, model, p, max_tokens=max_tokens, **params) for p in prompts)
+    )
+    await blocker
+    after = _observed(metrics.prefill_group_size, model)
+    return alone, [t[0] for t in together], after[0] - before[0], after[1] - before[1]
+
+
 @pytest.fixture(scope="module")
 def engine():
     loaded = build_random_model("llama", TINY_LLAMA, seed=11)
@@ -73,35 +95,11 @@ def test_a_burst_is_prefilled_in_groups_with_the_tokens_each_gets_alone(engine):
     model, client = engine
     prompts = [[(7 * i + j * 13) % 200 + 1 for j in range(3 + 2 * i)] for i in range(10)]
 
-    async def main():
-        alone = [
-            (await generate(client, model, p, max_tokens=6, temperature=0, ignore_eos=True))[0]
-            for p in prompts
-        ]
-        before = _observed(metrics.prefill_group_size, model)
-        # a running request keeps the worker busy, so the burst meets in one step
-        blocker = asyncio.ensure_future(
-            generate(
-                client, model, [5, 6, 7], max_tokens=BLOCKER_TOKENS, temperature=0, ignore_eos=True
-            )
-        )
-        await asyncio.sleep(0.01)
-        together = await asyncio.gather(
-            *(
-                generate(client, model, p, max_tokens=6, temperature=0, ignore_eos=True)
-                for p in prompts
-            )
-        )
-        await blocker
-        after = _observed(metrics.prefill_group_size, model)
-        return alone, [t[0] for t in together], before, after
-
-    alone, together, before, after = asyncio.run(main())
+    alone, together, grouped, groups = asyncio.run(_alone_then_burst(client, model, prompts, 6))
     assert together == alone
-    prompts_grouped, groups = after[0] - before[0], after[1] - before[1]
     # prompts that met in a step went through the grouping, and some shared a forward
-    assert 2 <= prompts_grouped <= len(prompts)
-    assert groups < prompts_grouped
+    assert 2 <= grouped <= len(prompts)
+    assert groups < grouped
 
 
 def test_prompts_sharing_a_start_still_reuse_the_prefix_cache(engine):
@@ -149,31 +147,10 @@ def test_tails_after_a_cached_prefix_are_prefilled_together(roomy_engine):
     system = [(3 * j) % 180 + 9 for j in range(48)]
     prompts = [system + [(11 * i + j) % 150 + 20 for j in range(2 + i)] for i in range(6)]
 
-    async def main():
-        alone = [
-            (await generate(client, model, p, max_tokens=4, temperature=0, ignore_eos=True))[0]
-            for p in prompts
-        ]  # also leaves the system prompt cached
-        before = _observed(metrics.prefill_group_size, model)
-        hits0 = metrics.prefix_cache_hits.labels(model)._value.get()
-        blocker = asyncio.ensure_future(
-            generate(
-                client, model, [5, 6, 7], max_tokens=BLOCKER_TOKENS, temperature=0, ignore_eos=True
-            )
-        )
-        await asyncio.sleep(0.01)
-        together = await asyncio.gather(
-            *(
-                generate(client, model, p, max_tokens=4, temperature=0, ignore_eos=True)
-                for p in prompts
-            )
-        )
-        await blocker
-        after = _observed(metrics.prefill_group_size, model)
-        hits = metrics.prefix_cache_hits.labels(model)._value.get() - hits0
-        return alone, [t[0] for t in together], after[0] - before[0], after[1] - before[1], hits
-
-    alone, together, grouped, groups, hits = asyncio.run(main())
+    hits0 = metrics.prefix_cache_hits.labels(model)._value.get()
+    # the alone runs leave the system prompt cached for the burst
+    alone, together, grouped, groups = asyncio.run(_alone_then_burst(client, model, prompts, 4))
+    hits = metrics.prefix_cache_hits.labels(model)._value.get() - hits0
     assert together == alone
-    assert hits >= len(prompts) * 48
+    assert hits >= (2 * len(prompts) - 1) * 48  # every request but the very first
     assert groups < grouped

@@ -90,45 +90,20 @@ _TOGETHER_CASES = {
 }
 
 
+@pytest.mark.parametrize("cached", [(0, 0, 0, 0, 0), (5, 0, 8, 3, 0)], ids=["new", "cached"])
 @pytest.mark.parametrize("case", list(_TOGETHER_CASES))
-def test_prompts_prefilled_together_equal_one_by_one(case) -> None:
-    """Whole prompts of different lengths in one right-padded forward give each
-    prompt's own last logits and leave each sequence's cache as its own prefill does
-    (every family: RoPE from position 0, sliding windows, MoE routing of the pads)."""
+def test_prompts_prefilled_together_equal_one_by_one(case, cached) -> None:
+    """Prompts of different lengths in one right-padded forward, each the rest of a
+    prompt after what its cache holds (``cached`` tokens: none for new prompts, prefixes
+    of different lengths for prefix-cache hits), give each prompt's own last logits
+    and leave each sequence's cache as its own prefill does. Every family: each row's
+    RoPE start, cached keys behind a left pad, sliding windows shorter than the
+    prompts, MoE routing of the pads."""
     family = case.split("-")[0]
     loaded = build_random_model(family, dict(_TOGETHER_CASES[case]), seed=7)
     runner = ModelRunner(loaded.model, fused_decode=False)
     assert runner.can_prefill_together()
-    prompts = [PROMPT, PROMPT[:5], [9, 8, 7, 6, 5, 4, 3, 2, 1], PROMPT[3:5]]
-    kvs = [runner.new_sequence_kv() for _ in prompts]
-    together = np.array(runner.prefill_together(kvs, prompts).astype(mx.float32))
-    assert together.shape[0] == len(prompts)
-    for i, prompt in enumerate(prompts):
-        kv = runner.new_sequence_kv()
-        alone = np.array(runner.prefill(kv, prompt, True).astype(mx.float32))
-        np.testing.assert_allclose(together[i], alone, rtol=1e-4, atol=1e-4)
-        for mine, theirs in zip(kvs[i], kv):
-            assert mine.offset == theirs.offset == len(prompt)
-            for a, b in zip(mine.kv(), theirs.kv()):
-                np.testing.assert_allclose(
-                    np.array(a.astype(mx.float32)),
-                    np.array(b.astype(mx.float32)),
-                    rtol=1e-4,
-                    atol=1e-4,
-                )
-
-
-@pytest.mark.parametrize("case", list(_TOGETHER_CASES))
-def test_prompt_tails_after_cached_prefixes_together_equal_one_by_one(case) -> None:
-    """The rest of prompts whose caches already hold prefixes of different lengths (a
-    prefix-cache hit), some none, in one forward: each row's own RoPE start, its
-    cached keys behind a left pad, the mask over both (every family, and a sliding
-    window shorter than the prompts)."""
-    family = case.split("-")[0]
-    loaded = build_random_model(family, dict(_TOGETHER_CASES[case]), seed=8)
-    runner = ModelRunner(loaded.model, fused_decode=False)
     prompts = [PROMPT, PROMPT[:7], [9, 8, 7, 6, 5, 4, 3, 2, 1], PROMPT[2:], [4, 4, 2]]
-    cached = [5, 0, 8, 3, 0]  # tokens each cache holds before the forward
     kvs = []
     for prompt, c in zip(prompts, cached):
         kv = runner.new_sequence_kv()
@@ -138,6 +113,7 @@ def test_prompt_tails_after_cached_prefixes_together_equal_one_by_one(case) -> N
         kvs.append(kv)
     tails = [p[c:] for p, c in zip(prompts, cached)]
     together = np.array(runner.prefill_together(kvs, tails).astype(mx.float32))
+    assert together.shape[0] == len(prompts)
     for i, prompt in enumerate(prompts):
         kv = runner.new_sequence_kv()
         alone = np.array(runner.prefill(kv, prompt, True).astype(mx.float32))
