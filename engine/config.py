@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+
+
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """The environment variable ``name`` (``default`` when unset), which must be one of
+    ``choices``: a typo in an A/B switch is an error naming the variable, not a silent
+    default."""
+    text = os.environ.get(name, default)
+    if text not in choices:
+        *rest, last = choices
+        raise ValueError(f"{name}={text!r}: want {', '.join(rest) + ' or ' if rest else ''}{last}")
+    return text
 
 
 @dataclass

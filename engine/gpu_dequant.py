@@ -26,9 +26,9 @@ and dtypes, ``mx.dequantize``.
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
+from engine.config import env_choice
 from engine.cuda_kernels import Baked, KernelSpec, for_dtype, one_output_call
 
 ENV = "MARKBASE_GPU_DEQUANT"
@@ -110,10 +110,7 @@ _kernel = Baked(lambda: {"q4": _spec()}, ensure_row_contiguous=True)
 
 def enabled() -> bool:
     """``MARKBASE_GPU_DEQUANT``: 1 (default) this kernel, 0 MLX's ``mx.dequantize``."""
-    text = os.environ.get(ENV, "1")
-    if text not in ("0", "1"):
-        raise ValueError(f"{ENV}={text!r}: want 0 or 1")
-    return text == "1"
+    return env_choice(ENV, "1", ("0", "1")) == "1"
 
 
 def supported(w, scales, biases, group_size: int, bits: int, mode: str) -> bool:

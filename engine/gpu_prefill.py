@@ -35,6 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine import gpu_dequant
+from engine.config import env_choice
 
 ROWS_ENV = "MARKBASE_GPU_PREFILL_DEQ_ROWS"
 # where dequantizing first starts to win (bench/gpu/matmul_rows.py --forms qmm,deq)
@@ -96,10 +97,7 @@ def small_route() -> str:
     time to first token in a chat. Measured (H100, session 21, 8b 4-bit, one chunk):
     24 tokens 23.2 -> 10.7 ms, 100 tokens 28.5 -> 19.9, 200 tokens 39.9 -> 29.9; and
     from an empty PTX cache the engine's warm-up took 60 s instead of 130 s."""
-    text = os.environ.get(SMALL_ENV, "qmma")
-    if text not in ("mlx", "qmma"):
-        raise ValueError(f"{SMALL_ENV}={text!r}: want mlx or qmma")
-    return text
+    return env_choice(SMALL_ENV, "qmma", ("mlx", "qmma"))
 
 
 def is_plain_quantized(module) -> bool:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 from functools import cache
 
+from engine.config import env_choice
 from engine.cuda_kernels import Baked, KernelSpec, for_dtype
 
 BLOCK_Q = 64  # query rows a block (16 a warp)
@@ -363,10 +364,7 @@ def supported(queries, keys, values, mask) -> bool:
 
 
 def stages() -> int:
-    text = os.environ.get(STAGES_ENV, "2")
-    if text not in ("1", "2"):
-        raise ValueError(f"{STAGES_ENV}={text!r}: want 1 or 2")
-    return int(text)
+    return int(env_choice(STAGES_ENV, "2", ("1", "2")))
 
 
 def use_ldmatrix() -> bool:

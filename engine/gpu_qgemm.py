@@ -47,6 +47,7 @@ from __future__ import annotations
 import os
 from functools import cache
 
+from engine.config import env_choice
 from engine.cuda_kernels import SMS, Baked, KernelSpec, for_dtype, one_output_call
 
 KSTEP = 128  # inputs a step: 4 lanes of a quad x 32
@@ -456,7 +457,7 @@ def _spec(kind: str) -> KernelSpec:
     """Kinds ``q4``, ``q4_res`` (a residual ``r`` [M, N] added) and ``q4_glu`` (w =
     [gate; up], the output silu(gate) * up): the decode step's products at many rows.
     A suffix ``_sk``: the stream-K form (``stream_k``), with its tile counters ``cnt``
-    and partial sums ``wsp`` as inputs (``_stream_k_buffers``). A suffix ``_lbTxB``
+    and partial sums ``wsp`` as inputs (``stream_k_buffers``). A suffix ``_lbTxB``
     declares the kernel ``__launch_bounds__(T, B)`` (at most T threads a block, B
     blocks an SM): MLX writes the kernel's signature, so the header redefines
     ``__global__`` to carry it. Why: with 2 m-tiles a warp ptxas takes 206 registers,
@@ -552,10 +553,7 @@ def pair_warps() -> int:
     704 us, down_proj 93 against 101, gate/up 172 against 171; 1b output layer 94
     against 106; the engine's 8b 4-bit B=128 with stream-K 7,571-7,906 tok/s against
     6,636 with 4 warps (stream-K on the gate/up and output layer only)."""
-    text = os.environ.get(PAIR_WARPS_ENV, str(PAIR_WARPS))
-    if text not in ("4", "8"):
-        raise ValueError(f"{PAIR_WARPS_ENV}={text!r}: want 4 or 8")
-    return int(text)
+    return int(env_choice(PAIR_WARPS_ENV, str(PAIR_WARPS), ("4", "8")))
 
 
 def shared_bytes(
@@ -698,10 +696,7 @@ def stream_k() -> int:
     Measured (H100, session 20, same lease): 8b 4-bit B=128 7,417 tok/s (0) -> 7,926
     and 8,323 (3), B=64 6,368 -> 7,038 and 6,879; 1b B=128 37,390 -> 38,595, B=64
     29,340 -> 30,135. Mode 2 lost at 1b (B=128 35,624 -> 31,148)."""
-    text = os.environ.get(SK_ENV, "3")
-    if text not in ("0", "1", "2", "3"):
-        raise ValueError(f"{SK_ENV}={text!r}: want 0, 1, 2 or 3")
-    return int(text)
+    return int(env_choice(SK_ENV, "3", ("0", "1", "2", "3")))
 
 
 def blocks_per_sm(wm: int, mt: int) -> int:
@@ -713,9 +708,7 @@ def blocks_per_sm(wm: int, mt: int) -> int:
 
 def stream_k_slots(wm: int, mt: int) -> int:
     """Blocks of the form the GPU holds at once: its SMs x ``blocks_per_sm``."""
-    from engine import gpu_qlayer
-
-    return (gpu_qlayer.sm_count() or SMS) * blocks_per_sm(wm, mt)
+    return _sms() * blocks_per_sm(wm, mt)
 
 
 def stream_k_grid(tiles: int, steps: int, wm: int, mt: int) -> int:
@@ -725,10 +718,15 @@ def stream_k_grid(tiles: int, steps: int, wm: int, mt: int) -> int:
     return max(1, min(tiles * steps, stream_k_slots(wm, mt)))
 
 
-def _partials_size() -> int:
+def _sms() -> int:
+    """This GPU's SM count (SMS, an H100/H200's, where it cannot be read)."""
     from engine import gpu_qlayer
 
-    return (gpu_qlayer.sm_count() or SMS) * SK_MAX_THREADS * 2 * SK_MAX_VALUES
+    return gpu_qlayer.sm_count() or SMS
+
+
+def _partials_size() -> int:
+    return _sms() * SK_MAX_THREADS * 2 * SK_MAX_VALUES
 
 
 def stream_k_buffers():
