@@ -394,6 +394,10 @@ class FusedDecodeStep:
             from engine import gpu_qgemm
 
             gpu_qgemm.warm(dtype, self._qgemm_products())
+            from engine import gpu_wgmma
+
+            if gpu_wgmma.enabled():
+                gpu_wgmma.warm(dtype, self._qgemm_products())
         if self.qlayer and any(self._qlayer_ok):
             from engine import gpu_qlayer
 

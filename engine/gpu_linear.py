@@ -314,6 +314,12 @@ class GpuQuantizedLinear(_Routes):
                     return None
                 return gpu_qstream.launcher(dtype, n, k, self.group_size, residual, glu, norm)
             form = "qmma"
+        if form == "qgemm" and self._wgmma_takes(rows, dtype):
+            if norm:  # as for qgemm: the norm as its own op (_make_route)
+                return None
+            from engine import gpu_wgmma
+
+            return gpu_wgmma.launcher(dtype, rows, n, k, self.group_size, residual, glu)
         form = self._qgemm_or_qmma(form, rows, dtype, glu, k, residual)
         if form == "qgemm":
             if norm:  # not a form of this kernel: the norm as its own op (_make_route)
@@ -342,6 +348,13 @@ class GpuQuantizedLinear(_Routes):
             return form
         return "qmma"
 
+    def _wgmma_takes(self, rows: int, dtype) -> bool:
+        """Whether engine/gpu_wgmma.py runs the plan's ``qgemm`` rows of this layer
+        (``MARKBASE_GPU_WGMMA=1`` on an sm_90 GPU, 33-128 rows, whole 128-row tiles)."""
+        from engine import gpu_wgmma
+
+        return gpu_wgmma.takes(rows) and self._kernel_ok("wgmma", dtype)
+
     def _kernel_ok(self, form: str, dtype) -> bool:
         """Whether the custom kernel of ``form`` takes this layer (remembered per dtype)."""
         key = (form, dtype)
@@ -350,7 +363,13 @@ class GpuQuantizedLinear(_Routes):
             from engine import gpu_gemv, gpu_mma, gpu_qgemm, gpu_qstream
 
             n, k = self.weight.shape[0], self.scales.shape[-1] * self.group_size
-            if form == "qgemm":
+            if form == "wgmma":
+                from engine import gpu_wgmma
+
+                ok = gpu_wgmma.supported(
+                    dtype, n, k, self.bits, self.group_size, self.mode, self.biases
+                )
+            elif form == "qgemm":
                 ok = gpu_qgemm.supported(
                     dtype, n, k, self.bits, self.group_size, self.mode, self.biases
                 )

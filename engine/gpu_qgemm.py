@@ -755,8 +755,11 @@ _SK_BUFFERS: dict = {}
 
 
 def ensure_stream_k() -> None:
-    """Make this thread's stream-K buffers now if the form is on (before a trace)."""
-    if stream_k():
+    """Make this thread's stream-K buffers now if the form is on, or engine/gpu_wgmma.py's
+    split-K form may run (before a trace)."""
+    from engine import gpu_wgmma
+
+    if stream_k() or gpu_wgmma.enabled():
         stream_k_buffers()
 
 

@@ -135,6 +135,7 @@ def main() -> None:
         gpu_qgemm,
         gpu_qlayer,
         gpu_qstream,
+        gpu_wgmma,
     )
 
     failed = 0
@@ -149,6 +150,7 @@ def main() -> None:
         + gpu_prefill_attention.kernel_specs_for_check()
         + gpu_qgemm.kernel_specs_for_check()
         + gpu_dequant.kernel_specs_for_check()
+        + gpu_wgmma.kernel_specs_for_check()
     )
     for spec in specs:
         if args.only not in spec.name:

@@ -41,6 +41,7 @@
 #   bash bench/gpu/suite.sh prefill-small                (session 20, prepared: short chunks on gpu_mma)
 #   bash bench/gpu/suite.sh issue-table                  (the issue's table: PyTorch, the engine, report.py)
 #   ENGINE_MODEL=8b ENGINE_QUANT=q4 bash bench/gpu/suite.sh prefill-together  (session 21, prepared)
+#   bash bench/gpu/suite.sh wgmma  (session 22, prepared)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -330,6 +331,18 @@ for stage in "$@"; do
             --rows ${QW_ROWS:-128,64} --forms ${QW_FORMS:-r:2:0,s:2:0,r:2:0:0:w8,s:2:0:0:w8} \
             --products ${QW_PRODUCTS:-qkv,o,gate_up,down,lm_head} \
             --out "$OUT/qgemm_sk.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_sk.log"
+        ;;
+    wgmma)  # session 22 (prepared): engine/gpu_wgmma.py (Hopper warpgroup MMA for the 4-bit
+        # products of 33-128 rows): the exactness table of every form (both descriptor
+        # readings, both x pipelines), its tests, then each 8b/1b product at 128 and 64 rows
+        # against the kernel the step uses now
+        timeout ${WG_CHECK_TIMEOUT:-120} python3 bench/gpu/wgmma_bench.py --check-only \
+            --out "$OUT/wgmma_check.json" 2>&1 | grep -v -i warn | tee "$OUT/wgmma_check.log"
+        timeout ${WG_TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short -x \
+            tests/test_gpu_wgmma.py 2>&1 | tail -15 | tee "$OUT/test_wgmma.log"
+        timeout ${WG_TIMEOUT:-200} python3 bench/gpu/wgmma_bench.py --budget-s $(( ${WG_TIMEOUT:-200} - 40 )) \
+            --rows ${WG_ROWS:-128,64} --nx ${WG_NX:-3,4} --models ${WG_MODELS:-8b,1b} \
+            --skip-check --out "$OUT/wgmma.json" 2>&1 | grep -v -i warn | tee "$OUT/wgmma.log"
         ;;
     attn-tc)  # session 17: engine/gpu_attention_tc.py's tests, then the kernel alone against
         # the CUDA-core shapes at the batch sizes it would take (unsplit launches)

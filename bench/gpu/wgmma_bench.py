@@ -1,0 +1,181 @@
+"""engine/gpu_wgmma.py against the kernels the decode step uses now (gpu_qgemm where
+``gpu_qgemm.takes``, else gpu_mma): exactness of each form, then each product's time.
+
+Why: the 8b 4-bit B=128 cell is level with compiled PyTorch (bench/gpu/NOTES.md,
+session 21) and its 4-bit products run at ~175 TFLOP/s; the wgmma kernel is meant to
+take them well past that. Its descriptor layout was written without a GPU, so the
+first part prints the largest error of every form on small integers (exact products:
+0 is right, anything else is a layout error) for both readings of the descriptor's
+offsets (``MARKBASE_GPU_WGMMA_SWAP``) and both x pipelines (``_NX``).
+
+Runs ON the GPU machine (after bench/gpu/remote_setup.sh b and bench/gpu/env.sh):
+
+    python3 bench/gpu/wgmma_bench.py [--check-only] [--out $OUT/wgmma.json]
+
+Times: CUPTI kernel durations (median over ``--reps`` x ``--calls`` calls over 3
+weight copies), us a call, TFLOP/s, and the time over the current kernel's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from engine import gpu_qgemm, gpu_wgmma  # noqa: E402
+
+GS = 64
+
+
+def pack(q: np.ndarray) -> np.ndarray:
+    """4-bit values [N, K] as MLX packs them: 8 a uint32, the first in the low bits."""
+    n, k = q.shape
+    q = q.reshape(n, k // 8, 8).astype(np.uint32)
+    return (q << (4 * np.arange(8, dtype=np.uint32))).sum(axis=-1, dtype=np.uint32)
+
+
+def check(rows: int, n: int, k: int, form: str, dtype=mx.bfloat16, gs: int = 64) -> float:
+    """Largest |kernel - exact| on small integers (0 when the layout is right)."""
+    rng = np.random.default_rng(rows * 7 + n + k)
+    q = rng.integers(0, 16, (n, k))
+    wq = mx.array(pack(q))
+    s = mx.ones((n, k // gs), dtype=dtype)
+    b = mx.full((n, k // gs), -8.0, dtype=dtype)
+    x = rng.integers(-3, 4, (rows, k)).astype(np.float32)
+    want = x @ (q - 8).T.astype(np.float32)
+    xm = mx.array(x).astype(dtype)
+    if form == "glu":
+        got = gpu_wgmma.quantized_matmul(xm, wq, s, b, gs, glu=True)
+        gate, up = want[:, : n // 2], want[:, n // 2 :]
+        ref = np.array(
+            (mx.array(gate).astype(mx.float32) * mx.sigmoid(mx.array(gate)) * mx.array(up))
+            .astype(dtype)
+            .astype(mx.float32)
+        )
+        got = np.array(got.astype(mx.float32))
+        return float(np.max(np.abs(got - ref) / (np.abs(ref) + 1.0)))
+    res = None
+    if form == "res":
+        res_np = rng.integers(-4, 5, (rows, n)).astype(np.float32)
+        res = mx.array(res_np).astype(dtype)
+        want = want + res_np
+    got = gpu_wgmma.quantized_matmul(xm, wq, s, b, gs, residual=res)
+    ref = np.array(mx.array(want).astype(dtype).astype(mx.float32))
+    return float(np.max(np.abs(np.array(got.astype(mx.float32)) - ref)))
+
+
+def check_all() -> list[dict]:
+    out = []
+    print("| swap | nx | rows | N | K | form | max error |")
+    print("|---|---|---:|---:|---:|---|---:|")
+    for swap in ("0", "1"):
+        for nx in ("3", "4"):
+            os.environ[gpu_wgmma.SWAP_ENV], os.environ[gpu_wgmma.NX_ENV] = swap, nx
+            for rows, n, k in (
+                (128, 256, 512),
+                (40, 384, 256),
+                (100, 33792, 128),
+                (130, 256, 1024),
+            ):
+                for form in ("plain", "res", "glu"):
+                    try:
+                        err = check(rows, n, k, form)
+                    except Exception as e:  # a form that does not launch
+                        print(f"{swap} {nx} {rows} {n} {k} {form}: {type(e).__name__}: {e}")
+                        err = float("nan")
+                    print(f"| {swap} | {nx} | {rows} | {n} | {k} | {form} | {err:g} |")
+                    out.append(dict(swap=swap, nx=nx, rows=rows, n=n, k=k, form=form, err=err))
+    os.environ.pop(gpu_wgmma.SWAP_ENV, None)
+    os.environ.pop(gpu_wgmma.NX_ENV, None)
+    return out
+
+
+def current(rows: int, n: int, k: int, residual: bool, glu: bool):
+    """The launch the decode step makes now for this product (qgemm or qmma)."""
+    from engine import gpu_mma
+
+    if gpu_qgemm.takes(rows, n // 16, glu, k, residual):
+        return "qgemm", gpu_qgemm.launcher(mx.bfloat16, rows, n, k, GS, residual, glu)
+    return "qmma", gpu_mma.launcher("q4", mx.bfloat16, rows, n, k, GS, residual, glu)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="8b,1b")
+    ap.add_argument("--rows", default="128,64")
+    ap.add_argument("--nx", default="3,4")
+    ap.add_argument("--products", default="qkv,o,gate_up,down,lm_head")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=200)
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    result: dict = {"engine": "wgmma-bench", "check": [] if args.skip_check else check_all()}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.check_only:
+        return
+    from q4_bench import products
+    from qgemm_sweep import timed
+    from shapes import CONFIGS
+
+    t0 = time.perf_counter()
+    rows_out = []
+    print("| model | product | rows | form | us | TFLOP/s | / current |")
+    print("|---|---|---:|---|---:|---:|---:|")
+    for name in [m for m in args.models.split(",") if m]:
+        for pname, n, k, residual, glu in products(CONFIGS[name], head=True):
+            if pname not in args.products.split(","):
+                continue
+            weights = []
+            for _ in range(3):
+                w = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
+                weights.append(mx.quantize(w, group_size=GS, bits=4))
+            mx.eval(weights)
+            for rows in [int(r) for r in args.rows.split(",") if r]:
+                if time.perf_counter() - t0 > args.budget_s:
+                    print(f"budget spent at {name} {pname} {rows}")
+                    break
+                x = mx.random.normal((rows, k)).astype(mx.bfloat16) * 0.1
+                extra = [mx.zeros((rows, n), dtype=mx.bfloat16)] if residual else []
+                inputs = [[x, *wsb, *extra] for wsb in weights]
+                flop = 2.0 * rows * n * k
+                label, fn = current(rows, n, k, residual, glu)
+                base = timed(fn, inputs, args.calls, args.reps)
+                forms = [(label, base)]
+                for nx in [v for v in args.nx.split(",") if v]:
+                    os.environ[gpu_wgmma.NX_ENV] = nx
+                    try:
+                        fn = gpu_wgmma.launcher(mx.bfloat16, rows, n, k, GS, residual, glu)
+                        us = timed(fn, inputs, args.calls, args.reps)
+                    except Exception as e:
+                        print(f"wgmma nx{nx}: {type(e).__name__}: {e}")
+                        us = float("nan")
+                    forms.append((f"wgmma nx{nx}", us))
+                os.environ.pop(gpu_wgmma.NX_ENV, None)
+                for form, s in forms:
+                    print(
+                        f"| {name} | {pname} | {rows} | {form} | {s * 1e6:.1f} | "
+                        f"{flop / s / 1e12:.0f} | {s / base:.2f} |"
+                    )
+                    rows_out.append(dict(model=name, product=pname, rows=rows, form=form,
+                                         us=s * 1e6, tflops=flop / s / 1e12, vs_current=s / base))  # fmt: skip
+            del weights
+    result["rows"] = rows_out
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,557 @@
+"""4-bit products of 33-128 rows on Hopper's warpgroup MMA (``wgmma``), both operands
+in shared memory.
+
+Why: at 128 rows (the 8b 4-bit decode step at B=128) engine/gpu_qgemm.py's products
+run at ~175 TFLOP/s on an H100 and the step is level with compiled PyTorch in bf16
+(bench/gpu/NOTES.md, session 21: gate/up 163 us a layer, down_proj 89, o_proj 37).
+That kernel issues ``mma.sync`` from every warp and feeds it x fragments read from
+shared memory by each warp: its ablations (session 19) found no single part binding,
+the x copies, weight loads and fragment reads each costing a share. ``wgmma`` reads
+both operands from shared memory by descriptor, one instruction a 64 x BN x 16 product
+for a warpgroup of 4 warps, and runs asynchronously: the warps dequantize the next
+step's weights while the tensor cores work on this one.
+
+Layout: the product is ``y.T = W @ x.T``. A block takes 128 weight rows (two
+warpgroups of 64) and BN x rows (64 or 128; rows past M are zeros) in k-steps of 64
+inputs. Each step, every thread loads one 16-byte run of 4-bit words (32 inputs of a
+weight row) two steps ahead, dequantizes it (``mb_deq2``, gpu_mma's) and stores the
+four 8-input runs where ``wgmma``'s canonical K-major layout without swizzle wants
+them: a core matrix is 8 rows x 16 bytes, contiguous; the descriptor's leading offset
+steps between core matrices along K (``ALBO``/``XLBO``: padded by PAD bytes, so that
+the copies' shared-memory writes spread over the banks), its stride offset (128 bytes)
+along the rows. x's 16-byte runs go to the same layout by ``cp.async``. GLU (w =
+[gate; up]): a block's 16-row groups are 8 gate rows and their 8 up rows, so a lane
+holds an output's gate and up sums (rows g and g + 8 of ``wgmma``'s accumulator
+layout) and writes silu(gate) * up.
+
+Three stages of dequantized weights and NX (3 or 4) of x: step i's buffers are
+written after the barrier of step i - 1 + (stages - 2), when every warpgroup's
+``wgmma.wait_group 1`` has retired the step that read them last. Writes by the
+threads (``st.shared``, ``cp.async``) are made visible to ``wgmma``'s async proxy by
+``fence.proxy.async`` before the barrier.
+
+Split K: where the weight tiles fill too few of the GPU's block slots (o_proj and
+down_proj of the 8b model: 32 tiles), ``S`` blocks take a share of each tile's k-steps
+each; the last of a tile's blocks (a counter, zero between launches) sums the partials
+in split order (deterministic) and writes the epilogue. The counters and partials are
+gpu_qgemm's stream-K buffers.
+
+Off unless ``MARKBASE_GPU_WGMMA=1`` (prepared, not measured yet). Needs sm_90 (MLX's
+JIT compiles for sm_90a on a compute capability 9 device).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from engine.config import env_choice
+from engine.cuda_kernels import Baked, KernelSpec, for_dtype, one_output_call
+
+KS = 64  # inputs a k-step
+RB = 128  # weight rows a block: two warpgroups of 64
+THREADS = 256
+A_STAGES = 3
+MIN_SPLIT_STEPS = 4  # k-steps a split block takes at least
+PAD = 16  # bytes between the K-columns of core matrices beyond 16 rows x 128 bytes
+
+
+def _wgmma_asm(bn: int, ab: str) -> str:
+    """``mb_wgmma`` for m64n{bn}k16 with ``ab`` (bf16/f16) operands, f32 accumulators."""
+    nv = bn // 2
+    regs = ",".join(f"%{i}" for i in range(nv))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(nv))
+    ctype = "__nv_bfloat16" if ab == "bf16" else "__half"
+    return (
+        f"__device__ __forceinline__ void mb_wgmma(float* d, uint64_t da, uint64_t db, {ctype}, "
+        f"mb_n<{bn}>) {{\n"
+        f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nv + 2}, 0;\\n"\n'
+        f'      "wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{ab}.{ab} {{{regs}}}, %{nv}, %{nv + 1}, '
+        f'p, 1, 1, 0, 0;\\n}}\\n"\n'
+        f"      : {outs}\n"
+        f'      : "l"(da), "l"(db), "r"(1));\n'
+        "}\n"
+    )
+
+
+_HEADER_TOP = r"""
+template <int BN> struct mb_n {};
+__device__ __forceinline__ void mb_wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void mb_wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void mb_wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// the threads' st.shared / cp.async writes, seen by wgmma's async proxy
+__device__ __forceinline__ void mb_fence_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void mb_keep(float& v) { asm volatile("" : "+f"(v)::"memory"); }
+__device__ __forceinline__ void mb_st16(uint32_t a, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w) : "memory");
+}
+// a shared-memory matrix descriptor: start address, leading (K) and stride (rows)
+// byte offsets, no swizzle
+__device__ __forceinline__ uint64_t mb_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) |
+         (static_cast<uint64_t>(lbo >> 4) << 16) | (static_cast<uint64_t>(sbo >> 4) << 32);
+}
+struct MbWq {
+  uint4 q;
+  uint32_t s2, b2;
+};
+"""
+
+
+def _header() -> str:
+    from engine.gpu_attention import LAST_BLOCK
+    from engine.gpu_mma import _HEADER as MMA_HEADER
+    from engine.gpu_prefill_attention import _HEADER as CP_HEADER
+
+    asm = "".join(_wgmma_asm(bn, ab) for bn in (64, 128) for ab in ("bf16", "f16"))
+    return MMA_HEADER + CP_HEADER + LAST_BLOCK + _HEADER_TOP + asm
+
+
+_SOURCE = r"""
+  constexpr int RB = 128;                      // weight rows a block
+  constexpr int NA = 3;                        // stages of dequantized weights
+  constexpr int ALBO = RB / 8 * 128 + PADB;    // bytes between A's 8-input core columns
+  constexpr int XLBO = BN / 8 * 128 + PADB;
+  constexpr int ASZ = 8 * ALBO;                // a stage: 64 inputs
+  constexpr int XSZ = 8 * XLBO;
+  constexpr int NV = BN / 2;                   // accumulators a thread
+  constexpr int XIT = BN / 32;                 // x copies a thread a step
+  constexpr int LEAD = NX - 2;                 // steps x is copied ahead
+  extern __shared__ __align__(128) unsigned char mb_smem[];
+  const uint32_t abase = static_cast<uint32_t>(__cvta_generic_to_shared(mb_smem));
+  const uint32_t xbase = abase + NA * ASZ;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, wq = warp & 3;     // warpgroup; warp in it (16 rows)
+  const int g = lane >> 2, t = lane & 3;
+  const int M = x_shape[0];
+  const int K = x_shape[1];
+  const int NW = w_shape[0];
+  const int N = GLU ? NW / 2 : NW;
+  const int words = K / 8;
+  const int groups = K / GS;
+  const int steps = K / 64;
+  const int TC = GLU ? N / 64 : NW / RB;       // weight tiles
+  const int RC = (M + BN - 1) / BN;            // row chunks
+  const int tiles = TC * RC;
+  const int S = gridDim.x / tiles;             // k-splits
+  const int tl = blockIdx.x % tiles;           // a tile's row chunks are neighbours
+  const int sp = blockIdx.x / tiles;
+  const int tc = tl / RC;
+  const int m0 = (tl % RC) * BN;
+  const int k0 = steps * sp / S, k1 = steps * (sp + 1) / S;
+  const int n_steps = k1 - k0;
+
+  // this thread's weight run: tile row r, inputs 32h..32h+31 of a step
+  const int r = tid >> 1, h = tid & 1;
+  int wr;
+  if constexpr (GLU) {
+    const int o = tc * 64 + (r >> 4) * 8 + (r & 7);
+    wr = (r & 8) ? N + o : o;
+  } else {
+    wr = tc * RB + r;
+  }
+  const uint32_t* wp = w + (int64_t)wr * words + h * 4;
+  const T* scp = scales + (int64_t)wr * groups;
+  const T* bip = biases + (int64_t)wr * groups;
+  auto wload = [&](int ks) {
+    MbWq v;
+    v.q = mb_ldg(wp + ks * 8);
+    const int gi = (ks * 64 + h * 32) / GS;
+    v.s2 = mb_pair(scp[gi]);
+    v.b2 = mb_pair(bip[gi]);
+    return v;
+  };
+  // its four 8-input runs: core column 4h + j, row r
+  const uint32_t adst = abase + 4 * h * ALBO + (r >> 3) * 128 + (r & 7) * 16;
+  auto deq = [&](const MbWq& v, int st) {
+    const uint32_t words4[4] = {v.q.x, v.q.y, v.q.z, v.q.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t u = words4[j];
+      uint4 o;
+      o.x = mb_deq2(u, v.s2, v.b2, T{});
+      o.y = mb_deq2(u >> 8, v.s2, v.b2, T{});
+      o.z = mb_deq2(u >> 16, v.s2, v.b2, T{});
+      o.w = mb_deq2(u >> 24, v.s2, v.b2, T{});
+      mb_st16(adst + st * ASZ + j * ALBO, o);
+    }
+  };
+  // x's copies: unit it * 256 + tid = row n (unit / 8), inputs 8 kc.. (kc = unit % 8)
+  const int kc = tid & 7;
+  auto stage_x = [&](int ks, int st) {
+#pragma unroll
+    for (int it = 0; it < XIT; ++it) {
+      const int n = it * 32 + (tid >> 3);
+      const bool ok = m0 + n < M;
+      const T* src = ok ? x + (int64_t)(m0 + n) * K + ks * 64 + kc * 8 : x;
+      mb_cp16s(xbase + st * XSZ + kc * XLBO + (n >> 3) * 128 + (n & 7) * 16, src, ok);
+    }
+  };
+  constexpr uint32_t LBO_A = SWAP ? 128 : ALBO, SBO_A = SWAP ? ALBO : 128;
+  constexpr uint32_t LBO_X = SWAP ? 128 : XLBO, SBO_X = SWAP ? XLBO : 128;
+  const uint64_t da0 = mb_desc(abase + wg * 8 * 128, LBO_A, SBO_A);
+  const uint64_t dx0 = mb_desc(xbase, LBO_X, SBO_X);
+
+  float d[NV];
+#pragma unroll
+  for (int v = 0; v < NV; ++v) {
+    d[v] = 0.f;
+  }
+  if (n_steps > 0) {
+    stage_x(k0, 0);
+    mb_commit();
+    if constexpr (LEAD == 2) {
+      if (n_steps > 1) {
+        stage_x(k0 + 1, 1);
+      }
+      mb_commit();
+    }
+    MbWq p1 = wload(k0), p2 = p1;
+    deq(p1, 0);
+    if (n_steps > 1) {
+      p1 = wload(k0 + 1);
+    }
+    if (n_steps > 2) {
+      p2 = wload(k0 + 2);
+    }
+    for (int i = 0; i < n_steps; ++i) {
+      mb_wait<LEAD - 1>();  // this thread's copies of step i are in
+      mb_fence_async();
+      __syncthreads();      // everyone's, and the dequantized weights of step i
+      const int sa = i % NA, sx = i % NX;
+      mb_wg_fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        mb_wgmma(d, da0 + ((sa * ASZ + 2 * s * ALBO) >> 4), dx0 + ((sx * XSZ + 2 * s * XLBO) >> 4),
+                 T{}, mb_n<BN>{});
+      }
+      mb_wg_commit();
+      // while the tensor cores run step i: step i + LEAD's x, step i + 1's weights
+      if (i + LEAD < n_steps) {
+        stage_x(k0 + i + LEAD, (i + LEAD) % NX);
+      }
+      mb_commit();
+      if (i + 1 < n_steps) {
+        deq(p1, (i + 1) % NA);
+        p1 = p2;
+        if (i + 3 < n_steps) {
+          p2 = wload(k0 + i + 3);
+        }
+      }
+      mb_wg_wait<1>();  // step i - 1 is done: its buffers are free after the next barrier
+    }
+    mb_wg_wait<0>();
+  }
+#pragma unroll
+  for (int v = 0; v < NV; ++v) {
+    mb_keep(d[v]);
+  }
+
+  if constexpr (SPLIT) {
+    if (S > 1) {
+      // this split's sums, value-major; the last of the tile's S blocks adds them all
+      // in split order
+      float* mine = const_cast<float*>(wsp) + (int64_t)blockIdx.x * NV * 256 + tid;
+#pragma unroll
+      for (int v = 0; v < NV; ++v) {
+        mine[v * 256] = d[v];
+      }
+      if (!mb_last_of(const_cast<int*>(cnt) + tl, S)) {
+        return;
+      }
+#pragma unroll
+      for (int v = 0; v < NV; ++v) {
+        d[v] = 0.f;
+      }
+      for (int s2 = 0; s2 < S; ++s2) {
+        const float* part = wsp + (int64_t)(s2 * tiles + tl) * NV * 256 + tid;
+#pragma unroll
+        for (int v = 0; v < NV; ++v) {
+          d[v] += __ldcg(part + v * 256);
+        }
+      }
+    }
+  }
+
+  // accumulator layout: warp wq of the warpgroup holds its rows 16 wq + g (d[4j], d[4j+1])
+  // and 16 wq + g + 8 (d[4j+2], d[4j+3]), x rows 8j + 2t and 8j + 2t + 1
+  const int R0 = wg * 64 + wq * 16 + g;
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int m = m0 + j * 8 + 2 * t + e;
+      if (m < M) {
+        if constexpr (GLU) {
+          const int o = tc * 64 + (wg * 4 + wq) * 8 + g;
+          const float gs = d[4 * j + e], us = d[4 * j + 2 + e];
+          y[(int64_t)m * N + o] = static_cast<T>(gs / (1.f + __expf(-gs)) * us);
+        } else {
+          const int row0 = tc * RB + R0, row1 = row0 + 8;
+          float v0 = d[4 * j + e], v1 = d[4 * j + 2 + e];
+          if constexpr (RES) {
+            v0 += static_cast<float>(r_in[(int64_t)m * N + row0]);
+            v1 += static_cast<float>(r_in[(int64_t)m * N + row1]);
+          }
+          y[(int64_t)m * N + row0] = static_cast<T>(v0);
+          y[(int64_t)m * N + row1] = static_cast<T>(v1);
+        }
+      }
+    }
+  }
+"""
+
+# gpu_qgemm's mb_pair (a 16-bit scale/bias as the pair mb_deq2 takes)
+_PAIR = r"""
+__device__ __forceinline__ uint32_t mb_pair(uint16_t h) {
+  return static_cast<uint32_t>(h) * 0x10001u;
+}
+template <typename TT>
+__device__ __forceinline__ uint32_t mb_pair(TT v) {
+  return mb_pair(*reinterpret_cast<const uint16_t*>(&v));
+}
+"""
+
+
+@cache
+def _spec(kind: str) -> KernelSpec:
+    """Kinds ``q4``, ``q4_res`` (a residual ``r_in`` [M, N] added), ``q4_glu`` (w =
+    [gate; up], the output silu(gate) * up); a suffix ``_sp``: the split-K form (tile
+    counters ``cnt`` and partials ``wsp`` as inputs); ``_lbTxB``: compiled for B blocks
+    of T threads an SM (gpu_qgemm's header trick: MLX writes the signature)."""
+    base, _, bounds = kind.partition("_lb")
+    split = base.endswith("_sp")
+    base = base.removesuffix("_sp")
+    glu, res = {"q4": (False, False), "q4_res": (False, True), "q4_glu": (True, False)}[base]
+    inputs = [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)]
+    if res:
+        inputs.append(("r_in", "T", 2))
+    if split:
+        inputs += [("cnt", "int32", 1), ("wsp", "float32", 1)]
+    flags = f"  constexpr bool GLU = {'true' if glu else 'false'};\n"
+    flags += f"  constexpr bool RES = {'true' if res else 'false'};\n"
+    flags += f"  constexpr bool SPLIT = {'true' if split else 'false'};\n"
+    if not res:
+        flags += "  const T* r_in = nullptr;\n"
+    if not split:
+        flags += "  const int* cnt = nullptr;\n  const float* wsp = nullptr;\n"
+    header = _header() + _PAIR
+    if bounds:
+        threads, blocks = (int(v) for v in bounds.split("x"))
+        header += (
+            "#undef __global__\n#define __global__ __attribute__((global)) "
+            f"__launch_bounds__({threads}, {blocks})\n"
+        )
+    return KernelSpec(
+        "mb_wgmma" + base[2:] + ("_sp" if split else "") + (f"_lb{bounds}" if bounds else ""),
+        inputs,
+        [("y", "T")],
+        flags + _SOURCE,
+        header,
+    )
+
+
+class _Specs(dict):
+    def __missing__(self, kind: str) -> KernelSpec:
+        return _spec(kind)
+
+
+_kernel = Baked(_Specs, ensure_row_contiguous=True)
+
+ENV = "MARKBASE_GPU_WGMMA"
+NX_ENV = "MARKBASE_GPU_WGMMA_NX"
+SWAP_ENV = "MARKBASE_GPU_WGMMA_SWAP"
+
+
+def enabled() -> bool:
+    """``MARKBASE_GPU_WGMMA=1`` and an sm_90 GPU (``hopper``)."""
+    return env_choice(ENV, "0", ("0", "1")) == "1" and hopper()
+
+
+def hopper() -> bool:
+    """Whether MLX's GPU is compute capability 9.x (wgmma; MLX compiles for sm_90a)."""
+    if not _hopper:
+        ok = False
+        try:
+            import mlx.core as mx
+
+            if mx.cuda.is_available():
+                info = mx.device_info()
+                major = info.get("compute_capability_major")
+                if major is not None:
+                    ok = int(major) == 9
+                else:
+                    name = str(info.get("device_name", ""))
+                    ok = any(n in name for n in ("H100", "H200", "H800", "H20", "GH200"))
+        except Exception:
+            ok = False
+        _hopper.append(ok)
+    return _hopper[0]
+
+
+_hopper: list = []
+
+
+def x_stages() -> int:
+    """Buffers of x (``MARKBASE_GPU_WGMMA_NX``): 3 (copied one step ahead; two blocks
+    an SM fit) or 4 (two steps ahead; one block an SM)."""
+    return int(env_choice(NX_ENV, "3", ("3", "4")))
+
+
+def swapped() -> bool:
+    """``MARKBASE_GPU_WGMMA_SWAP=1``: the descriptors' leading and stride offsets
+    exchanged (a check of the layout reading, for the GPU tests only)."""
+    return env_choice(SWAP_ENV, "0", ("0", "1")) == "1"
+
+
+def supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: str, biases) -> bool:
+    """gpu_gemv's 4-bit conditions, groups of 32/64/128, K a multiple of 64, and whole
+    tiles: N a multiple of 128 (GLU: of 128 too, 64 outputs a tile)."""
+    from engine import gpu_gemv
+
+    return (
+        gpu_gemv.quant_supported(x_dtype, n, k, bits, group_size, mode, biases)
+        and group_size in (32, 64, 128)
+        and k % KS == 0
+        and n % RB == 0
+    )
+
+
+MIN_ROWS = 33
+MAX_ROWS = 128
+
+
+def takes(rows: int) -> bool:
+    """Whether the plan's ``qgemm`` rows go to this kernel: on, and 33-128 rows."""
+    return MIN_ROWS <= rows <= MAX_ROWS and enabled()
+
+
+def block_rows(rows: int) -> int:
+    """x rows a block: 64 up to 64 rows (m64n64k16), else 128."""
+    return 64 if rows <= 64 else 128
+
+
+def shared_bytes(bn: int, nx: int) -> int:
+    return A_STAGES * 8 * (RB // 8 * 128 + PAD) + nx * 8 * (bn // 8 * 128 + PAD)
+
+
+def blocks_per_sm(bn: int, nx: int) -> int:
+    """Blocks of 256 threads an SM holds: by shared memory (227 KB a block at most,
+    ~1 KB reserved each) and registers (compiled for 2 where that fits)."""
+    return 2 if 2 * (shared_bytes(bn, nx) + 1024) <= 228 * 1024 else 1
+
+
+def splits(tiles: int, steps: int, slots: int, values: int, room: int) -> int:
+    """k-splits of a launch: as many as fill the block slots (``slots // tiles``), each
+    MIN_SPLIT_STEPS k-steps at least, and partials (``values`` floats a block) that fit
+    ``room`` floats."""
+    s = max(1, min(slots // max(tiles, 1), steps // MIN_SPLIT_STEPS))
+    while s > 1 and tiles * s * values > room:
+        s -= 1
+    return s
+
+
+@cache
+def _template(dtype, gs: int, bn: int, nx: int, swap: bool) -> tuple:
+    return (("T", dtype), ("GS", gs), ("BN", bn), ("NX", nx), ("PADB", PAD), ("SWAP", swap))
+
+
+def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, glu: bool = False):
+    """``call(inputs) -> y`` for x [rows, k] and a 4-bit weight of ``n`` rows; inputs:
+    x, weight, scales, biases, then the residual (``residual``)."""
+    from engine import gpu_qgemm
+
+    if glu and residual:
+        raise ValueError("gpu_wgmma: glu and residual together are not a kernel")
+    bn, nx = block_rows(rows), x_stages()
+    tiles = n // RB * -(-rows // bn)
+    per_sm = blocks_per_sm(bn, nx)
+    values = bn // 2 * THREADS
+    s = splits(tiles, k // KS, gpu_qgemm._sms() * per_sm, values, gpu_qgemm._partials_size())
+    kind = "q4_glu" if glu else "q4_res" if residual else "q4"
+    if s > 1:
+        kind += "_sp"
+    kind += f"_lb{THREADS}x{per_sm}"
+    fn = _kernel(kind, _template(dtype, gs, bn, nx, swapped()), shared_bytes(bn, nx))
+    shape = (rows, n // 2 if glu else n)
+    run = one_output_call(fn, (tiles * s * THREADS, 1, 1), (THREADS, 1, 1), shape, dtype)
+    if s == 1:
+        return run
+    extra = list(gpu_qgemm.stream_k_buffers())
+    return lambda inputs: run([*inputs, *extra])
+
+
+def quantized_matmul(x, w, scales, biases, group_size: int, residual=None, glu: bool = False):
+    """``x @ dequantize(w).T`` for x [M, K] and a 4-bit affine ``w`` [N, K/8];
+    ``residual`` [M, N] added, or with ``glu`` (w = [gate; up]) silu(gate) * up."""
+    n, k = w.shape[0], w.shape[1] * 8
+    run = launcher(x.dtype, x.shape[0], n, k, group_size, residual is not None, glu)
+    inputs = [x, w, scales, biases] + ([residual] if residual is not None else [])
+    return run(inputs)
+
+
+def warm(dtype, products) -> None:
+    """Compile now every variant the decode step can call: ``products`` = (group size,
+    K, N, residual, glu), for 64- and 128-row blocks, split and not."""
+    import mlx.core as mx
+
+    from engine import gpu_qgemm
+
+    outs = []
+    for gs, k, n, residual, glu in sorted(set(products)):
+        if not supported(dtype, n, k, 4, gs, "affine", True):
+            continue
+        shapes = {(r, s > 1) for r in range(MIN_ROWS, MAX_ROWS + 1) for s in [_splits_for(r, n, k)]}
+        seen = set()
+        for rows, split in sorted(shapes):
+            key = (block_rows(rows), split)
+            if key in seen:
+                continue
+            seen.add(key)
+            s = mx.ones((n, k // gs), dtype=dtype)
+            ins = [mx.zeros((rows, k), dtype=dtype), mx.zeros((n, k // 8), dtype=mx.uint32), s, s]
+            if residual:
+                ins.append(mx.zeros((rows, n), dtype=dtype))
+            outs.append(launcher(dtype, rows, n, k, gs, residual, glu)(ins))
+    gpu_qgemm.stream_k_buffers()
+    mx.eval(outs)
+
+
+def _splits_for(rows: int, n: int, k: int) -> int:
+    from engine import gpu_qgemm
+
+    bn, nx = block_rows(rows), x_stages()
+    tiles = n // RB * -(-rows // bn)
+    return splits(
+        tiles, k // KS, gpu_qgemm._sms() * blocks_per_sm(bn, nx), bn // 2 * THREADS,
+        gpu_qgemm._partials_size(),
+    )  # fmt: skip
+
+
+def kernel_specs_for_check() -> list[KernelSpec]:
+    """Every form with concrete template values (bench/gpu/nvrtc_check.py)."""
+    out = []
+    for base in ("q4", "q4_res", "q4_glu"):
+        for split in (False, True):
+            for dtype in ("bfloat16", "float16"):
+                for bn, nx, swap in (
+                    (128, 3, False),
+                    (64, 3, False),
+                    (128, 4, False),
+                    (128, 3, True),
+                ):
+                    per_sm = blocks_per_sm(bn, nx)
+                    kind = base + ("_sp" if split else "") + f"_lb{THREADS}x{per_sm}"
+                    spec = _spec(kind)
+                    tmpl = list(_template(dtype, 64, bn, nx, swap))
+                    name = f"{spec.name}_{dtype}_{bn}_{nx}_{int(swap)}"
+                    out.append(for_dtype(spec, dtype, name, tmpl))
+    return out
