@@ -42,14 +42,13 @@ JIT compiles for sm_90a on a compute capability 9 device).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 from engine.config import env_choice
 from engine.cuda_kernels import Baked, KernelSpec, for_dtype, one_output_call
 
 KS = 64  # inputs a k-step
-RB = 128  # weight rows a block: two warpgroups of 64
-THREADS = 256
 A_STAGES = 3
 MIN_SPLIT_STEPS = 4  # k-steps a split block takes at least
 PAD = 16  # bytes between the K-columns of core matrices beyond 16 rows x 128 bytes
@@ -115,21 +114,22 @@ def _header() -> str:
 
 
 _SOURCE = r"""
-  constexpr int RB = 128;                      // weight rows a block
+  constexpr int RB = 64 * WGS;                 // weight rows a block: a warpgroup's 64 each
+  constexpr int NT = 128 * WGS;                // threads
   constexpr int NA = 3;                        // stages of dequantized weights
   constexpr int ALBO = RB / 8 * 128 + PADB;    // bytes between A's 8-input core columns
   constexpr int XLBO = BN / 8 * 128 + PADB;
   constexpr int ASZ = 8 * ALBO;                // a stage: 64 inputs
   constexpr int XSZ = 8 * XLBO;
   constexpr int NV = BN / 2;                   // accumulators a thread
-  constexpr int XIT = BN / 32;                 // x copies a thread a step
+  constexpr int XIT = BN * 8 / NT;             // x copies a thread a step
   constexpr int LEAD = NX - 2;                 // steps x is copied ahead
   extern __shared__ __align__(128) unsigned char mb_smem[];
   const uint32_t abase = static_cast<uint32_t>(__cvta_generic_to_shared(mb_smem));
   const uint32_t xbase = abase + NA * ASZ;
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
-  const int wg = warp >> 2, wq = warp & 3;     // warpgroup; warp in it (16 rows)
+  const int wg = warp >> 2, wq = warp & 3;     // warpgroup (64 rows); warp in it (16)
   const int g = lane >> 2, t = lane & 3;
   const int M = x_shape[0];
   const int K = x_shape[1];
@@ -138,7 +138,7 @@ _SOURCE = r"""
   const int words = K / 8;
   const int groups = K / GS;
   const int steps = K / 64;
-  const int TC = GLU ? N / 64 : NW / RB;       // weight tiles
+  const int TC = GLU ? N / (RB / 2) : NW / RB; // weight tiles
   const int RC = (M + BN - 1) / BN;            // row chunks
   const int tiles = TC * RC;
   const int S = gridDim.x / tiles;             // k-splits
@@ -153,7 +153,7 @@ _SOURCE = r"""
   const int r = tid >> 1, h = tid & 1;
   int wr;
   if constexpr (GLU) {
-    const int o = tc * 64 + (r >> 4) * 8 + (r & 7);
+    const int o = tc * (RB / 2) + (r >> 4) * 8 + (r & 7);
     wr = (r & 8) ? N + o : o;
   } else {
     wr = tc * RB + r;
@@ -184,12 +184,12 @@ _SOURCE = r"""
       mb_st16(adst + st * ASZ + j * ALBO, o);
     }
   };
-  // x's copies: unit it * 256 + tid = row n (unit / 8), inputs 8 kc.. (kc = unit % 8)
+  // x's copies: unit it * NT + tid = row n (unit / 8), inputs 8 kc.. (kc = unit % 8)
   const int kc = tid & 7;
   auto stage_x = [&](int ks, int st) {
 #pragma unroll
     for (int it = 0; it < XIT; ++it) {
-      const int n = it * 32 + (tid >> 3);
+      const int n = it * (NT / 8) + (tid >> 3);
       const bool ok = m0 + n < M;
       const T* src = ok ? x + (int64_t)(m0 + n) * K + ks * 64 + kc * 8 : x;
       mb_cp16s(xbase + st * XSZ + kc * XLBO + (n >> 3) * 128 + (n & 7) * 16, src, ok);
@@ -259,10 +259,10 @@ _SOURCE = r"""
     if (S > 1) {
       // this split's sums, value-major; the last of the tile's S blocks adds them all
       // in split order
-      float* mine = const_cast<float*>(wsp) + (int64_t)blockIdx.x * NV * 256 + tid;
+      float* mine = const_cast<float*>(wsp) + (int64_t)blockIdx.x * NV * NT + tid;
 #pragma unroll
       for (int v = 0; v < NV; ++v) {
-        mine[v * 256] = d[v];
+        mine[v * NT] = d[v];
       }
       if (!mb_last_of(const_cast<int*>(cnt) + tl, S)) {
         return;
@@ -272,10 +272,10 @@ _SOURCE = r"""
         d[v] = 0.f;
       }
       for (int s2 = 0; s2 < S; ++s2) {
-        const float* part = wsp + (int64_t)(s2 * tiles + tl) * NV * 256 + tid;
+        const float* part = wsp + (int64_t)(s2 * tiles + tl) * NV * NT + tid;
 #pragma unroll
         for (int v = 0; v < NV; ++v) {
-          d[v] += __ldcg(part + v * 256);
+          d[v] += __ldcg(part + v * NT);
         }
       }
     }
@@ -291,7 +291,7 @@ _SOURCE = r"""
       const int m = m0 + j * 8 + 2 * t + e;
       if (m < M) {
         if constexpr (GLU) {
-          const int o = tc * 64 + (wg * 4 + wq) * 8 + g;
+          const int o = tc * (RB / 2) + (wg * 4 + wq) * 8 + g;
           const float gs = d[4 * j + e], us = d[4 * j + 2 + e];
           y[(int64_t)m * N + o] = static_cast<T>(gs / (1.f + __expf(-gs)) * us);
         } else {
@@ -369,6 +369,7 @@ _kernel = Baked(_Specs, ensure_row_contiguous=True)
 ENV = "MARKBASE_GPU_WGMMA"
 NX_ENV = "MARKBASE_GPU_WGMMA_NX"
 SWAP_ENV = "MARKBASE_GPU_WGMMA_SWAP"
+WG_ENV = "MARKBASE_GPU_WGMMA_WG"
 
 
 def enabled() -> bool:
@@ -401,9 +402,16 @@ _hopper: list = []
 
 
 def x_stages() -> int:
-    """Buffers of x (``MARKBASE_GPU_WGMMA_NX``): 3 (copied one step ahead; two blocks
-    an SM fit) or 4 (two steps ahead; one block an SM)."""
+    """Buffers of x (``MARKBASE_GPU_WGMMA_NX``): 3 (copied one step ahead) or 4 (two
+    steps ahead)."""
     return int(env_choice(NX_ENV, "3", ("3", "4")))
+
+
+def warpgroups() -> int:
+    """Warpgroups a block (``MARKBASE_GPU_WGMMA_WG``): 2 (128 weight rows, two blocks an
+    SM) or 4 (256 weight rows, one block an SM: x read from L2 half as often a weight
+    row)."""
+    return int(env_choice(WG_ENV, "2", ("2", "4")))
 
 
 def swapped() -> bool:
@@ -414,14 +422,14 @@ def swapped() -> bool:
 
 def supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: str, biases) -> bool:
     """gpu_gemv's 4-bit conditions, groups of 32/64/128, K a multiple of 64, and whole
-    tiles: N a multiple of 128 (GLU: of 128 too, 64 outputs a tile)."""
+    tiles of two warpgroups: N a multiple of 128 (GLU: 64 outputs a tile)."""
     from engine import gpu_gemv
 
     return (
         gpu_gemv.quant_supported(x_dtype, n, k, bits, group_size, mode, biases)
         and group_size in (32, 64, 128)
         and k % KS == 0
-        and n % RB == 0
+        and n % 128 == 0
     )
 
 
@@ -434,19 +442,47 @@ def takes(rows: int) -> bool:
     return MIN_ROWS <= rows <= MAX_ROWS and enabled()
 
 
-def block_rows(rows: int) -> int:
-    """x rows a block: 64 up to 64 rows (m64n64k16), else 128."""
-    return 64 if rows <= 64 else 128
+@dataclass(frozen=True)
+class Geometry:
+    """A launch's shape: x rows a block (``bn``: the wgmma's N), x buffers, warpgroups."""
+
+    bn: int
+    nx: int
+    wgs: int
+
+    @property
+    def rows(self) -> int:  # weight rows a block
+        return 64 * self.wgs
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.wgs
+
+    @property
+    def shared_bytes(self) -> int:
+        return A_STAGES * 8 * (self.rows // 8 * 128 + PAD) + self.nx * 8 * (
+            self.bn // 8 * 128 + PAD
+        )
+
+    @property
+    def per_sm(self) -> int:
+        """Blocks an SM holds: two of two warpgroups where their shared memory fits
+        (228 KB an SM, ~1 KB reserved a block; 128 registers a thread, as compiled)."""
+        fits = 2 * (self.shared_bytes + 1024) <= 228 * 1024
+        return 2 if self.wgs == 2 and fits else 1
+
+    @property
+    def values(self) -> int:  # accumulators a block
+        return self.bn // 2 * self.threads
 
 
-def shared_bytes(bn: int, nx: int) -> int:
-    return A_STAGES * 8 * (RB // 8 * 128 + PAD) + nx * 8 * (bn // 8 * 128 + PAD)
-
-
-def blocks_per_sm(bn: int, nx: int) -> int:
-    """Blocks of 256 threads an SM holds: by shared memory (227 KB a block at most,
-    ~1 KB reserved each) and registers (compiled for 2 where that fits)."""
-    return 2 if 2 * (shared_bytes(bn, nx) + 1024) <= 228 * 1024 else 1
+def geometry(rows: int, n: int) -> Geometry:
+    """64 x rows a block up to 64 rows (m64n64k16), else 128; ``warpgroups`` where the
+    weight rows split into them, else 2."""
+    wgs = warpgroups()
+    if n % (64 * wgs):
+        wgs = 2
+    return Geometry(64 if rows <= 64 else 128, x_stages(), wgs)
 
 
 def splits(tiles: int, steps: int, slots: int, values: int, room: int) -> int:
@@ -459,9 +495,22 @@ def splits(tiles: int, steps: int, slots: int, values: int, room: int) -> int:
     return s
 
 
+def _plan(rows: int, n: int, k: int) -> tuple[Geometry, int, int]:
+    """(geometry, tiles, k-splits) of a launch."""
+    from engine import gpu_qgemm
+
+    geo = geometry(rows, n)
+    tiles = n // geo.rows * -(-rows // geo.bn)
+    slots = gpu_qgemm._sms() * geo.per_sm
+    return geo, tiles, splits(tiles, k // KS, slots, geo.values, gpu_qgemm._partials_size())
+
+
 @cache
-def _template(dtype, gs: int, bn: int, nx: int, swap: bool) -> tuple:
-    return (("T", dtype), ("GS", gs), ("BN", bn), ("NX", nx), ("PADB", PAD), ("SWAP", swap))
+def _template(dtype, gs: int, bn: int, nx: int, wgs: int, swap: bool) -> tuple:
+    return (
+        ("T", dtype), ("GS", gs), ("BN", bn), ("NX", nx), ("WGS", wgs), ("PADB", PAD),
+        ("SWAP", swap),
+    )  # fmt: skip
 
 
 def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, glu: bool = False):
@@ -471,18 +520,16 @@ def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, 
 
     if glu and residual:
         raise ValueError("gpu_wgmma: glu and residual together are not a kernel")
-    bn, nx = block_rows(rows), x_stages()
-    tiles = n // RB * -(-rows // bn)
-    per_sm = blocks_per_sm(bn, nx)
-    values = bn // 2 * THREADS
-    s = splits(tiles, k // KS, gpu_qgemm._sms() * per_sm, values, gpu_qgemm._partials_size())
+    geo, tiles, s = _plan(rows, n, k)
     kind = "q4_glu" if glu else "q4_res" if residual else "q4"
     if s > 1:
         kind += "_sp"
-    kind += f"_lb{THREADS}x{per_sm}"
-    fn = _kernel(kind, _template(dtype, gs, bn, nx, swapped()), shared_bytes(bn, nx))
+    kind += f"_lb{geo.threads}x{geo.per_sm}"
+    template = _template(dtype, gs, geo.bn, geo.nx, geo.wgs, swapped())
+    fn = _kernel(kind, template, geo.shared_bytes)
     shape = (rows, n // 2 if glu else n)
-    run = one_output_call(fn, (tiles * s * THREADS, 1, 1), (THREADS, 1, 1), shape, dtype)
+    grid = (tiles * s * geo.threads, 1, 1)
+    run = one_output_call(fn, grid, (geo.threads, 1, 1), shape, dtype)
     if s == 1:
         return run
     extra = list(gpu_qgemm.stream_k_buffers())
@@ -500,58 +547,43 @@ def quantized_matmul(x, w, scales, biases, group_size: int, residual=None, glu: 
 
 def warm(dtype, products) -> None:
     """Compile now every variant the decode step can call: ``products`` = (group size,
-    K, N, residual, glu), for 64- and 128-row blocks, split and not."""
+    K, N, residual, glu); one launch of each (geometry, split or not) that 33-128 rows
+    give, on a zero x of that many rows."""
     import mlx.core as mx
 
     from engine import gpu_qgemm
 
+    gpu_qgemm.stream_k_buffers()
     outs = []
     for gs, k, n, residual, glu in sorted(set(products)):
         if not supported(dtype, n, k, 4, gs, "affine", True):
             continue
-        shapes = {(r, s > 1) for r in range(MIN_ROWS, MAX_ROWS + 1) for s in [_splits_for(r, n, k)]}
         seen = set()
-        for rows, split in sorted(shapes):
-            key = (block_rows(rows), split)
-            if key in seen:
+        for rows in range(MIN_ROWS, MAX_ROWS + 1):
+            geo, _, s = _plan(rows, n, k)
+            if (geo, s > 1) in seen:
                 continue
-            seen.add(key)
-            s = mx.ones((n, k // gs), dtype=dtype)
-            ins = [mx.zeros((rows, k), dtype=dtype), mx.zeros((n, k // 8), dtype=mx.uint32), s, s]
+            seen.add((geo, s > 1))
+            sc = mx.ones((n, k // gs), dtype=dtype)
+            ins = [mx.zeros((rows, k), dtype=dtype), mx.zeros((n, k // 8), dtype=mx.uint32), sc, sc]
             if residual:
                 ins.append(mx.zeros((rows, n), dtype=dtype))
             outs.append(launcher(dtype, rows, n, k, gs, residual, glu)(ins))
-    gpu_qgemm.stream_k_buffers()
     mx.eval(outs)
-
-
-def _splits_for(rows: int, n: int, k: int) -> int:
-    from engine import gpu_qgemm
-
-    bn, nx = block_rows(rows), x_stages()
-    tiles = n // RB * -(-rows // bn)
-    return splits(
-        tiles, k // KS, gpu_qgemm._sms() * blocks_per_sm(bn, nx), bn // 2 * THREADS,
-        gpu_qgemm._partials_size(),
-    )  # fmt: skip
 
 
 def kernel_specs_for_check() -> list[KernelSpec]:
     """Every form with concrete template values (bench/gpu/nvrtc_check.py)."""
     out = []
+    geos = [(Geometry(128, 3, 2), False), (Geometry(64, 3, 2), False), (Geometry(128, 4, 2), False),
+            (Geometry(128, 3, 4), False), (Geometry(64, 3, 4), False), (Geometry(128, 3, 2), True)]  # fmt: skip
     for base in ("q4", "q4_res", "q4_glu"):
         for split in (False, True):
             for dtype in ("bfloat16", "float16"):
-                for bn, nx, swap in (
-                    (128, 3, False),
-                    (64, 3, False),
-                    (128, 4, False),
-                    (128, 3, True),
-                ):
-                    per_sm = blocks_per_sm(bn, nx)
-                    kind = base + ("_sp" if split else "") + f"_lb{THREADS}x{per_sm}"
+                for geo, swap in geos:
+                    kind = base + ("_sp" if split else "") + f"_lb{geo.threads}x{geo.per_sm}"
                     spec = _spec(kind)
-                    tmpl = list(_template(dtype, 64, bn, nx, swap))
-                    name = f"{spec.name}_{dtype}_{bn}_{nx}_{int(swap)}"
+                    tmpl = list(_template(dtype, 64, geo.bn, geo.nx, geo.wgs, swap))
+                    name = f"{spec.name}_{dtype}_{geo.bn}_{geo.nx}_{geo.wgs}_{int(swap)}"
                     out.append(for_dtype(spec, dtype, name, tmpl))
     return out

@@ -49,13 +49,23 @@ def test_splits_fill_the_slots_within_the_partials():
             assert s == 1 or tiles * s * values <= room
 
 
-def test_block_rows_and_shared_memory():
-    """64-row blocks to 64 rows, 128 above; two blocks an SM fit at 3 x stages (the
-    launch bounds say so), the largest form within a block's 227 KB."""
-    assert gpu_wgmma.block_rows(33) == 64 and gpu_wgmma.block_rows(64) == 64
-    assert gpu_wgmma.block_rows(65) == 128 and gpu_wgmma.block_rows(128) == 128
-    assert gpu_wgmma.blocks_per_sm(128, 3) == 2
-    assert gpu_wgmma.shared_bytes(128, 4) <= 227 * 1024
+def test_geometry_and_shared_memory(monkeypatch):
+    """64-row blocks to 64 rows, 128 above; two blocks of two warpgroups an SM at 3 x
+    stages (the launch bounds say so); four warpgroups only where the weight rows split
+    into 256s; every form within a block's 227 KB."""
+    monkeypatch.delenv(gpu_wgmma.WG_ENV, raising=False)
+    monkeypatch.delenv(gpu_wgmma.NX_ENV, raising=False)
+    assert gpu_wgmma.geometry(33, 4096).bn == 64 and gpu_wgmma.geometry(64, 4096).bn == 64
+    assert gpu_wgmma.geometry(65, 4096).bn == 128 and gpu_wgmma.geometry(128, 4096).bn == 128
+    assert gpu_wgmma.geometry(128, 4096) == gpu_wgmma.Geometry(128, 3, 2)
+    assert gpu_wgmma.Geometry(128, 3, 2).per_sm == 2
+    monkeypatch.setenv(gpu_wgmma.WG_ENV, "4")
+    assert gpu_wgmma.geometry(128, 4096).wgs == 4 and gpu_wgmma.geometry(128, 6272).wgs == 2
+    for bn in (64, 128):
+        for nx in (3, 4):
+            for wgs in (2, 4):
+                geo = gpu_wgmma.Geometry(bn, nx, wgs)
+                assert geo.shared_bytes <= 227 * 1024 and geo.per_sm in (1, 2)
 
 
 def test_switches(monkeypatch):
@@ -70,19 +80,21 @@ def test_switches(monkeypatch):
 
 
 @needs_hopper
-@pytest.mark.parametrize("nx", ["3", "4"])
+@pytest.mark.parametrize("form", ["3:2", "4:2", "3:4"])  # x buffers : warpgroups
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize(
     "rows,n,k,gs",
     [(128, 256, 512, 64), (40, 384, 256, 32), (100, 33792, 128, 128), (130, 256, 1024, 64),
      (64, 1024, 4096, 64), (33, 128, 64, 64)],
 )  # fmt: skip
-def test_exact_on_small_integers(rows, n, k, gs, dtype, nx, monkeypatch):
+def test_exact_on_small_integers(rows, n, k, gs, dtype, form, monkeypatch):
     """4-bit values with scale 1 and bias -8, small integer inputs and residuals: every
     sum is exact in float32, so the output must equal the exact result rounded once (a
     layout error cannot hide in a tolerance). Split K (128 x 256, 130 rows: 2 row
     chunks) and not (33,792 rows: 264 tiles), 64-row blocks with rows past M."""
+    nx, wgs = form.split(":")
     monkeypatch.setenv(gpu_wgmma.NX_ENV, nx)
+    monkeypatch.setenv(gpu_wgmma.WG_ENV, wgs)
     rng = np.random.default_rng(rows + n + k)
     q = rng.integers(0, 16, (n, k))
     wq = mx.array(_pack(q))

@@ -75,15 +75,17 @@ def check(rows: int, n: int, k: int, form: str, dtype=mx.bfloat16, gs: int = 64)
 
 def check_all() -> list[dict]:
     out = []
-    print("| swap | nx | rows | N | K | form | max error |")
+    print("| swap | nx:wg | rows | N | K | form | max error |")
     print("|---|---|---:|---:|---:|---|---:|")
     for swap in ("0", "1"):
-        for nx in ("3", "4"):
-            os.environ[gpu_wgmma.SWAP_ENV], os.environ[gpu_wgmma.NX_ENV] = swap, nx
+        for nx in ("3:2", "4:2", "3:4"):
+            os.environ[gpu_wgmma.SWAP_ENV] = swap
+            os.environ[gpu_wgmma.NX_ENV], os.environ[gpu_wgmma.WG_ENV] = nx.split(":")
             for rows, n, k in (
                 (128, 256, 512),
                 (40, 384, 256),
                 (100, 33792, 128),
+                (64, 1024, 4096),
                 (130, 256, 1024),
             ):
                 for form in ("plain", "res", "glu"):
@@ -94,8 +96,8 @@ def check_all() -> list[dict]:
                         err = float("nan")
                     print(f"| {swap} | {nx} | {rows} | {n} | {k} | {form} | {err:g} |")
                     out.append(dict(swap=swap, nx=nx, rows=rows, n=n, k=k, form=form, err=err))
-    os.environ.pop(gpu_wgmma.SWAP_ENV, None)
-    os.environ.pop(gpu_wgmma.NX_ENV, None)
+    for env in (gpu_wgmma.SWAP_ENV, gpu_wgmma.NX_ENV, gpu_wgmma.WG_ENV):
+        os.environ.pop(env, None)
     return out
 
 
@@ -112,7 +114,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="8b,1b")
     ap.add_argument("--rows", default="128,64")
-    ap.add_argument("--nx", default="3,4")
+    ap.add_argument("--forms", default="3:2,4:2,3:4", help="x buffers:warpgroups a block, each")
     ap.add_argument("--products", default="qkv,o,gate_up,down,lm_head")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
@@ -154,16 +156,18 @@ def main() -> None:
                 label, fn = current(rows, n, k, residual, glu)
                 base = timed(fn, inputs, args.calls, args.reps)
                 forms = [(label, base)]
-                for nx in [v for v in args.nx.split(",") if v]:
-                    os.environ[gpu_wgmma.NX_ENV] = nx
+                for form in [v for v in args.forms.split(",") if v]:
+                    nx, wgs = form.split(":")
+                    os.environ[gpu_wgmma.NX_ENV], os.environ[gpu_wgmma.WG_ENV] = nx, wgs
                     try:
                         fn = gpu_wgmma.launcher(mx.bfloat16, rows, n, k, GS, residual, glu)
                         us = timed(fn, inputs, args.calls, args.reps)
                     except Exception as e:
-                        print(f"wgmma nx{nx}: {type(e).__name__}: {e}")
+                        print(f"wgmma {form}: {type(e).__name__}: {e}")
                         us = float("nan")
-                    forms.append((f"wgmma nx{nx}", us))
+                    forms.append((f"wgmma nx{nx} wg{wgs}", us))
                 os.environ.pop(gpu_wgmma.NX_ENV, None)
+                os.environ.pop(gpu_wgmma.WG_ENV, None)
                 for form, s in forms:
                     print(
                         f"| {name} | {pname} | {rows} | {form} | {s * 1e6:.1f} | "
