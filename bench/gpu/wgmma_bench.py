@@ -101,6 +101,29 @@ def check_all() -> list[dict]:
     return out
 
 
+def probes() -> dict:
+    """Where a wrong layout sends values: one 64-input step, 128 x rows, 128 weight rows,
+    scale 1, bias 0. ``k_of``: x row m is one-hot at input m % 64 and weight values are
+    their input index % 16, so y[m, n] should be m % 16 (which input a product read);
+    ``n_of``: x all ones on input 0 and weight values their row % 16, so y[m, n] should
+    be n % 16 (which weight row an output came from). Arrays go to the JSON."""
+    out = {}
+    rows, n, k = 128, 128, 64
+    onehot = np.zeros((rows, k), np.float32)
+    onehot[np.arange(rows), np.arange(rows) % k] = 1
+    first = np.zeros((rows, k), np.float32)
+    first[:, 0] = 1
+    for name, x, q in (
+        ("k_of", onehot, np.tile(np.arange(k) % 16, (n, 1))),
+        ("n_of", first, np.tile((np.arange(n) % 16)[:, None], (1, k))),
+    ):
+        s = mx.ones((n, 1), dtype=mx.bfloat16)
+        b = mx.zeros((n, 1), dtype=mx.bfloat16)
+        y = gpu_wgmma.quantized_matmul(mx.array(x).astype(mx.bfloat16), mx.array(pack(q)), s, b, 64)
+        out[name] = np.array(y.astype(mx.float32)).astype(int).tolist()
+    return out
+
+
 def current(rows: int, n: int, k: int, residual: bool, glu: bool):
     """The launch the decode step makes now for this product (qgemm or qmma)."""
     from engine import gpu_mma
@@ -124,6 +147,11 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     result: dict = {"engine": "wgmma-bench", "check": [] if args.skip_check else check_all()}
+    if not args.skip_check:
+        try:
+            result["probes"] = probes()
+        except Exception as e:
+            print(f"probes: {type(e).__name__}: {e}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     if args.check_only:
