@@ -68,6 +68,24 @@ def test_geometry_and_shared_memory(monkeypatch):
                 assert geo.shared_bytes <= 227 * 1024 and geo.per_sm in (1, 2)
 
 
+def test_emulated_addressing_equals_the_product():
+    """The kernel's shared-memory writes, descriptor reads, fragments, split K and
+    epilogues, transcribed to numpy (bench/gpu/wgmma_emulation.py), give the product,
+    the residual and SwiGLU forms; the descriptor's offsets exchanged do not."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
+    from wgmma_emulation import main, run
+
+    main()
+    rng = np.random.default_rng(1)
+    x, q = rng.standard_normal((64, 128)), rng.integers(0, 16, (128, 128)).astype(float)
+    s, b = np.ones((128, 2)), np.zeros((128, 2))
+    got = run(x, q, s, b, 64, bn=64, swap=True)
+    assert not np.allclose(got, x @ q.T, atol=1e-6)
+
+
 def test_switches(monkeypatch):
     monkeypatch.setenv(gpu_wgmma.ENV, "2")
     with pytest.raises(ValueError, match=gpu_wgmma.ENV):
