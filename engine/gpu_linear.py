@@ -349,11 +349,15 @@ class GpuQuantizedLinear(_Routes):
         return "qmma"
 
     def _wgmma_takes(self, rows: int, dtype) -> bool:
-        """Whether engine/gpu_wgmma.py runs the plan's ``qgemm`` rows of this layer
-        (``MARKBASE_GPU_WGMMA=1`` on an sm_90 GPU, 33-128 rows, whole 128-row tiles)."""
+        """Whether engine/gpu_wgmma.py runs the plan's ``qgemm`` rows of this layer: on
+        (``gpu_wgmma.takes``: an sm_90 GPU, 65-128 rows by default), whole 128-row tiles,
+        and a launch without k-splits (the form measured faster: gpu_wgmma.unsplit)."""
         from engine import gpu_wgmma
 
-        return gpu_wgmma.takes(rows) and self._kernel_ok("wgmma", dtype)
+        if not (gpu_wgmma.takes(rows) and self._kernel_ok("wgmma", dtype)):
+            return False
+        n, k = self.weight.shape[0], self.scales.shape[-1] * self.group_size
+        return gpu_wgmma.unsplit(rows, n, k)
 
     def _kernel_ok(self, form: str, dtype) -> bool:
         """Whether the custom kernel of ``form`` takes this layer (remembered per dtype)."""

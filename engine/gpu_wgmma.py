@@ -11,9 +11,9 @@ both operands from shared memory by descriptor, one instruction a 64 x BN x 16 p
 for a warpgroup of 4 warps, and runs asynchronously: the warps dequantize the next
 step's weights while the tensor cores work on this one.
 
-Layout: the product is ``y.T = W @ x.T``. A block takes 128 weight rows (two
-warpgroups of 64) and BN x rows (64 or 128; rows past M are zeros) in k-steps of 64
-inputs. Each step, every thread loads one 16-byte run of 4-bit words (32 inputs of a
+Layout: the product is ``y.T = W @ x.T``. A block takes 64 weight rows a warpgroup (4
+warpgroups by default, ``warpgroups``) and BN x rows (64 or 128; rows past M are zeros)
+in k-steps of 64 inputs. Each step, every thread loads one 16-byte run of 4-bit words (32 inputs of a
 weight row) two steps ahead, dequantizes it (``mb_deq2``, gpu_mma's) and stores the
 four 8-input runs where ``wgmma``'s canonical K-major layout without swizzle wants
 them: a core matrix is 8 rows x 16 bytes, contiguous; the descriptor's leading offset
@@ -36,8 +36,15 @@ each; the last of a tile's blocks (a counter, zero between launches) sums the pa
 in split order (deterministic) and writes the epilogue. The counters and partials are
 gpu_qgemm's stream-K buffers.
 
-Off unless ``MARKBASE_GPU_WGMMA=1`` (prepared, not measured yet). Needs sm_90 (MLX's
-JIT compiles for sm_90a on a compute capability 9 device).
+Measured on an H200 (bench/gpu/NOTES.md, session 22): exact on small integers in every
+form; against gpu_qgemm at 128 rows of the 8b model, with 4 warpgroups a block, gate/up
+0.84x and the output layer 0.87x its time, but the split products (qkv, o_proj,
+down_proj) 1.07-1.19x: so by default (``MARKBASE_GPU_WGMMA=auto``) the decode step
+sends it only unsplit products of 65-128 rows (``unsplit``); the engine's 8b 4-bit
+B=128 went 9,213 -> 9,774 and 10,138 tok/s. ``=1``: 33-128 rows; ``=0``: off. Needs
+sm_90 (MLX's JIT compiles for sm_90a on a compute capability 9 device). The split form's
+counters and partials are one set a thread: two split launches must not run at once
+(the decode step's products depend on each other; tests evaluate each call alone).
 """
 
 from __future__ import annotations
@@ -195,10 +202,10 @@ _SOURCE = r"""
       mb_cp16s(xbase + st * XSZ + kc * XLBO + (n >> 3) * 128 + (n & 7) * 16, src, ok);
     }
   };
-  constexpr uint32_t LBO_A = SWAP ? 128 : ALBO, SBO_A = SWAP ? ALBO : 128;
-  constexpr uint32_t LBO_X = SWAP ? 128 : XLBO, SBO_X = SWAP ? XLBO : 128;
-  const uint64_t da0 = mb_desc(abase + wg * 8 * 128, LBO_A, SBO_A);
-  const uint64_t dx0 = mb_desc(xbase, LBO_X, SBO_X);
+  // leading offset: between core columns (K); stride: between 8-row groups (the H200
+  // gave exact products with this reading and an illegal address with the other)
+  const uint64_t da0 = mb_desc(abase + wg * 8 * 128, ALBO, 128);
+  const uint64_t dx0 = mb_desc(xbase, XLBO, 128);
 
   float d[NV];
 #pragma unroll
@@ -368,13 +375,18 @@ _kernel = Baked(_Specs, ensure_row_contiguous=True)
 
 ENV = "MARKBASE_GPU_WGMMA"
 NX_ENV = "MARKBASE_GPU_WGMMA_NX"
-SWAP_ENV = "MARKBASE_GPU_WGMMA_SWAP"
 WG_ENV = "MARKBASE_GPU_WGMMA_WG"
 
 
+def mode() -> str:
+    """``MARKBASE_GPU_WGMMA``: ``auto`` (default) the unsplit products of AUTO_MIN_ROWS-128
+    rows, where it was measured faster; ``1`` those of 33-128 rows; ``0`` off."""
+    return env_choice(ENV, "auto", ("auto", "0", "1"))
+
+
 def enabled() -> bool:
-    """``MARKBASE_GPU_WGMMA=1`` and an sm_90 GPU (``hopper``)."""
-    return env_choice(ENV, "0", ("0", "1")) == "1" and hopper()
+    """On (``mode``) and an sm_90 GPU (``hopper``)."""
+    return mode() != "0" and hopper()
 
 
 def hopper() -> bool:
@@ -408,16 +420,11 @@ def x_stages() -> int:
 
 
 def warpgroups() -> int:
-    """Warpgroups a block (``MARKBASE_GPU_WGMMA_WG``): 2 (128 weight rows, two blocks an
-    SM) or 4 (256 weight rows, one block an SM: x read from L2 half as often a weight
-    row)."""
-    return int(env_choice(WG_ENV, "2", ("2", "4")))
-
-
-def swapped() -> bool:
-    """``MARKBASE_GPU_WGMMA_SWAP=1``: the descriptors' leading and stride offsets
-    exchanged (a check of the layout reading, for the GPU tests only)."""
-    return env_choice(SWAP_ENV, "0", ("0", "1")) == "1"
+    """Warpgroups a block (``MARKBASE_GPU_WGMMA_WG``): 4 (default: 256 weight rows, one
+    block an SM, x read from L2 half as often a weight row) or 2 (128 weight rows, two
+    blocks an SM). H200, 8b at 128 rows, against gpu_qgemm's time (session 22): gate/up
+    0.84x with 4, 1.11x with 2; output layer 0.87x / 1.24x."""
+    return int(env_choice(WG_ENV, "4", ("2", "4")))
 
 
 def supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: str, biases) -> bool:
@@ -434,12 +441,15 @@ def supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: str, bi
 
 
 MIN_ROWS = 33
+AUTO_MIN_ROWS = 65  # 128-row blocks: the form measured (8b at 128 rows, session 22)
 MAX_ROWS = 128
 
 
 def takes(rows: int) -> bool:
-    """Whether the plan's ``qgemm`` rows go to this kernel: on, and 33-128 rows."""
-    return MIN_ROWS <= rows <= MAX_ROWS and enabled()
+    """Whether the plan's ``qgemm`` rows may go to this kernel (``GpuQuantizedLinear``
+    also asks ``unsplit``): on, and AUTO_MIN_ROWS-128 rows (33-128 with ``=1``)."""
+    low = MIN_ROWS if mode() == "1" else AUTO_MIN_ROWS
+    return low <= rows <= MAX_ROWS and enabled()
 
 
 @dataclass(frozen=True)
@@ -505,11 +515,17 @@ def _plan(rows: int, n: int, k: int) -> tuple[Geometry, int, int]:
     return geo, tiles, splits(tiles, k // KS, slots, geo.values, gpu_qgemm._partials_size())
 
 
+def unsplit(rows: int, n: int, k: int) -> bool:
+    """Whether the launch needs no k-splits: the products where it measured faster (the
+    H200, session 22: 8b gate/up and output layer at 128 rows, 4 warpgroups, 0.84x /
+    0.87x gpu_qgemm's time; the split o_proj, down_proj and qkv 1.07-1.19x slower)."""
+    return _plan(rows, n, k)[2] == 1
+
+
 @cache
-def _template(dtype, gs: int, bn: int, nx: int, wgs: int, swap: bool) -> tuple:
+def _template(dtype, gs: int, bn: int, nx: int, wgs: int) -> tuple:
     return (
         ("T", dtype), ("GS", gs), ("BN", bn), ("NX", nx), ("WGS", wgs), ("PADB", PAD),
-        ("SWAP", swap),
     )  # fmt: skip
 
 
@@ -525,7 +541,7 @@ def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, 
     if s > 1:
         kind += "_sp"
     kind += f"_lb{geo.threads}x{geo.per_sm}"
-    template = _template(dtype, gs, geo.bn, geo.nx, geo.wgs, swapped())
+    template = _template(dtype, gs, geo.bn, geo.nx, geo.wgs)
     fn = _kernel(kind, template, geo.shared_bytes)
     shape = (rows, n // 2 if glu else n)
     grid = (tiles * s * geo.threads, 1, 1)
@@ -547,8 +563,8 @@ def quantized_matmul(x, w, scales, biases, group_size: int, residual=None, glu: 
 
 def warm(dtype, products) -> None:
     """Compile now every variant the decode step can call: ``products`` = (group size,
-    K, N, residual, glu); one launch of each (geometry, split or not) that 33-128 rows
-    give, on a zero x of that many rows."""
+    K, N, residual, glu); one launch of each geometry that the rows ``takes`` give an
+    unsplit launch (GpuQuantizedLinear sends only those), on a zero x."""
     import mlx.core as mx
 
     from engine import gpu_qgemm
@@ -561,9 +577,9 @@ def warm(dtype, products) -> None:
         seen = set()
         for rows in range(MIN_ROWS, MAX_ROWS + 1):
             geo, _, s = _plan(rows, n, k)
-            if (geo, s > 1) in seen:
+            if not takes(rows) or s > 1 or geo in seen:  # what the step can send here
                 continue
-            seen.add((geo, s > 1))
+            seen.add(geo)
             sc = mx.ones((n, k // gs), dtype=dtype)
             ins = [mx.zeros((rows, k), dtype=dtype), mx.zeros((n, k // 8), dtype=mx.uint32), sc, sc]
             if residual:
@@ -575,15 +591,15 @@ def warm(dtype, products) -> None:
 def kernel_specs_for_check() -> list[KernelSpec]:
     """Every form with concrete template values (bench/gpu/nvrtc_check.py)."""
     out = []
-    geos = [(Geometry(128, 3, 2), False), (Geometry(64, 3, 2), False), (Geometry(128, 4, 2), False),
-            (Geometry(128, 3, 4), False), (Geometry(64, 3, 4), False), (Geometry(128, 3, 2), True)]  # fmt: skip
+    geos = [Geometry(128, 3, 2), Geometry(64, 3, 2), Geometry(128, 4, 2), Geometry(128, 3, 4),
+            Geometry(64, 3, 4)]  # fmt: skip
     for base in ("q4", "q4_res", "q4_glu"):
         for split in (False, True):
             for dtype in ("bfloat16", "float16"):
-                for geo, swap in geos:
+                for geo in geos:
                     kind = base + ("_sp" if split else "") + f"_lb{geo.threads}x{geo.per_sm}"
                     spec = _spec(kind)
-                    tmpl = list(_template(dtype, 64, geo.bn, geo.nx, geo.wgs, swap))
-                    name = f"{spec.name}_{dtype}_{geo.bn}_{geo.nx}_{geo.wgs}_{int(swap)}"
+                    tmpl = list(_template(dtype, 64, geo.bn, geo.nx, geo.wgs))
+                    name = f"{spec.name}_{dtype}_{geo.bn}_{geo.nx}_{geo.wgs}"
                     out.append(for_dtype(spec, dtype, name, tmpl))
     return out

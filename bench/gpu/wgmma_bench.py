@@ -75,28 +75,26 @@ def check(rows: int, n: int, k: int, form: str, dtype=mx.bfloat16, gs: int = 64)
 
 def check_all() -> list[dict]:
     out = []
-    print("| swap | nx:wg | rows | N | K | form | max error |")
-    print("|---|---|---:|---:|---:|---|---:|")
-    for swap in ("0", "1"):
-        for nx in ("3:2", "4:2", "3:4"):
-            os.environ[gpu_wgmma.SWAP_ENV] = swap
-            os.environ[gpu_wgmma.NX_ENV], os.environ[gpu_wgmma.WG_ENV] = nx.split(":")
-            for rows, n, k in (
-                (128, 256, 512),
-                (40, 384, 256),
-                (100, 33792, 128),
-                (64, 1024, 4096),
-                (130, 256, 1024),
-            ):
-                for form in ("plain", "res", "glu"):
-                    try:
-                        err = check(rows, n, k, form)
-                    except Exception as e:  # a form that does not launch
-                        print(f"{swap} {nx} {rows} {n} {k} {form}: {type(e).__name__}: {e}")
-                        err = float("nan")
-                    print(f"| {swap} | {nx} | {rows} | {n} | {k} | {form} | {err:g} |")
-                    out.append(dict(swap=swap, nx=nx, rows=rows, n=n, k=k, form=form, err=err))
-    for env in (gpu_wgmma.SWAP_ENV, gpu_wgmma.NX_ENV, gpu_wgmma.WG_ENV):
+    print("| nx:wg | rows | N | K | form | max error |")
+    print("|---|---:|---:|---:|---|---:|")
+    for nx in ("3:2", "4:2", "3:4"):
+        os.environ[gpu_wgmma.NX_ENV], os.environ[gpu_wgmma.WG_ENV] = nx.split(":")
+        for rows, n, k in (
+            (128, 256, 512),
+            (40, 384, 256),
+            (100, 33792, 128),
+            (64, 1024, 4096),
+            (130, 256, 1024),
+        ):
+            for form in ("plain", "res", "glu"):
+                try:
+                    err = check(rows, n, k, form)
+                except Exception as e:  # a form that does not launch
+                    print(f"{nx} {rows} {n} {k} {form}: {type(e).__name__}: {e}")
+                    err = float("nan")
+                print(f"| {nx} | {rows} | {n} | {k} | {form} | {err:g} |")
+                out.append(dict(nx=nx, rows=rows, n=n, k=k, form=form, err=err))
+    for env in (gpu_wgmma.NX_ENV, gpu_wgmma.WG_ENV):
         os.environ.pop(env, None)
     return out
 
