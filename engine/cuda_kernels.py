@@ -115,6 +115,19 @@ def make_kernel(spec: KernelSpec, ensure_row_contiguous: bool, shared_memory: in
     )
 
 
+def launch_bounds(bounds: str) -> str:
+    """Header text that declares the kernel ``__launch_bounds__(T, B)`` for ``bounds``
+    "TxB" (at most T threads a block, B blocks an SM; "" for none): MLX writes the
+    kernel's signature, so the header redefines ``__global__`` to carry it."""
+    if not bounds:
+        return ""
+    threads, blocks = (int(v) for v in bounds.split("x"))
+    return (
+        "#undef __global__\n#define __global__ __attribute__((global)) "
+        f"__launch_bounds__({threads}, {blocks})\n"
+    )
+
+
 class Baked:
     """``baked(kind, template[, shared_memory])`` -> the kernel object for
     ``specs()[kind]`` with these template values baked in, made once. ``template`` is a

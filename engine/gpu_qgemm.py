@@ -48,7 +48,7 @@ import os
 from functools import cache
 
 from engine.config import env_choice
-from engine.cuda_kernels import SMS, Baked, KernelSpec, for_dtype, one_output_call
+from engine.cuda_kernels import SMS, Baked, KernelSpec, for_dtype, launch_bounds, one_output_call
 
 KSTEP = 128  # inputs a step: 4 lanes of a quad x 32
 MIN_BLOCKS = 128  # about one a SM of an H100/H200 (132)
@@ -429,13 +429,9 @@ _SOURCE = r"""
 """
 
 
-# one m-tile's weight registers for one k-step: words of its two rows, scale/bias pairs
-_QW = r"""
-struct MbQw {
-  uint4 q0, q1;
-  uint32_t sc0, sc1, bi0, bi1;
-};
-// a 16-bit scale or bias as the pair (h, h) that mb_deq2 takes
+# a 16-bit scale or bias as the pair (h, h) that gpu_mma's mb_deq2 takes (also
+# engine/gpu_wgmma.py's)
+PAIR = r"""
 __device__ __forceinline__ uint32_t mb_pair(uint16_t h) {
   return static_cast<uint32_t>(h) * 0x10001u;
 }
@@ -443,6 +439,16 @@ template <typename TT>
 __device__ __forceinline__ uint32_t mb_pair(TT v) {
   return mb_pair(*reinterpret_cast<const uint16_t*>(&v));
 }
+"""
+
+# one m-tile's weight registers for one k-step: words of its two rows, scale/bias pairs
+_QW = (
+    PAIR
+    + r"""
+struct MbQw {
+  uint4 q0, q1;
+  uint32_t sc0, sc1, bi0, bi1;
+};
 // N (4 or 8) bytes global -> shared without a register (scales and biases)
 template <int N>
 __device__ __forceinline__ void mb_cpw(void* dst, const void* src) {
@@ -450,6 +456,32 @@ __device__ __forceinline__ void mb_cpw(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(d), "l"(src), "n"(N) : "memory");
 }
 """
+)
+
+
+def product_kind(kind: str, suffix: str, flag: str, residual: str) -> tuple:
+    """A 4-bit product kernel's kind read: ``q4``, ``q4_res`` or ``q4_glu``, then
+    ``suffix`` (its partial-sum form: tile counters ``cnt`` and partials ``wsp`` as
+    inputs), then ``_lbTxB``. Returns (base, partial form, "TxB" or "", the inputs, the
+    body's flag lines: GLU, RES, ``flag``, and null pointers for the absent inputs);
+    the residual input is named ``residual``. Also engine/gpu_wgmma.py's."""
+    base, _, bounds = kind.partition("_lb")
+    part = base.endswith(suffix)
+    base = base.removesuffix(suffix)
+    glu, res = {"q4": (False, False), "q4_res": (False, True), "q4_glu": (True, False)}[base]
+    inputs = [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)]
+    if res:
+        inputs.append((residual, "T", 2))
+    if part:
+        inputs += [("cnt", "int32", 1), ("wsp", "float32", 1)]
+    flags = f"  constexpr bool GLU = {'true' if glu else 'false'};\n"
+    flags += f"  constexpr bool RES = {'true' if res else 'false'};\n"
+    flags += f"  constexpr bool {flag} = {'true' if part else 'false'};\n"
+    if not res:
+        flags += f"  const T* {residual} = nullptr;\n"
+    if not part:
+        flags += "  const int* cnt = nullptr;\n  const float* wsp = nullptr;\n"
+    return base, part, bounds, inputs, flags
 
 
 @cache
@@ -466,29 +498,9 @@ def _spec(kind: str) -> KernelSpec:
     from engine.gpu_mma import _HEADER as MMA_HEADER
     from engine.gpu_prefill_attention import _HEADER as CP_HEADER
 
-    base, _, bounds = kind.partition("_lb")
-    sk = base.endswith("_sk")
-    base = base.removesuffix("_sk")
-    glu, res = {"q4": (False, False), "q4_res": (False, True), "q4_glu": (True, False)}[base]
-    inputs = [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)]
-    if res:
-        inputs.append(("r", "T", 2))
-    if sk:
-        inputs += [("cnt", "int32", 1), ("wsp", "float32", 1)]
-    flags = f"  constexpr bool GLU = {'true' if glu else 'false'};\n"
-    flags += f"  constexpr bool RES = {'true' if res else 'false'};\n"
-    flags += f"  constexpr bool SK = {'true' if sk else 'false'};\n"
-    if not res:
-        flags += "  const T* r = nullptr;\n"
-    if not sk:
-        flags += "  const int* cnt = nullptr;\n  const float* wsp = nullptr;\n"
+    base, sk, bounds, inputs, flags = product_kind(kind, "_sk", "SK", "r")
     header = MMA_HEADER + CP_HEADER + _QW + LAST_BLOCK  # (named in the SK branch either way)
-    if bounds:
-        threads, blocks = (int(v) for v in bounds.split("x"))
-        header += (
-            "#undef __global__\n#define __global__ __attribute__((global)) "
-            f"__launch_bounds__({threads}, {blocks})\n"
-        )
+    header += launch_bounds(bounds)
     return KernelSpec(
         "mb_qgemm" + base[2:] + ("_sk" if sk else "") + (f"_lb{bounds}" if bounds else ""),
         inputs,

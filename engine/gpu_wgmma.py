@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from engine.config import env_choice
-from engine.cuda_kernels import Baked, KernelSpec, for_dtype, one_output_call
+from engine.cuda_kernels import Baked, KernelSpec, for_dtype, launch_bounds, one_output_call
 
 KS = 64  # inputs a k-step
 A_STAGES = 3
@@ -115,9 +115,10 @@ def _header() -> str:
     from engine.gpu_attention import LAST_BLOCK
     from engine.gpu_mma import _HEADER as MMA_HEADER
     from engine.gpu_prefill_attention import _HEADER as CP_HEADER
+    from engine.gpu_qgemm import PAIR
 
     asm = "".join(_wgmma_asm(bn, ab) for bn in (64, 128) for ab in ("bf16", "f16"))
-    return MMA_HEADER + CP_HEADER + LAST_BLOCK + _HEADER_TOP + asm
+    return MMA_HEADER + CP_HEADER + PAIR + LAST_BLOCK + _HEADER_TOP + asm
 
 
 _SOURCE = r"""
@@ -316,17 +317,6 @@ _SOURCE = r"""
   }
 """
 
-# gpu_qgemm's mb_pair (a 16-bit scale/bias as the pair mb_deq2 takes)
-_PAIR = r"""
-__device__ __forceinline__ uint32_t mb_pair(uint16_t h) {
-  return static_cast<uint32_t>(h) * 0x10001u;
-}
-template <typename TT>
-__device__ __forceinline__ uint32_t mb_pair(TT v) {
-  return mb_pair(*reinterpret_cast<const uint16_t*>(&v));
-}
-"""
-
 
 @cache
 def _spec(kind: str) -> KernelSpec:
@@ -334,29 +324,10 @@ def _spec(kind: str) -> KernelSpec:
     [gate; up], the output silu(gate) * up); a suffix ``_sp``: the split-K form (tile
     counters ``cnt`` and partials ``wsp`` as inputs); ``_lbTxB``: compiled for B blocks
     of T threads an SM (gpu_qgemm's header trick: MLX writes the signature)."""
-    base, _, bounds = kind.partition("_lb")
-    split = base.endswith("_sp")
-    base = base.removesuffix("_sp")
-    glu, res = {"q4": (False, False), "q4_res": (False, True), "q4_glu": (True, False)}[base]
-    inputs = [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)]
-    if res:
-        inputs.append(("r_in", "T", 2))
-    if split:
-        inputs += [("cnt", "int32", 1), ("wsp", "float32", 1)]
-    flags = f"  constexpr bool GLU = {'true' if glu else 'false'};\n"
-    flags += f"  constexpr bool RES = {'true' if res else 'false'};\n"
-    flags += f"  constexpr bool SPLIT = {'true' if split else 'false'};\n"
-    if not res:
-        flags += "  const T* r_in = nullptr;\n"
-    if not split:
-        flags += "  const int* cnt = nullptr;\n  const float* wsp = nullptr;\n"
-    header = _header() + _PAIR
-    if bounds:
-        threads, blocks = (int(v) for v in bounds.split("x"))
-        header += (
-            "#undef __global__\n#define __global__ __attribute__((global)) "
-            f"__launch_bounds__({threads}, {blocks})\n"
-        )
+    from engine.gpu_qgemm import product_kind
+
+    base, split, bounds, inputs, flags = product_kind(kind, "_sp", "SPLIT", "r_in")
+    header = _header() + launch_bounds(bounds)
     return KernelSpec(
         "mb_wgmma" + base[2:] + ("_sp" if split else "") + (f"_lb{bounds}" if bounds else ""),
         inputs,

@@ -11,24 +11,22 @@ GPU machine, after bench/gpu/env.sh: ``python3 -m pytest -q tests/test_gpu_wgmma
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from qgemm_emulation import pack  # noqa: E402  (MLX's 4-bit packing)
 
 from engine import gpu_linear, gpu_qgemm, gpu_wgmma  # noqa: E402
 
 needs_hopper = pytest.mark.skipif(
     not (mx.cuda.is_available() and gpu_wgmma.hopper()), reason="needs an sm_90 GPU (wgmma)"
 )
-
-
-def _pack(q: np.ndarray) -> np.ndarray:
-    n, k = q.shape
-    q = q.reshape(n, k // 8, 8).astype(np.uint32)
-    return (q << (4 * np.arange(8, dtype=np.uint32))).sum(axis=-1, dtype=np.uint32)
 
 
 def test_splits_fill_the_slots_within_the_partials():
@@ -73,10 +71,6 @@ def test_emulated_addressing_equals_the_product():
     """The kernel's shared-memory writes, descriptor reads, fragments, split K and
     epilogues, transcribed to numpy (bench/gpu/wgmma_emulation.py), give the product,
     the residual and SwiGLU forms; the descriptor's offsets exchanged do not."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
     from wgmma_emulation import main, run
 
     main()
@@ -118,7 +112,7 @@ def test_exact_on_small_integers(rows, n, k, gs, dtype, form, monkeypatch):
     monkeypatch.setenv(gpu_wgmma.WG_ENV, wgs)
     rng = np.random.default_rng(rows + n + k)
     q = rng.integers(0, 16, (n, k))
-    wq = mx.array(_pack(q))
+    wq = mx.array(pack(q))
     s = mx.ones((n, k // gs), dtype=dtype)
     b = mx.full((n, k // gs), -8.0, dtype=dtype)
     x = rng.integers(-3, 4, (rows, k)).astype(np.float32)

@@ -30,17 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from qgemm_emulation import pack  # noqa: E402  (MLX's 4-bit packing)
 
 from engine import gpu_qgemm, gpu_wgmma  # noqa: E402
 
 GS = 64
-
-
-def pack(q: np.ndarray) -> np.ndarray:
-    """4-bit values [N, K] as MLX packs them: 8 a uint32, the first in the low bits."""
-    n, k = q.shape
-    q = q.reshape(n, k // 8, 8).astype(np.uint32)
-    return (q << (4 * np.arange(8, dtype=np.uint32))).sum(axis=-1, dtype=np.uint32)
 
 
 def check(rows: int, n: int, k: int, form: str, dtype=mx.bfloat16, gs: int = 64) -> float:
