@@ -128,6 +128,19 @@ def launch_bounds(bounds: str) -> str:
     )
 
 
+class SpecsByKind(dict):
+    """kind -> ``make(kind)``, made at the first lookup: for kernels whose kinds are
+    parsed from the name (the 4-bit products' ``q4_res_sk_lb256x2``) rather than listed."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, kind: str) -> KernelSpec:
+        spec = self[kind] = self._make(kind)
+        return spec
+
+
 class Baked:
     """``baked(kind, template[, shared_memory])`` -> the kernel object for
     ``specs()[kind]`` with these template values baked in, made once. ``template`` is a

@@ -48,7 +48,15 @@ import os
 from functools import cache
 
 from engine.config import env_choice
-from engine.cuda_kernels import SMS, Baked, KernelSpec, for_dtype, launch_bounds, one_output_call
+from engine.cuda_kernels import (
+    SMS,
+    Baked,
+    KernelSpec,
+    SpecsByKind,
+    for_dtype,
+    launch_bounds,
+    one_output_call,
+)
 
 KSTEP = 128  # inputs a step: 4 lanes of a quad x 32
 MIN_BLOCKS = 128  # about one a SM of an H100/H200 (132)
@@ -510,14 +518,7 @@ def _spec(kind: str) -> KernelSpec:
     )
 
 
-class _Specs(dict):
-    """``_spec`` by kind, for Baked (which looks kinds up in a mapping)."""
-
-    def __missing__(self, kind: str) -> KernelSpec:
-        return _spec(kind)
-
-
-_kernel = Baked(_Specs, ensure_row_contiguous=True)
+_kernel = Baked(lambda: SpecsByKind(_spec), ensure_row_contiguous=True)
 
 
 def supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: str, biases) -> bool:

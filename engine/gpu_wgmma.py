@@ -53,7 +53,14 @@ from dataclasses import dataclass
 from functools import cache
 
 from engine.config import env_choice
-from engine.cuda_kernels import Baked, KernelSpec, for_dtype, launch_bounds, one_output_call
+from engine.cuda_kernels import (
+    Baked,
+    KernelSpec,
+    SpecsByKind,
+    for_dtype,
+    launch_bounds,
+    one_output_call,
+)
 
 KS = 64  # inputs a k-step
 A_STAGES = 3
@@ -337,12 +344,7 @@ def _spec(kind: str) -> KernelSpec:
     )
 
 
-class _Specs(dict):
-    def __missing__(self, kind: str) -> KernelSpec:
-        return _spec(kind)
-
-
-_kernel = Baked(_Specs, ensure_row_contiguous=True)
+_kernel = Baked(lambda: SpecsByKind(_spec), ensure_row_contiguous=True)
 
 ENV = "MARKBASE_GPU_WGMMA"
 NX_ENV = "MARKBASE_GPU_WGMMA_NX"
