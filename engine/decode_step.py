@@ -397,7 +397,7 @@ class FusedDecodeStep:
             from engine import gpu_wgmma
 
             if gpu_wgmma.enabled():
-                gpu_wgmma.warm(dtype, self._qgemm_products())
+                gpu_wgmma.warm(dtype, self._qgemm_products(gpu_wgmma.supported))
         if self.qlayer and any(self._qlayer_ok):
             from engine import gpu_qlayer
 
@@ -464,9 +464,10 @@ class FusedDecodeStep:
         before it), for the warm-ups of the kernels that may run it."""
         return self._products + [(self._lm_head, False, False, True)]
 
-    def _qgemm_products(self) -> set:
+    def _qgemm_products(self, supported=None) -> set:
         """(group size, K, N, residual, glu) of every product the step can send to
-        engine/gpu_qgemm.py (gpu_qgemm.warm compiles their variants)."""
+        engine/gpu_qgemm.py (gpu_qgemm.warm compiles their variants), or to the kernel
+        whose ``supported`` is given (engine/gpu_wgmma.py's)."""
         from engine import gpu_qgemm
 
         dtype = self.inner.norm.weight.dtype
@@ -476,7 +477,7 @@ class FusedDecodeStep:
             if not isinstance(linear, GpuQuantizedLinear):
                 continue
             n, k = linear.weight.shape[0], linear.scales.shape[-1] * linear.group_size
-            if gpu_qgemm.supported(
+            if (supported or gpu_qgemm.supported)(
                 dtype, n, k, linear.bits, linear.group_size, linear.mode, linear.biases
             ):
                 out.add((linear.group_size, k, n, residual, glu))
