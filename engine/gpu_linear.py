@@ -314,7 +314,7 @@ class GpuQuantizedLinear(_Routes):
                     return None
                 return gpu_qstream.launcher(dtype, n, k, self.group_size, residual, glu, norm)
             form = "qmma"
-        if form == "qgemm" and self._wgmma_takes(rows, dtype):
+        if form == "qgemm" and self._wgmma_takes(rows, dtype, n, k):
             if norm:  # as for qgemm: the norm as its own op (_make_route)
                 return None
             from engine import gpu_wgmma
@@ -348,16 +348,13 @@ class GpuQuantizedLinear(_Routes):
             return form
         return "qmma"
 
-    def _wgmma_takes(self, rows: int, dtype) -> bool:
-        """Whether engine/gpu_wgmma.py runs the plan's ``qgemm`` rows of this layer: on
-        (``gpu_wgmma.takes``: an sm_90 GPU, 65-128 rows by default), whole 128-row tiles,
-        and a launch without k-splits (the form measured faster: gpu_wgmma.unsplit)."""
+    def _wgmma_takes(self, rows: int, dtype, n: int, k: int) -> bool:
+        """Whether engine/gpu_wgmma.py runs the plan's ``qgemm`` rows of this layer: a
+        shape it supports, and ``gpu_wgmma.takes`` (an sm_90 GPU, 65-128 rows by default,
+        a launch without k-splits)."""
         from engine import gpu_wgmma
 
-        if not (gpu_wgmma.takes(rows) and self._kernel_ok("wgmma", dtype)):
-            return False
-        n, k = self.weight.shape[0], self.scales.shape[-1] * self.group_size
-        return gpu_wgmma.unsplit(rows, n, k)
+        return self._kernel_ok("wgmma", dtype) and gpu_wgmma.takes(rows, n, k)
 
     def _kernel_ok(self, form: str, dtype) -> bool:
         """Whether the custom kernel of ``form`` takes this layer (remembered per dtype)."""

@@ -721,7 +721,7 @@ def blocks_per_sm(wm: int, mt: int) -> int:
 
 def stream_k_slots(wm: int, mt: int) -> int:
     """Blocks of the form the GPU holds at once: its SMs x ``blocks_per_sm``."""
-    return _sms() * blocks_per_sm(wm, mt)
+    return sms() * blocks_per_sm(wm, mt)
 
 
 def stream_k_grid(tiles: int, steps: int, wm: int, mt: int) -> int:
@@ -731,15 +731,17 @@ def stream_k_grid(tiles: int, steps: int, wm: int, mt: int) -> int:
     return max(1, min(tiles * steps, stream_k_slots(wm, mt)))
 
 
-def _sms() -> int:
-    """This GPU's SM count (SMS, an H100/H200's, where it cannot be read)."""
+def sms() -> int:
+    """This GPU's SM count (SMS, an H100/H200's, where it cannot be read); also
+    engine/gpu_wgmma.py's."""
     from engine import gpu_qlayer
 
     return gpu_qlayer.sm_count() or SMS
 
 
-def _partials_size() -> int:
-    return _sms() * SK_MAX_THREADS * 2 * SK_MAX_VALUES
+def partials_size() -> int:
+    """Floats of the stream-K partials buffer (also engine/gpu_wgmma.py's split form's)."""
+    return sms() * SK_MAX_THREADS * 2 * SK_MAX_VALUES
 
 
 def stream_k_buffers():
@@ -757,7 +759,7 @@ def stream_k_buffers():
 
         bufs = (
             mx.zeros((SK_MAX_TILES,), dtype=mx.int32),
-            mx.zeros((_partials_size(),), dtype=mx.float32),
+            mx.zeros((partials_size(),), dtype=mx.float32),
         )
         mx.eval(bufs)
         _SK_BUFFERS[key] = bufs
@@ -768,11 +770,8 @@ _SK_BUFFERS: dict = {}
 
 
 def ensure_stream_k() -> None:
-    """Make this thread's stream-K buffers now if the form is on, or engine/gpu_wgmma.py's
-    split-K form may run (before a trace)."""
-    from engine import gpu_wgmma
-
-    if stream_k() or gpu_wgmma.enabled():
+    """Make this thread's stream-K buffers now if the form is on (before a trace)."""
+    if stream_k():
         stream_k_buffers()
 
 
@@ -816,7 +815,7 @@ def _launch(
     tiles = n // 16 // (wm * mt) * -(-rows // bm)
     blocks = stream_k_grid(tiles, max(1, k // KSTEP), wm, mt)
     partials = blocks * 2 * wm * 32 * mt * (bm // 8) * 4  # floats: two a thread's sums
-    sk = sk and not abl and tiles <= SK_MAX_TILES and partials <= _partials_size()
+    sk = sk and not abl and tiles <= SK_MAX_TILES and partials <= partials_size()
     if sk:
         kind += "_sk"
     if min_blocks():

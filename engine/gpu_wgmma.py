@@ -418,11 +418,13 @@ AUTO_MIN_ROWS = 65  # 128-row blocks: the form measured (8b at 128 rows, session
 MAX_ROWS = 128
 
 
-def takes(rows: int) -> bool:
-    """Whether the plan's ``qgemm`` rows may go to this kernel (``GpuQuantizedLinear``
-    also asks ``unsplit``): on, and AUTO_MIN_ROWS-128 rows (33-128 with ``=1``)."""
+def takes(rows: int, n: int, k: int) -> bool:
+    """Whether the decode step sends this product (``rows`` x [n, k], a shape
+    ``supported`` takes) here rather than to gpu_qgemm: on, AUTO_MIN_ROWS-128 rows
+    (33-128 with ``=1``), and a launch without k-splits (``unsplit``). The split form
+    is for benchmarks and tests: it measured slower, and the step never runs it."""
     low = MIN_ROWS if mode() == "1" else AUTO_MIN_ROWS
-    return low <= rows <= MAX_ROWS and enabled()
+    return low <= rows <= MAX_ROWS and enabled() and unsplit(rows, n, k)
 
 
 @dataclass(frozen=True)
@@ -484,8 +486,8 @@ def _plan(rows: int, n: int, k: int) -> tuple[Geometry, int, int]:
 
     geo = geometry(rows, n)
     tiles = n // geo.rows * -(-rows // geo.bn)
-    slots = gpu_qgemm._sms() * geo.per_sm
-    return geo, tiles, splits(tiles, k // KS, slots, geo.values, gpu_qgemm._partials_size())
+    slots = gpu_qgemm.sms() * geo.per_sm
+    return geo, tiles, splits(tiles, k // KS, slots, geo.values, gpu_qgemm.partials_size())
 
 
 def unsplit(rows: int, n: int, k: int) -> bool:
@@ -536,29 +538,24 @@ def quantized_matmul(x, w, scales, biases, group_size: int, residual=None, glu: 
 
 def warm(dtype, products) -> None:
     """Compile now every variant the decode step can call: ``products`` = (group size,
-    K, N, residual, glu); one launch of each geometry that the rows ``takes`` give an
-    unsplit launch (GpuQuantizedLinear sends only those), on a zero x."""
+    K, N, residual, glu); one launch of each geometry of the rows ``takes``, on zeros."""
     import mlx.core as mx
 
-    from engine import gpu_qgemm
-
-    gpu_qgemm.stream_k_buffers()
-    outs = []
     for gs, k, n, residual, glu in sorted(set(products)):
         if not supported(dtype, n, k, 4, gs, "affine", True):
             continue
+        sc = mx.ones((n, k // gs), dtype=dtype)
+        wq = mx.zeros((n, k // 8), dtype=mx.uint32)
         seen = set()
         for rows in range(MIN_ROWS, MAX_ROWS + 1):
-            geo, _, s = _plan(rows, n, k)
-            if not takes(rows) or s > 1 or geo in seen:  # what the step can send here
+            if not takes(rows, n, k) or geometry(rows, n) in seen:
                 continue
-            seen.add(geo)
-            sc = mx.ones((n, k // gs), dtype=dtype)
-            ins = [mx.zeros((rows, k), dtype=dtype), mx.zeros((n, k // 8), dtype=mx.uint32), sc, sc]
+            seen.add(geometry(rows, n))
+            ins = [mx.zeros((rows, k), dtype=dtype), wq, sc, sc]
             if residual:
                 ins.append(mx.zeros((rows, n), dtype=dtype))
-            outs.append(launcher(dtype, rows, n, k, gs, residual, glu)(ins))
-    mx.eval(outs)
+            # one at a time: a split launch's counters and partials are shared
+            mx.eval(launcher(dtype, rows, n, k, gs, residual, glu)(ins))
 
 
 def kernel_specs_for_check() -> list[KernelSpec]:

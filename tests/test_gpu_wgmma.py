@@ -88,7 +88,7 @@ def test_switches(monkeypatch):
     with pytest.raises(ValueError, match=gpu_wgmma.ENV):
         gpu_wgmma.enabled()
     monkeypatch.setenv(gpu_wgmma.ENV, "0")
-    assert not gpu_wgmma.takes(128)
+    assert not gpu_wgmma.takes(128, 28672, 4096)
     monkeypatch.setenv(gpu_wgmma.NX_ENV, "5")
     with pytest.raises(ValueError, match=gpu_wgmma.NX_ENV):
         gpu_wgmma.x_stages()
