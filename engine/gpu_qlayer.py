@@ -91,6 +91,7 @@ def _phase_function() -> str:
         "__device__ __forceinline__ void mb_q4i_phase(const T* x, const uint32_t* w,\n"
         "    const T* scales, const T* biases, const T* r, const T* nw, const float* eps,\n"
         "    T* y, const int w_rows) {\n"
+        "  constexpr bool EARLY = false;\n"
     )
     return head + body + "}\n"
 

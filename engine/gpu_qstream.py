@@ -69,14 +69,22 @@ __device__ __forceinline__ void mb_wait() {
 // a lane's ring of S shared-memory slots: chunk q is asked for (issue(q): its cp.async
 // copies) S - 1 chunks before compute(q's slot) uses it, one commit group a chunk, so
 // the slot written is always the one the chunk before used
-template <int S, typename Issue, typename Compute>
-__device__ __forceinline__ void mb_ring(const int total, Issue& issue, Compute&& compute) {
+template <int S, typename Issue>
+__device__ __forceinline__ void mb_ring_start(const int total, Issue& issue) {
 #pragma unroll
   for (int p = 0; p < S - 1; ++p) {
     if (p < total) {
       issue(p);
     }
     mb_commit();
+  }
+}
+// STARTED: the caller has run mb_ring_start already (its loads in flight while it did
+// other work: the integer form's x conversion)
+template <int S, bool STARTED = false, typename Issue, typename Compute>
+__device__ __forceinline__ void mb_ring(const int total, Issue& issue, Compute&& compute) {
+  if constexpr (!STARTED) {
+    mb_ring_start<S>(total, issue);
   }
   for (int q = 0; q < total; ++q) {
     if (q + S - 1 < total) {
@@ -287,6 +295,43 @@ _IBODY = r"""
   const int TW = gridDim.x * WARPS;
   const int N = GLU ? w_shape[0] / 2 : w_shape[0];  // outputs
 
+  // a slot holds CPS chunks of a lane (j, j + 1, ...: CPS cp.async each, one commit
+  // group), so the ring's bookkeeping is paid once for CPS chunks
+  constexpr int JS = J / CPS;       // a lane's slots a row
+  static_assert(J % CPS == 0, "CPS must divide K / 1024");
+  const int units = gw < N ? (N - 1 - gw) / TW + 1 : 0;
+  const int total = units * JS * (GLU ? 2 : 1);
+  const uint32_t* sw = reinterpret_cast<const uint32_t*>(scales);
+  const uint32_t* bw = reinterpret_cast<const uint32_t*>(biases);
+  int i_o = gw, i_rr = 0, i_j = 0;  // the next slot to load: output, gate/up, first chunk
+  auto issue = [&](int q) {
+    const uint32_t row = static_cast<uint32_t>(i_o + (GLU && i_rr ? N : 0));
+    const int s = (q % STAGES) * CPS * NT + tid;
+#pragma unroll
+    for (int c = 0; c < CPS; ++c) {
+      const uint32_t wi = row * (K / 8) + lane * 4 + (i_j + c) * 128;
+      const uint32_t gi = row * G + (lane * 32) / GS + (i_j + c) * (1024 / GS);
+      mb_cp16(&wslot[s + c * NT], w + wi);
+      mb_cp4(&sslot[s + c * NT], sw + (gi >> 1));
+      mb_cp4(&bslot[s + c * NT], bw + (gi >> 1));
+    }
+    i_j += CPS;
+    if (i_j == J) {
+      i_j = 0;
+      if (GLU && i_rr == 0) {
+        i_rr = 1;
+      } else {
+        i_rr = 0;
+        i_o += TW;
+      }
+    }
+  };
+  // EARLY: the ring's first loads go out before x's conversion (they do not need it),
+  // so the weights' HBM latency runs under the prologue instead of after it
+  if constexpr (EARLY) {
+    mb_ring_start<STAGES>(total, issue);
+  }
+
   // NORM: x's sum of squares over this thread's chunks (the block's total makes the
   // RMSNorm's 1 / rms, which goes on each output at the end: the product is linear in
   // x), and the chunks hold x times the norm's weight
@@ -363,40 +408,9 @@ _IBODY = r"""
     rn = rsqrtf(t / static_cast<float>(K) + eps[0]);
   }
 
-  // a slot holds CPS chunks of a lane (j, j + 1, ...: CPS cp.async each, one commit
-  // group), so the ring's bookkeeping is paid once for CPS chunks
-  constexpr int JS = J / CPS;       // a lane's slots a row
-  static_assert(J % CPS == 0, "CPS must divide K / 1024");
-  const int units = gw < N ? (N - 1 - gw) / TW + 1 : 0;
-  const int total = units * JS * (GLU ? 2 : 1);
-  const uint32_t* sw = reinterpret_cast<const uint32_t*>(scales);
-  const uint32_t* bw = reinterpret_cast<const uint32_t*>(biases);
-  int i_o = gw, i_rr = 0, i_j = 0;  // the next slot to load: output, gate/up, first chunk
-  auto issue = [&](int q) {
-    const uint32_t row = static_cast<uint32_t>(i_o + (GLU && i_rr ? N : 0));
-    const int s = (q % STAGES) * CPS * NT + tid;
-#pragma unroll
-    for (int c = 0; c < CPS; ++c) {
-      const uint32_t wi = row * (K / 8) + lane * 4 + (i_j + c) * 128;
-      const uint32_t gi = row * G + (lane * 32) / GS + (i_j + c) * (1024 / GS);
-      mb_cp16(&wslot[s + c * NT], w + wi);
-      mb_cp4(&sslot[s + c * NT], sw + (gi >> 1));
-      mb_cp4(&bslot[s + c * NT], bw + (gi >> 1));
-    }
-    i_j += CPS;
-    if (i_j == J) {
-      i_j = 0;
-      if (GLU && i_rr == 0) {
-        i_rr = 1;
-      } else {
-        i_rr = 0;
-        i_o += TW;
-      }
-    }
-  };
   int c_o = gw, c_rr = 0, c_j = 0;  // the slot to compute
   float acc = 0.f, gate = 0.f;
-  mb_ring<STAGES>(total, issue, [&](const int s) {  // s: the slot
+  mb_ring<STAGES, EARLY>(total, issue, [&](const int s) {  // s: the slot
 #pragma unroll
     for (int c = 0; c < CPS; ++c) {
       const int si = (s * CPS + c) * NT + tid;
@@ -750,6 +764,17 @@ def set_knobs(
     _knobs.update({k: v for k, v in pairs if v is not None})
 
 
+def early_issue() -> bool:
+    """Whether the integer form issues its ring's first weight loads before converting x
+    (MARKBASE_GPU_QSTREAM_EARLY=1; off until measured on a GPU). Why: each block
+    converts all of x (K/32 chunks, a block-wide barrier) before its first load, so every
+    1-row product starts with its HBM idle for that prologue plus a load's latency, ~129
+    times a step at 8b (bench/gpu/NOTES.md, session 23)."""
+    import os
+
+    return os.environ.get("MARKBASE_GPU_QSTREAM_EARLY", "0") == "1"
+
+
 def default_form() -> str:
     import os
 
@@ -864,7 +889,7 @@ def launcher(
     kind = form + ("_glu" if glu else "_res" if residual else "") + ("_norm" if norm else "")
     template = (("T", dtype), ("K", k), ("GS", gs), ("STAGES", stages), ("WARPS", warps))
     if form == "q4i":
-        template += (("CPS", cps),)
+        template += (("CPS", cps), ("EARLY", early_issue()))
     smem = smem_bytes(form, k, gs, stages, warps, cps)
     if smem + 1024 > smem_per_sm():
         raise ValueError(
@@ -925,7 +950,7 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                 name = f"{spec.name}_{dtype}_{k}_{gs}_{stages}"
                 if spec.name.startswith("mb_qstream_i"):  # chunks a slot: 2 where K allows
                     cps = 2 if (k // 1024) % 2 == 0 else 1
-                    tmpl.append(("CPS", cps))
-                    name += f"_c{cps}"
+                    tmpl += [("CPS", cps), ("EARLY", stages != 4)]
+                    name += f"_c{cps}" + ("_e" if stages != 4 else "")
                 out.append(for_dtype(spec, dtype, name, tmpl))
     return out

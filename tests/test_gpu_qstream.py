@@ -90,6 +90,22 @@ def test_launch_shapes(form_, cps, stages, warps):
         gpu_qstream.set_knobs()
 
 
+@pytest.mark.parametrize("stages,warps,cps", [(None, None, None), (2, 8, 1), (3, 4, 2), (6, 4, 2)])
+def test_early_issue_computes_the_same(monkeypatch, stages, warps, cps):
+    """MARKBASE_GPU_QSTREAM_EARLY=1 (the ring's first loads before x's conversion):
+    plain, residual and SwiGLU products as without it, at 1-16 chunks a lane, fewer rows
+    than slots in flight, K 14336 (16 warps)."""
+    monkeypatch.setenv("MARKBASE_GPU_QSTREAM_EARLY", "1")
+    gpu_qstream.set_knobs(form="q4i", stages=stages, warps=warps, cps=cps)
+    try:
+        for shape in [(1, 1, 1024), (1, 4096, 4096), (1, 300, 2048), (1, 2048, 14336)]:
+            check_quantized_product(gpu_qstream.quantized_matmul, shape, mx.bfloat16)
+        _forms(512, 2048, seed=7)
+        _forms(2048, 14336, seed=8)
+    finally:
+        gpu_qstream.set_knobs()
+
+
 def test_exact_on_small_integers(form):
     """Weights that quantize exactly (scale 1, bias -8: w = q - 8) and small integer
     inputs: the sum is exact in float32, so a nibble or x layout error cannot hide in
@@ -217,8 +233,8 @@ def test_plan_form_routes_by_rows():
         gpu_linear.reset_plans()
 
 
-@pytest.mark.parametrize("qnorm", ["0", "1"])
-def test_decode_step_on_the_kernel_matches_the_model(monkeypatch, qnorm):
+@pytest.mark.parametrize("qnorm,early", [("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")])
+def test_decode_step_on_the_kernel_matches_the_model(monkeypatch, qnorm, early):
     """The GPU decode step with its 1-row 4-bit products on this kernel (o_proj and
     down_proj with the residual, gate_up with the SwiGLU; with MARKBASE_GPU_QSTREAM_NORM=1
     qkv, gate_up and the lm_head with their RMSNorm inside) equals the model's own call."""
@@ -231,6 +247,7 @@ def test_decode_step_on_the_kernel_matches_the_model(monkeypatch, qnorm):
     model = build_random_model("llama", cfg, seed=7, quantize_bits=4, group_size=64).model
     model.set_dtype(mx.bfloat16)
     monkeypatch.setenv("MARKBASE_GPU_QSTREAM_NORM", qnorm)
+    monkeypatch.setenv("MARKBASE_GPU_QSTREAM_EARLY", early)
     try:
         gpu_linear.set_plans("1:xwt,2:mma,33:xwt", "1:qstream,2:qmma")
         step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)

@@ -59,7 +59,8 @@ now = time.perf_counter
 # "-at<shape>" = the attention kernel's loop shape (gpu_attention.LoopShape.parse, e.g.
 # "-atl16u2v"; bench/gpu/attn_bench.py times the kernel alone); "-pin" = the product
 # kernels with PIN (gpu_mma.pin_loads: every load of an iteration before its MMAs);
-# "-qn1" = the RMSNorms inside the 1-row kernels (MARKBASE_GPU_QSTREAM_NORM=1); "-wc" =
+# "-qn1" = the RMSNorms inside the 1-row kernels (MARKBASE_GPU_QSTREAM_NORM=1); "-qe" =
+# their first weight loads before x's conversion (MARKBASE_GPU_QSTREAM_EARLY=1); "-wc" =
 # the whole step under one mx.compile (FusedDecodeStep.step_compile; the engine's
 # default since session 15, but here only variants with "-wc" compile, so that
 # "default" stays the uncompiled baseline of earlier sessions' profiles); "-ql" = a layer's products after the attention as one
@@ -234,6 +235,7 @@ def main() -> None:
                 # the 1-row kernels with the RMSNorm inside (the routes are rebuilt by
                 # reset_plans below, and read this when they are)
                 os.environ["MARKBASE_GPU_QSTREAM_NORM"] = "1" if "-qn1" in v else "0"
+                os.environ["MARKBASE_GPU_QSTREAM_EARLY"] = "1" if "-qe" in v else "0"
                 at = re.search(r"-at([a-z0-9]+)", v)  # none: the automatic shapes
                 shape = gpu_attention.LoopShape.parse(at.group(1)) if at else None
                 if "-2pass" in v:
