@@ -89,7 +89,7 @@ class FusedDecodeStep:
         import mlx.core as mx
         import mlx.nn as nn
 
-        from engine import gpu_linear, gpu_qblock, gpu_qlayer
+        from engine import gpu_linear, gpu_prefetch, gpu_qblock, gpu_qlayer
 
         why = supported(model)
         if why:
@@ -123,6 +123,10 @@ class FusedDecodeStep:
         # (MARKBASE_GPU_QSTREAM_LAYER=2): the step is then two kernels a layer
         self.qlayer_next = gpu_qlayer.wanted_next()
         self._qlayer_ok: list[bool] = []
+        # engine/gpu_prefetch.py: at one row, o_proj's weights and the first gate/up
+        # rows asked into L2 beside the attention (MARKBASE_GPU_L2_PREFETCH=1; off
+        # until measured)
+        self.l2_prefetch = gpu_plans and gpu_prefetch.enabled()
         self._tails: list = []  # (o_proj, gate_up, down_proj) a layer
         self._wqkv: list = []  # the fused q/k/v product a layer (or None)
         self.fused_groups = 0  # how many of the 2 per layer got one matmul
@@ -581,8 +585,22 @@ class FusedDecodeStep:
                 next_qkv=nxt,
             )
             return out if nxt is not None else (out, None)
+        if self.l2_prefetch:
+            x = self._prefetched(i, x, qkv)
         o = gpu_attention.decode_attention_append(*attention_args, slot=i, nsplit=nsplit)
         return self._tail(i, x, o)
+
+    def _prefetched(self, i: int, x, qkv):
+        """``x``, copied by engine/gpu_prefetch.py's kernel, which runs beside layer
+        ``i``'s attention (both wait for ``qkv``) and asks L2 for the start of its
+        o_proj and gate/up weights; ``x`` itself where that kernel does not apply."""
+        from engine import gpu_prefetch
+
+        o_proj, gate_up, _ = self._tails[i]
+        if not gpu_prefetch.takes(x, o_proj, gate_up):
+            return x
+        rows = gpu_prefetch.gate_up_rows(gate_up)
+        return gpu_prefetch.residual_after(x, qkv, o_proj, gate_up, rows)
 
     def _tail(self, i: int, x, o):
         """Layer ``i``'s part after the attention: (its output, the next layer's q/k/v

@@ -130,6 +130,7 @@ def main() -> None:
         gpu_dequant,
         gpu_gemv,
         gpu_mma,
+        gpu_prefetch,
         gpu_prefill_attention,
         gpu_qblock,
         gpu_qgemm,
@@ -151,6 +152,7 @@ def main() -> None:
         + gpu_qgemm.kernel_specs_for_check()
         + gpu_dequant.kernel_specs_for_check()
         + gpu_wgmma.kernel_specs_for_check()
+        + gpu_prefetch.kernel_specs_for_check()
     )
     for spec in specs:
         if args.only not in spec.name:

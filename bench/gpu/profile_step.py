@@ -60,7 +60,8 @@ now = time.perf_counter
 # "-atl16u2v"; bench/gpu/attn_bench.py times the kernel alone); "-pin" = the product
 # kernels with PIN (gpu_mma.pin_loads: every load of an iteration before its MMAs);
 # "-qn1" = the RMSNorms inside the 1-row kernels (MARKBASE_GPU_QSTREAM_NORM=1); "-qe" =
-# their first weight loads before x's conversion (MARKBASE_GPU_QSTREAM_EARLY=1); "-wc" =
+# their first weight loads before x's conversion (MARKBASE_GPU_QSTREAM_EARLY=1); "-pf<MB>"
+# = engine/gpu_prefetch.py beside each one-row attention (o_proj and MB of gate/up); "-wc" =
 # the whole step under one mx.compile (FusedDecodeStep.step_compile; the engine's
 # default since session 15, but here only variants with "-wc" compile, so that
 # "default" stays the uncompiled baseline of earlier sessions' profiles); "-ql" = a layer's products after the attention as one
@@ -236,6 +237,13 @@ def main() -> None:
                 # reset_plans below, and read this when they are)
                 os.environ["MARKBASE_GPU_QSTREAM_NORM"] = "1" if "-qn1" in v else "0"
                 os.environ["MARKBASE_GPU_QSTREAM_EARLY"] = "1" if "-qe" in v else "0"
+                pf = re.search(r"-pf(\d*)", v)  # engine/gpu_prefetch.py, its MB of gate/up
+                if hasattr(step, "l2_prefetch"):
+                    step.l2_prefetch = pf is not None
+                if pf and pf.group(1):
+                    os.environ["MARKBASE_GPU_L2_PREFETCH_MB"] = pf.group(1)
+                else:
+                    os.environ.pop("MARKBASE_GPU_L2_PREFETCH_MB", None)
                 at = re.search(r"-at([a-z0-9]+)", v)  # none: the automatic shapes
                 shape = gpu_attention.LoopShape.parse(at.group(1)) if at else None
                 if "-2pass" in v:
