@@ -61,14 +61,65 @@ def kernel():
     )
 
 
+def sized(fn, sizes_mb: list, steps: int) -> list:
+    """The fastest a plain read kernel gets through one buffer of each size in one
+    launch (8 distinct buffers, or as many as fill ~600 MB, so L2 holds none of them):
+    what one product kernel of that size could take at best, its start and end included
+    (session 23: the 1-row products run at ~2.3-2.7 TB/s, a copy at ~4.2)."""
+    rows = []
+    for mb in sizes_mb:
+        nbytes = int(mb * (1 << 20)) // 64 * 64
+        count = max(2, min(8, int(600 // mb)))
+        parts = [
+            mx.random.randint(0, 1 << 30, (nbytes // 4,), dtype=mx.uint32) for _ in range(count)
+        ]
+        mx.eval(parts)
+        for u, threads, blocks_per_sm in ((4, 256, 8), (8, 256, 4), (8, 512, 4), (1, 256, 0)):
+            if blocks_per_sm:
+                grid = 132 * blocks_per_sm * threads
+            else:
+                grid = -(-nbytes // (16 * threads)) * threads
+
+            def run(parts=parts, grid=grid, threads=threads, u=u):
+                return [
+                    fn(inputs=[p], template=[("U", u)], grid=(grid, 1, 1),
+                       threadgroup=(threads, 1, 1), output_shapes=[(grid,)],
+                       output_dtypes=[mx.uint32])[0]
+                    for p in parts
+                ]  # fmt: skip
+
+            mx.eval(run())
+            us = statistics.median(cupti_us(run, steps, "mb_read_bw"))  # a kernel
+            tb = nbytes / us / 1e6
+            shape = f"x {blocks_per_sm} a SM" if blocks_per_sm else "one load each"
+            rows.append(dict(mb=mb, u=u, threads=threads, blocks_per_sm=blocks_per_sm,
+                             us=us, tb_s=tb))  # fmt: skip
+            print(f"{mb:8.1f} MB U={u} {threads:4d} threads {shape}: {us:8.1f} us a call"
+                  f"  {tb:.2f} TB/s", flush=True)  # fmt: skip
+        del parts
+        mx.clear_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default="")
+    ap.add_argument(
+        "--sizes-mb",
+        default="",
+        help="only time one read kernel a buffer of each of these sizes (e.g. the 8b 4-bit "
+        "products with scales and biases, MiB: 9.0,13.5,31.5,63.0,281.8), distinct buffers a call",
+    )
     args = ap.parse_args()
-    n = args.mb * (1 << 20) // 4
     fn = kernel()
+    if args.sizes_mb:
+        rows = sized(fn, [float(v) for v in args.sizes_mb.split(",")], args.steps)
+        if args.out:
+            Path(args.out).write_text(json.dumps(dict(stage="read_sizes", rows=rows), indent=1))
+        return
+    n = args.mb * (1 << 20) // 4
     arrays = {
         "device": mx.random.randint(0, 1 << 30, (n,), dtype=mx.uint32),
         "managed": mx.array(np.random.default_rng(0).integers(0, 1 << 30, n, dtype=np.uint32)),
