@@ -42,6 +42,7 @@
 #   bash bench/gpu/suite.sh issue-table                  (the issue's table: PyTorch, the engine, report.py)
 #   ENGINE_MODEL=8b ENGINE_QUANT=q4 bash bench/gpu/suite.sh prefill-together  (session 21, prepared)
 #   bash bench/gpu/suite.sh wgmma  (session 22, prepared)
+#   bash bench/gpu/suite.sh b1-test b1-read b1-profile  (session 23, prepared: 8b 4-bit one row)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -331,6 +332,21 @@ for stage in "$@"; do
             --rows ${QW_ROWS:-128,64} --forms ${QW_FORMS:-r:2:0,s:2:0,r:2:0:0:w8,s:2:0:0:w8} \
             --products ${QW_PRODUCTS:-qkv,o,gate_up,down,lm_head} \
             --out "$OUT/qgemm_sk.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_sk.log"
+        ;;
+    b1-test)  # session 23 (prepared): the 1-row products' early loads, the L2 prefetch
+        timeout ${B1_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=short \
+            tests/test_gpu_prefetch.py tests/test_gpu_qstream.py -k "prefetch or early or decode_step" \
+            2>&1 | tail -25 | tee "$OUT/test_b1.log"
+        ;;
+    b1-read)  # session 23 (prepared): the fastest one read kernel gets through each 8b product
+        timeout ${B1_READ_TIMEOUT:-150} python3 bench/gpu/read_bw.py --sizes-mb 9.0,13.5,31.5,63.0,281.8 \
+            --out "$OUT/read_sizes.json" 2>&1 | grep -v -i warn | tee "$OUT/read_sizes.log"
+        ;;
+    b1-profile)  # session 23 (prepared): 8b 4-bit one row, the step's kernels (CUPTI) with
+        # the early loads (-qe), the L2 prefetch (-pf<MB>) and the RMSNorm folded in (-qn1)
+        PROFILE_CONFIGS=8b:q4 PROFILE_BATCHES=1 PROFILE_TIMEOUT=${B1_TIMEOUT:-300} \
+            PROFILE_VARIANTS=${B1_VARIANTS:-default-wc,default-wc-qe,default-wc-pf12,default-wc-qe-pf12,default-wc-qe-qn1,default-wc-qe-qn1-pf12} \
+            bash "$0" profile
         ;;
     wgmma)  # session 22 (prepared): engine/gpu_wgmma.py (Hopper warpgroup MMA for the 4-bit
         # products of 33-128 rows): the exactness table of every form (both descriptor
