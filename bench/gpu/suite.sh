@@ -348,6 +348,11 @@ for stage in "$@"; do
             PROFILE_VARIANTS=${B1_VARIANTS:-default-wc,default-wc-qe,default-wc-pf12,default-wc-qe-pf12,default-wc-qe-qn1,default-wc-qe-qn1-pf12} \
             bash "$0" profile
         ;;
+    b1-graph)  # session 23 (prepared): the same with one CUDA graph a step (MLX commits one
+        # every 100 nodes or 1,000 MB of inputs on sm_90: ~5 a step at 8b 4-bit)
+        MLX_MAX_OPS_PER_BUFFER=2000 MLX_MAX_MB_PER_BUFFER=100000 B1_VARIANTS=${B1_GRAPH_VARIANTS:-default-wc} \
+            bash "$0" b1-profile
+        ;;
     wgmma)  # session 22 (prepared): engine/gpu_wgmma.py (Hopper warpgroup MMA for the 4-bit
         # products of 33-128 rows): the exactness table of every form (both descriptor
         # readings, both x pipelines), its tests, then each 8b/1b product at 128 and 64 rows
