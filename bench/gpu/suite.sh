@@ -350,7 +350,7 @@ for stage in "$@"; do
         ;;
     b1-graph)  # session 23 (prepared): the same with one CUDA graph a step (MLX commits one
         # every 100 nodes or 1,000 MB of inputs on sm_90: ~5 a step at 8b 4-bit)
-        MLX_MAX_OPS_PER_BUFFER=2000 MLX_MAX_MB_PER_BUFFER=100000 B1_VARIANTS=${B1_GRAPH_VARIANTS:-default-wc} \
+        PROFILE_TAG=graph MLX_MAX_OPS_PER_BUFFER=2000 MLX_MAX_MB_PER_BUFFER=100000 B1_VARIANTS=${B1_GRAPH_VARIANTS:-default-wc} \
             bash "$0" b1-profile
         ;;
     wgmma)  # session 22 (prepared): engine/gpu_wgmma.py (Hopper warpgroup MMA for the 4-bit
@@ -411,7 +411,7 @@ for stage in "$@"; do
                 --batches "${PROFILE_BATCHES:-1,8,32,128}" \
                 --variants "${PROFILE_VARIANTS:-default${ATTN_BEST:+,default-at$ATTN_BEST}}" \
                 --steps "${PROFILE_STEPS:-48}" --repeat "${PROFILE_REPEAT:-2}" \
-                --budget-s $(( to - 20 )) --out "$OUT/profile-$m-$q.json"
+                --budget-s $(( to - 20 )) --out "$OUT/profile-$m-$q${PROFILE_TAG:+-$PROFILE_TAG}.json"
         done
         ;;
     first-request)  # the first request after start, warm-up off and on (fresh processes,
