@@ -417,6 +417,10 @@ _IBODY = r"""
       const uint4 wv = wslot[si];
       const uint32_t sv = sslot[si];
       const uint32_t bv = bslot[si];
+      if constexpr (ABL) {  // bench only: the stream without the math (is it issue-bound?)
+        acc += __uint_as_float((wv.x ^ wv.y ^ wv.z ^ wv.w ^ sv ^ bv) & 0x3f7fffffu);
+        continue;
+      }
       const int col = lane + 32 * (c_j + c);
       const uint4* xc = xq + col * XC;
       const uint32_t ws[4] = {wv.x, wv.y, wv.z, wv.w};
@@ -681,11 +685,17 @@ def _specs() -> dict[str, KernelSpec]:
         kinds += [("_glu", True, False, False)]
         if form in NORM_FORMS:
             kinds += [("_norm", False, False, True), ("_glu_norm", True, False, True)]
+        if form == "q4i":  # bench/gpu/q4_bench.py's ablation: the stream without the math
+            kinds += [(k + "_abl", g, r, nm) for k, g, r, nm in kinds]
         for suffix, glu, res, norm in kinds:
             flags = "".join(
                 f"  constexpr bool {name} = {'true' if on else 'false'};\n"
                 for name, on in (("GLU", glu), ("RES", res), ("NORM", norm))
             )
+            if form == "q4i":
+                flags += (
+                    f"  constexpr bool ABL = {'true' if suffix.endswith('_abl') else 'false'};\n"
+                )
             if not res:
                 flags += "  const T* r = nullptr;\n"
             if not norm:
@@ -753,14 +763,19 @@ def set_knobs(
     stages: int | None = None,
     warps: int | None = None,
     cps: int | None = None,
+    early: bool | None = None,
+    abl: bool | None = None,
 ):
     """Launchers made from now on use ``form`` ("q4i": CUDA cores, integer dot products;
     "q4": CUDA cores, float; "mma": tensor cores), ``stages``/``warps``/``cps`` (chunks
-    a slot, the integer form's; None: the defaults); bench/gpu/q4_bench.py's variants."""
+    a slot, the integer form's; None: the defaults), ``early`` (``early_issue``; None:
+    the environment's), ``abl`` (the integer form without its math: wrong outputs, for
+    timing only); bench/gpu/q4_bench.py's variants."""
     if form is not None and form not in FORMS:
         raise ValueError(f"gpu_qstream: unknown form {form!r} (one of {', '.join(FORMS)})")
     _knobs.clear()
     pairs = (("form", form), ("stages", stages), ("warps", warps), ("cps", cps))
+    pairs += (("early", early), ("abl", abl))
     _knobs.update({k: v for k, v in pairs if v is not None})
 
 
@@ -772,6 +787,8 @@ def early_issue() -> bool:
     times a step at 8b (bench/gpu/NOTES.md, session 23)."""
     import os
 
+    if _knobs.get("early") is not None:
+        return bool(_knobs["early"])
     return os.environ.get("MARKBASE_GPU_QSTREAM_EARLY", "0") == "1"
 
 
@@ -887,6 +904,8 @@ def launcher(
     stages, warps = shape_for(form, k, gs)
     cps = cps_for(form, k)
     kind = form + ("_glu" if glu else "_res" if residual else "") + ("_norm" if norm else "")
+    if form == "q4i" and _knobs.get("abl"):
+        kind += "_abl"
     template = (("T", dtype), ("K", k), ("GS", gs), ("STAGES", stages), ("WARPS", warps))
     if form == "q4i":
         template += (("CPS", cps), ("EARLY", early_issue()))

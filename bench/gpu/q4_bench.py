@@ -183,9 +183,11 @@ def parse_stream(name: str) -> dict | None:
     """``"mma"``/``"qs"``/``"qi"``: engine/gpu_qstream.py's tensor-core / float CUDA-core
     / integer CUDA-core form with its defaults; ``"mma3w8"``: 3 slots a lane, 8 warps a
     block; ``"qi8c1"``: 8 slots of 1 chunk each; a trailing ``n`` (``"qin"``): qkv and
-    gate_up with their RMSNorm inside (the decode step's default); None for a name of
-    engine/gpu_mma.py's kernel."""
-    m = re.fullmatch(r"(qs|qi|mma)(\d*)(?:w(\d+))?(?:c(\d+))?(n?)", name)
+    gate_up with their RMSNorm inside; then ``e`` (``"qie"``): the first loads before x's
+    conversion (``early``); then ``a`` (``"qia"``, ``"qiea"``): the stream without the
+    math (``abl``: is the kernel issue-bound?); None for a name of engine/gpu_mma.py's
+    kernel."""
+    m = re.fullmatch(r"(qs|qi|mma)(\d*)(?:w(\d+))?(?:c(\d+))?(n?)(e?)(a?)", name)
     if not m:
         return None
     return {
@@ -194,6 +196,8 @@ def parse_stream(name: str) -> dict | None:
         "warps": int(m[3]) if m[3] else None,
         "cps": int(m[4]) if m[4] else None,
         "norm": bool(m[5]),
+        "early": True if m[6] else None,
+        "abl": True if m[7] else None,
     }
 
 

@@ -42,7 +42,7 @@
 #   bash bench/gpu/suite.sh issue-table                  (the issue's table: PyTorch, the engine, report.py)
 #   ENGINE_MODEL=8b ENGINE_QUANT=q4 bash bench/gpu/suite.sh prefill-together  (session 21, prepared)
 #   bash bench/gpu/suite.sh wgmma  (session 22, prepared)
-#   bash bench/gpu/suite.sh b1-test b1-read b1-profile  (session 23, prepared: 8b 4-bit one row)
+#   bash bench/gpu/suite.sh b1-test b1-q4 b1-read b1-profile b1-graph  (session 23, prepared: 8b 4-bit one row)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -347,6 +347,10 @@ for stage in "$@"; do
         PROFILE_CONFIGS=8b:q4 PROFILE_BATCHES=1 PROFILE_TIMEOUT=${B1_TIMEOUT:-300} \
             PROFILE_VARIANTS=${B1_VARIANTS:-default-wc,default-wc-qe,default-wc-pf12,default-wc-qe-pf12,default-wc-qe-qn1,default-wc-qe-qn1-pf12} \
             bash "$0" profile
+        ;;
+    b1-q4)  # session 23 (prepared): each 8b 1-row product alone (CUPTI): as now, its first
+        # loads early (e), and the stream without the math (a: issue-bound or not?)
+        Q4_VARIANTS=${B1_Q4:-qi,qie,qia,qiea} bash "$0" q4-bench
         ;;
     b1-graph)  # session 23 (prepared): the same with one CUDA graph a step (MLX commits one
         # every 100 nodes or 1,000 MB of inputs on sm_90: ~5 a step at 8b 4-bit)
