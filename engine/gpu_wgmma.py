@@ -24,7 +24,7 @@ along the rows. x's 16-byte runs go to the same layout by ``cp.async``. GLU (w =
 holds an output's gate and up sums (rows g and g + 8 of ``wgmma``'s accumulator
 layout) and writes silu(gate) * up.
 
-Three stages of dequantized weights and NX (3 or 4) of x: step i's buffers are
+Three stages of dequantized weights and NX (3-5) of x: step i's buffers are
 written after the barrier of step i - 1 + (stages - 2), when every warpgroup's
 ``wgmma.wait_group 1`` has retired the step that read them last. Writes by the
 threads (``st.shared``, ``cp.async``) are made visible to ``wgmma``'s async proxy by
@@ -223,9 +223,10 @@ _SOURCE = r"""
   if (n_steps > 0) {
     stage_x(k0, 0);
     mb_commit();
-    if constexpr (LEAD == 2) {
-      if (n_steps > 1) {
-        stage_x(k0 + 1, 1);
+#pragma unroll
+    for (int p = 1; p < LEAD; ++p) {  // steps 1 .. LEAD - 1, one commit group each
+      if (p < n_steps) {
+        stage_x(k0 + p, p);
       }
       mb_commit();
     }
@@ -387,9 +388,11 @@ _hopper: list = []
 
 
 def x_stages() -> int:
-    """Buffers of x (``MARKBASE_GPU_WGMMA_NX``): 3 (copied one step ahead) or 4 (two
-    steps ahead)."""
-    return int(env_choice(NX_ENV, "3", ("3", "4")))
+    """Buffers of x (``MARKBASE_GPU_WGMMA_NX``): 3 (copied one step ahead), 4 or 5
+    (two or three steps ahead). Session 22 timed only 3 with 4 warpgroups; one step
+    ahead leaves each step waiting on an L2 round trip (session 23's reading of
+    ~2.2 us a k-step against ~0.55 us of tensor time at 8b gate/up, 128 rows)."""
+    return int(env_choice(NX_ENV, "3", ("3", "4", "5")))
 
 
 def warpgroups() -> int:
@@ -562,7 +565,7 @@ def kernel_specs_for_check() -> list[KernelSpec]:
     """Every form with concrete template values (bench/gpu/nvrtc_check.py)."""
     out = []
     geos = [Geometry(128, 3, 2), Geometry(64, 3, 2), Geometry(128, 4, 2), Geometry(128, 3, 4),
-            Geometry(64, 3, 4)]  # fmt: skip
+            Geometry(64, 3, 4), Geometry(128, 4, 4), Geometry(128, 5, 4)]  # fmt: skip
     for base in ("q4", "q4_res", "q4_glu"):
         for split in (False, True):
             for dtype in ("bfloat16", "float16"):

@@ -61,7 +61,7 @@ def test_geometry_and_shared_memory(monkeypatch):
     monkeypatch.setenv(gpu_wgmma.WG_ENV, "2")
     assert gpu_wgmma.geometry(128, 4096).wgs == 2
     for bn in (64, 128):
-        for nx in (3, 4):
+        for nx in (3, 4, 5):
             for wgs in (2, 4):
                 geo = gpu_wgmma.Geometry(bn, nx, wgs)
                 assert geo.shared_bytes <= 227 * 1024 and geo.per_sm in (1, 2)
@@ -90,12 +90,14 @@ def test_switches(monkeypatch):
     monkeypatch.setenv(gpu_wgmma.ENV, "0")
     assert not gpu_wgmma.takes(128, 28672, 4096)
     monkeypatch.setenv(gpu_wgmma.NX_ENV, "5")
+    assert gpu_wgmma.x_stages() == 5
+    monkeypatch.setenv(gpu_wgmma.NX_ENV, "6")
     with pytest.raises(ValueError, match=gpu_wgmma.NX_ENV):
         gpu_wgmma.x_stages()
 
 
 @needs_hopper
-@pytest.mark.parametrize("form", ["3:2", "4:2", "3:4"])  # x buffers : warpgroups
+@pytest.mark.parametrize("form", ["3:2", "4:2", "3:4", "4:4", "5:4"])  # x buffers : warpgroups
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize(
     "rows,n,k,gs",

@@ -119,7 +119,7 @@ def main() -> None:
         wd = q * np.repeat(s, gs, axis=1) + np.repeat(b, gs, axis=1)
         res = rng.standard_normal((m, nw))
         bn = 64 if m <= 64 else 128
-        for nx in (3, 4):
+        for nx in (3, 4, 5):
             got = run(x, q, s, b, gs, bn=bn, wgs=wgs, nx=nx, splits=sp)
             np.testing.assert_allclose(got, x @ wd.T, atol=1e-9)
             got = run(x, q, s, b, gs, res=res, bn=bn, wgs=wgs, nx=nx, splits=sp)
