@@ -43,6 +43,7 @@
 #   ENGINE_MODEL=8b ENGINE_QUANT=q4 bash bench/gpu/suite.sh prefill-together  (session 21, prepared)
 #   bash bench/gpu/suite.sh wgmma  (session 22, prepared)
 #   bash bench/gpu/suite.sh b1-test b1-q4 b1-read b1-profile b1-graph  (session 23, prepared: 8b 4-bit one row)
+#   bash bench/gpu/suite.sh b128-nx  (session 23, prepared: gpu_wgmma's x 2-3 steps ahead)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -356,6 +357,19 @@ for stage in "$@"; do
         # every 100 nodes or 1,000 MB of inputs on sm_90: ~5 a step at 8b 4-bit)
         PROFILE_TAG=graph MLX_MAX_OPS_PER_BUFFER=2000 MLX_MAX_MB_PER_BUFFER=100000 B1_VARIANTS=${B1_GRAPH_VARIANTS:-default-wc} \
             bash "$0" b1-profile
+        ;;
+    b128-nx)  # session 23 (prepared): gpu_wgmma with x copied 2-3 steps ahead (4 warpgroups;
+        # session 22 timed only 1 step ahead): exactness, then 8b gate/up and the output layer
+        # at 128 rows, then the engine at 8b 4-bit B=128 with 5 buffers and with 3
+        timeout ${NX_CHECK_TIMEOUT:-100} python3 bench/gpu/wgmma_bench.py --check-only \
+            --check-forms 4:4,5:4 2>&1 | grep -v -i warn | tail -32 | tee "$OUT/wgmma_nx_check.log"
+        timeout ${NX_TIMEOUT:-150} python3 bench/gpu/wgmma_bench.py --skip-check --models 8b \
+            --rows 128 --forms 3:4,4:4,5:4 --products gate_up,lm_head --reps 3 --calls 10 \
+            --budget-s $(( ${NX_TIMEOUT:-150} - 30 )) --out "$OUT/wgmma_nx.json" 2>&1 | grep -v -i warn | tee "$OUT/wgmma_nx.log"
+        for nx in ${NX_ENGINE:-5 3}; do
+            MARKBASE_GPU_WGMMA_NX=$nx TABLE_CONFIGS=8b:q4 TABLE_BATCHES=128 TABLE_TAG=nx$nx \
+                bash "$0" engine-table
+        done
         ;;
     wgmma)  # session 22 (prepared): engine/gpu_wgmma.py (Hopper warpgroup MMA for the 4-bit
         # products of 33-128 rows): the exactness table of every form (both descriptor

@@ -67,11 +67,11 @@ def check(rows: int, n: int, k: int, form: str, dtype=mx.bfloat16, gs: int = 64)
     return float(np.max(np.abs(np.array(got.astype(mx.float32)) - ref)))
 
 
-def check_all() -> list[dict]:
+def check_all(forms: str = "3:2,4:2,3:4,4:4,5:4") -> list[dict]:
     out = []
     print("| nx:wg | rows | N | K | form | max error |")
     print("|---|---:|---:|---:|---|---:|")
-    for nx in ("3:2", "4:2", "3:4"):
+    for nx in [f for f in forms.split(",") if f]:
         os.environ[gpu_wgmma.NX_ENV], os.environ[gpu_wgmma.WG_ENV] = nx.split(":")
         for rows, n, k in (
             (128, 256, 512),
@@ -136,10 +136,15 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=200)
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--check-forms", default="", help="only these nx:wg in the check (no probes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    result: dict = {"engine": "wgmma-bench", "check": [] if args.skip_check else check_all()}
-    if not args.skip_check:
+    check_forms = args.check_forms or "3:2,4:2,3:4,4:4,5:4"
+    result: dict = {
+        "engine": "wgmma-bench",
+        "check": [] if args.skip_check else check_all(check_forms),
+    }
+    if not args.skip_check and not args.check_forms:
         try:
             result["probes"] = probes()
         except Exception as e:
