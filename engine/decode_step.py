@@ -124,8 +124,7 @@ class FusedDecodeStep:
         self.qlayer_next = gpu_qlayer.wanted_next()
         self._qlayer_ok: list[bool] = []
         # engine/gpu_prefetch.py: at one row, o_proj's weights and the first gate/up
-        # rows asked into L2 beside the attention (MARKBASE_GPU_L2_PREFETCH=1; off
-        # until measured)
+        # rows asked into L2 beside the attention (MARKBASE_GPU_L2_PREFETCH=0: off)
         self.l2_prefetch = gpu_plans and gpu_prefetch.enabled()
         self._tails: list = []  # (o_proj, gate_up, down_proj) a layer
         self._wqkv: list = []  # the fused q/k/v product a layer (or None)

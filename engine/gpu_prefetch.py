@@ -1,6 +1,6 @@
 """L2 prefetch of a layer's o_proj weights and the first rows of its gate/up weights,
-run beside the one-row decode attention (``MARKBASE_GPU_L2_PREFETCH=1``; off until
-measured on a GPU).
+run beside the one-row decode attention (on by default on CUDA;
+``MARKBASE_GPU_L2_PREFETCH=0`` turns it off).
 
 Why: at one row the attention kernel takes ~10-13 us a layer on 8 of 132 SMs and
 reads ~2.4 MB, so HBM idles for it (bench/gpu/NOTES.md, sessions 19-21), while the
@@ -20,7 +20,12 @@ no thread waits on.
 Session 10's try at this (a small kernel before the attention, ``cp.async.bulk.
 prefetch.L2`` over 24-40 MB from a few threads, in series with it) made the step 1.7x
 slower, not looked into; this one is beside the attention, spread over every SM, and
-line by line.
+line by line. Measured on an H100 (bench/gpu/NOTES.md, session 23; 8b 4-bit, one
+row): it overlaps the attention (kernel sum 2.91 ms, GPU busy 2.63), o_proj 7.5 -> 6.4
+us a call, gate/up 28.2 -> 26.6, the attention 13.0 -> 14.4 (it shares the GPU); the
+step 2.686/2.673 -> 2.640/2.635 ms (12 MiB; 30 MiB: no gain); with the early loads of
+engine/gpu_qstream.py, the served engine's step 2.668 -> 2.564-2.583 ms. Not yet
+measured on an H200.
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ _kernel = Baked(_specs, ensure_row_contiguous=True)
 
 
 def enabled() -> bool:
-    return os.environ.get("MARKBASE_GPU_L2_PREFETCH", "0") == "1"
+    return os.environ.get("MARKBASE_GPU_L2_PREFETCH", "1") != "0"
 
 
 def gate_up_rows(gate_up) -> int:

@@ -781,15 +781,17 @@ def set_knobs(
 
 def early_issue() -> bool:
     """Whether the integer form issues its ring's first weight loads before converting x
-    (MARKBASE_GPU_QSTREAM_EARLY=1; off until measured on a GPU). Why: each block
-    converts all of x (K/32 chunks, a block-wide barrier) before its first load, so every
-    1-row product starts with its HBM idle for that prologue plus a load's latency, ~129
-    times a step at 8b (bench/gpu/NOTES.md, session 23)."""
+    (default; MARKBASE_GPU_QSTREAM_EARLY=0 turns it off). Why: each block converts all
+    of x (K/32 chunks, a block-wide barrier) before its first load, so every 1-row
+    product started with its HBM idle for that prologue plus a load's latency, ~129
+    times a step at 8b. H100 (bench/gpu/NOTES.md, session 23): a layer's four products
+    alone 60.4 -> 57.3 us; with engine/gpu_prefetch.py, the served 8b 4-bit single
+    stream 2.668 -> 2.564-2.583 ms a step."""
     import os
 
     if _knobs.get("early") is not None:
         return bool(_knobs["early"])
-    return os.environ.get("MARKBASE_GPU_QSTREAM_EARLY", "0") == "1"
+    return os.environ.get("MARKBASE_GPU_QSTREAM_EARLY", "1") != "0"
 
 
 def default_form() -> str:

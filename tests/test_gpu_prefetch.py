@@ -1,7 +1,7 @@
 """engine/gpu_prefetch.py: the L2 prefetch kernel beside the one-row attention hands
 back the layer's input unchanged (what o_proj takes as its residual), whatever rows it
-is asked to prefetch; the decode step with it on (MARKBASE_GPU_L2_PREFETCH=1) gives the
-model's logits; it applies only to one row of 4-bit products.
+is asked to prefetch; the decode step with it on (the default) gives the model's
+logits; it applies only to one row of 4-bit products.
 
 The GPU tests need MLX's CUDA backend (skipped elsewhere); on the H200 after
 bench/gpu/env.sh: ``python3 -m pytest -q tests/test_gpu_prefetch.py``.
@@ -33,12 +33,12 @@ def _quantized(n: int, k: int, dtype, seed: int) -> nn.QuantizedLinear:
 
 
 def test_switch_and_rows(monkeypatch):
-    """Off unless MARKBASE_GPU_L2_PREFETCH=1; the gate/up rows follow the MB knob (two
+    """On unless MARKBASE_GPU_L2_PREFETCH=0; the gate/up rows follow the MB knob (two
     halves, each row's weight words, scales and biases)."""
     monkeypatch.delenv("MARKBASE_GPU_L2_PREFETCH", raising=False)
-    assert not gpu_prefetch.enabled()
-    monkeypatch.setenv("MARKBASE_GPU_L2_PREFETCH", "1")
     assert gpu_prefetch.enabled()
+    monkeypatch.setenv("MARKBASE_GPU_L2_PREFETCH", "0")
+    assert not gpu_prefetch.enabled()
     gu = _quantized(2 * 256, 1024, mx.bfloat16, 1)
     row = 1024 // 8 * 4 + 2 * (1024 // 64) * 2  # 576 bytes
     monkeypatch.setenv("MARKBASE_GPU_L2_PREFETCH_MB", "1")

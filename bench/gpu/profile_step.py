@@ -60,8 +60,10 @@ now = time.perf_counter
 # "-atl16u2v"; bench/gpu/attn_bench.py times the kernel alone); "-pin" = the product
 # kernels with PIN (gpu_mma.pin_loads: every load of an iteration before its MMAs);
 # "-qn1" = the RMSNorms inside the 1-row kernels (MARKBASE_GPU_QSTREAM_NORM=1); "-qe" =
-# their first weight loads before x's conversion (MARKBASE_GPU_QSTREAM_EARLY=1); "-pf<MB>"
-# = engine/gpu_prefetch.py beside each one-row attention (o_proj and MB of gate/up); "-wc" =
+# their first weight loads before x's conversion (MARKBASE_GPU_QSTREAM_EARLY); "-pf<MB>"
+# = engine/gpu_prefetch.py beside each one-row attention (o_proj and MB of gate/up);
+# both the engine's defaults since session 23, but here on only with their suffix (so
+# the engine as served at one row is "default-wc-qe-pf12"); "-wc" =
 # the whole step under one mx.compile (FusedDecodeStep.step_compile; the engine's
 # default since session 15, but here only variants with "-wc" compile, so that
 # "default" stays the uncompiled baseline of earlier sessions' profiles); "-ql" = a layer's products after the attention as one
