@@ -670,15 +670,26 @@ def _call(base: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bo
 
 
 _eps_arrays: dict = {}
+EPS_WORDS = 4  # 16 bytes: past MLX's CUDA scalar pool (arrays of 8 bytes or less)
 
 
 def eps_array(eps: float):
-    """RMSNorm's epsilon as a [1] float32 input, made once per value."""
+    """RMSNorm's epsilon as a float32 input (the kernels read element 0), made once per
+    value, by a GPU op where there is one. Why not ``mx.array([eps])``: MLX's CUDA
+    allocator puts every array of 8 bytes or less in one small pool of managed memory
+    (mlx/backend/cuda/allocator.cpp, ``SmallSizePool``), shared with the step's other
+    scalars, such as the token sampled at B=1, which the host reads every step; so a
+    kernel's read of eps may cross to host memory. Session 23 measured the 1-row
+    kernels with the RMSNorm inside (which read eps in every block) ~17 us a call slower
+    inside the step than their plain forms, and only ~1-4 us slower alone; this array
+    is 16 bytes, made by ``mx.full`` on the GPU stream, so it is device memory."""
     arr = _eps_arrays.get(eps)
     if arr is None:
         import mlx.core as mx
 
-        arr = _eps_arrays[eps] = mx.array([eps], dtype=mx.float32)
+        arr = mx.full((EPS_WORDS,), eps, dtype=mx.float32)
+        mx.eval(arr)
+        _eps_arrays[eps] = arr
     return arr
 
 

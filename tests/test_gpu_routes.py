@@ -109,6 +109,16 @@ def test_quantized_and_norm_inputs(recorded):
         q.fused(x, residual=mx.ones((3, 128), dtype=mx.bfloat16), norm=norm)
 
 
+def test_eps_is_one_array_a_value_past_the_scalar_pool():
+    """The RMSNorm's epsilon input: float32, element 0 the value, more than 8 bytes (MLX's
+    CUDA allocator keeps arrays of 8 bytes or less in a managed-memory pool the host
+    also touches), the same array for the same value."""
+    e = gpu_mma.eps_array(1e-6)
+    assert e is gpu_mma.eps_array(1e-6) and e is not gpu_mma.eps_array(1e-5)
+    assert e.dtype == mx.float32 and e.nbytes > 8
+    assert float(e[0].item()) == pytest.approx(1e-6)
+
+
 def test_qstream_blocks_fit_the_gpu(monkeypatch):
     """engine/gpu_qstream.py (CPU part): the default launch shape shrinks to fit the
     SM's shared memory: 16 warps at the 8b down_proj's K on an H200, fewer on an
