@@ -126,6 +126,12 @@ class FusedDecodeStep:
         # engine/gpu_prefetch.py: at one row, o_proj's weights and the first gate/up
         # rows asked into L2 beside the attention (MARKBASE_GPU_L2_PREFETCH=0: off)
         self.l2_prefetch = gpu_plans and gpu_prefetch.enabled()
+        # the rows' offsets and starts, at 1-2 rows, copied into device memory once a
+        # step before the kernels read them (MARKBASE_GPU_DEVICE_SCALARS=1; off until
+        # measured): see ``_device_scalars``
+        self.device_scalars = (
+            gpu_plans and os.environ.get("MARKBASE_GPU_DEVICE_SCALARS", "0") == "1"
+        )
         self._tails: list = []  # (o_proj, gate_up, down_proj) a layer
         self._wqkv: list = []  # the fused q/k/v product a layer (or None)
         self.fused_groups = 0  # how many of the 2 per layer got one matmul
@@ -535,6 +541,8 @@ class FusedDecodeStep:
             if gpu_linear.uses("qgemm"):
                 gpu_qgemm.ensure_stream_k()  # its buffers are made outside the trace
             self._sk_threads.add(me)
+        if self.device_scalars:
+            offset, start = _device_scalars(offset), _device_scalars(start)
         return self._whole(tokens, offset, start, buffers, nsplit)
 
     def _whole_step(self, tokens, offset, start, buffers, nsplit: int):
@@ -655,6 +663,8 @@ class FusedDecodeStep:
             # the whole weight: bench/gpu/NOTES.md, session 3)
             x = x.reshape(x.shape[0], -1)
         append = self.rope is not None and start is not None and x.ndim == 2 and offset.ndim == 1
+        if append and self.device_scalars:
+            offset, start = _device_scalars(offset), _device_scalars(start)
         qkv = None  # the next layer's q/k/v product when a layer's kernel made it
         for i, (layer, pre, post, c) in enumerate(
             zip(self.inner.layers, self._pre, self._post, cache)
@@ -677,6 +687,23 @@ class FusedDecodeStep:
                 o = scaled_dot_product_attention(q, keys, values, c, attn.scale, mask)
             x = post(x, o)
         return self._head(x)
+
+
+def _device_scalars(a):
+    """``a`` (int32 [B]) as a view of a 16-byte array a GPU op made, where it is 8 bytes
+    or less; else ``a``. Why: MLX's CUDA allocator keeps every array of 8 bytes or less
+    in one small pool of managed memory (mlx/backend/cuda/allocator.cpp,
+    ``SmallSizePool``) that the host also touches each step (at B=1 it reads the
+    sampled token there), so at 1-2 rows each attention block's read of its row's
+    offset and start may cross to host memory, 32 kernels a step at 8b; one small
+    kernel reads them once instead (a suspect from MLX's source, bench/gpu/NOTES.md
+    session 23; not measured)."""
+    import mlx.core as mx
+
+    if a.nbytes > 8:
+        return a
+    pad = mx.zeros((4 - a.shape[0],), dtype=a.dtype)
+    return mx.concatenate([a, pad])[: a.shape[0]]
 
 
 class _FusedFloat:

@@ -71,9 +71,11 @@ def test_kernel_hands_back_the_layer_input(dtype, rows):
 
 
 @gpu
-def test_decode_step_with_prefetch_matches_the_model(monkeypatch):
+@pytest.mark.parametrize("device_scalars", ["0", "1"])
+def test_decode_step_with_prefetch_matches_the_model(monkeypatch, device_scalars):
     """The GPU decode step at one row with the prefetch kernel beside each attention
-    (its copy of x as o_proj's residual) equals the model's own call."""
+    (its copy of x as o_proj's residual) equals the model's own call; also with the
+    row's offset and start copied to device memory (MARKBASE_GPU_DEVICE_SCALARS=1)."""
     from test_gpu_gemv import check_step_matches_model
 
     from engine.decode_step import FusedDecodeStep
@@ -86,10 +88,11 @@ def test_decode_step_with_prefetch_matches_the_model(monkeypatch):
     model.set_dtype(mx.bfloat16)
     monkeypatch.setenv("MARKBASE_GPU_L2_PREFETCH", "1")
     monkeypatch.setenv("MARKBASE_GPU_L2_PREFETCH_MB", "1")
+    monkeypatch.setenv("MARKBASE_GPU_DEVICE_SCALARS", device_scalars)
     try:
         gpu_linear.set_plans("1:xwt,2:mma,33:xwt", "1:qstream,2:qmma")
         step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
-        assert step.l2_prefetch
+        assert step.l2_prefetch and step.device_scalars == (device_scalars == "1")
         step.warm_up()
         check_step_matches_model(step, model, ([5, 6, 7, 8, 9, 10],))
     finally:

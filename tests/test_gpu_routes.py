@@ -119,6 +119,19 @@ def test_eps_is_one_array_a_value_past_the_scalar_pool():
     assert float(e[0].item()) == pytest.approx(1e-6)
 
 
+def test_device_scalars_keep_values_and_shape():
+    """engine/decode_step.py's copy of 1-2 rows' offsets into a 16-byte array: the same
+    values and shape, a view of more than 8 bytes; 3+ rows are passed through."""
+    from engine.decode_step import _device_scalars
+
+    for vals in ([7], [3, 9]):
+        a = mx.array(vals, dtype=mx.int32)
+        got = _device_scalars(a)
+        assert got.shape == a.shape and got.dtype == mx.int32 and got.tolist() == vals
+    big = mx.array([1, 2, 3], dtype=mx.int32)
+    assert _device_scalars(big) is big
+
+
 def test_qstream_blocks_fit_the_gpu(monkeypatch):
     """engine/gpu_qstream.py (CPU part): the default launch shape shrinks to fit the
     SM's shared memory: 16 warps at the 8b down_proj's K on an H200, fewer on an

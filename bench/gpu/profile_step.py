@@ -63,7 +63,8 @@ now = time.perf_counter
 # their first weight loads before x's conversion (MARKBASE_GPU_QSTREAM_EARLY); "-pf<MB>"
 # = engine/gpu_prefetch.py beside each one-row attention (o_proj and MB of gate/up);
 # both the engine's defaults since session 23, but here on only with their suffix (so
-# the engine as served at one row is "default-wc-qe-pf12"); "-wc" =
+# the engine as served at one row is "default-wc-qe-pf12"); "-ds" = the rows' offsets
+# and starts copied to device memory at 1-2 rows (MARKBASE_GPU_DEVICE_SCALARS=1); "-wc" =
 # the whole step under one mx.compile (FusedDecodeStep.step_compile; the engine's
 # default since session 15, but here only variants with "-wc" compile, so that
 # "default" stays the uncompiled baseline of earlier sessions' profiles); "-ql" = a layer's products after the attention as one
@@ -242,6 +243,8 @@ def main() -> None:
                 pf = re.search(r"-pf(\d*)", v)  # engine/gpu_prefetch.py, its MB of gate/up
                 if hasattr(step, "l2_prefetch"):
                     step.l2_prefetch = pf is not None
+                if hasattr(step, "device_scalars"):  # "-ds": offsets/starts in device memory
+                    step.device_scalars = "-ds" in v
                 if pf and pf.group(1):
                     os.environ["MARKBASE_GPU_L2_PREFETCH_MB"] = pf.group(1)
                 else:
