@@ -132,6 +132,13 @@ class FusedDecodeStep:
         self.device_scalars = (
             gpu_plans and os.environ.get("MARKBASE_GPU_DEVICE_SCALARS", "0") == "1"
         )
+        if gpu_plans:  # the RMSNorms' epsilons as kernel inputs, made outside any trace
+            from engine.gpu_mma import eps_array
+
+            for layer in self.inner.layers:
+                for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                    if hasattr(norm, "eps"):
+                        eps_array(float(norm.eps))
         self._tails: list = []  # (o_proj, gate_up, down_proj) a layer
         self._wqkv: list = []  # the fused q/k/v product a layer (or None)
         self.fused_groups = 0  # how many of the 2 per layer got one matmul
