@@ -61,6 +61,25 @@ def kernel():
     )
 
 
+def reads(fn, parts: list, nbytes: int, u: int, threads: int, blocks_per_sm: int):
+    """``run()`` -> one read kernel a buffer of ``parts``: ``blocks_per_sm`` blocks of
+    ``threads`` an SM with ``u`` loads in flight a thread, or (0) one thread a 16 bytes."""
+    if blocks_per_sm:
+        grid = 132 * blocks_per_sm * threads
+    else:
+        grid = -(-nbytes // (16 * threads)) * threads
+
+    def run():
+        return [
+            fn(inputs=[p], template=[("U", u)], grid=(grid, 1, 1),
+               threadgroup=(threads, 1, 1), output_shapes=[(grid,)],
+               output_dtypes=[mx.uint32])[0]
+            for p in parts
+        ]  # fmt: skip
+
+    return run
+
+
 def sized(fn, sizes_mb: list, steps: int) -> list:
     """The fastest a plain read kernel gets through one buffer of each size in one
     launch (8 distinct buffers, or as many as fill ~600 MB, so L2 holds none of them):
@@ -75,19 +94,7 @@ def sized(fn, sizes_mb: list, steps: int) -> list:
         ]
         mx.eval(parts)
         for u, threads, blocks_per_sm in ((4, 256, 8), (8, 256, 4), (8, 512, 4), (1, 256, 0)):
-            if blocks_per_sm:
-                grid = 132 * blocks_per_sm * threads
-            else:
-                grid = -(-nbytes // (16 * threads)) * threads
-
-            def run(parts=parts, grid=grid, threads=threads, u=u):
-                return [
-                    fn(inputs=[p], template=[("U", u)], grid=(grid, 1, 1),
-                       threadgroup=(threads, 1, 1), output_shapes=[(grid,)],
-                       output_dtypes=[mx.uint32])[0]
-                    for p in parts
-                ]  # fmt: skip
-
+            run = reads(fn, parts, nbytes, u, threads, blocks_per_sm)
             mx.eval(run())
             us = statistics.median(cupti_us(run, steps, "mb_read_bw"))  # a kernel
             tb = nbytes / us / 1e6
@@ -141,19 +148,7 @@ def main() -> None:
                 nbytes = parts[0].nbytes
             else:
                 parts, nbytes = [a], a.nbytes
-            if blocks_per_sm:
-                grid = 132 * blocks_per_sm * threads
-            else:
-                grid = -(-nbytes // (16 * threads)) * threads
-
-            def run(parts=parts, grid=grid, threads=threads, u=u):
-                return [
-                    fn(inputs=[p], template=[("U", u)], grid=(grid, 1, 1),
-                       threadgroup=(threads, 1, 1), output_shapes=[(grid,)],
-                       output_dtypes=[mx.uint32])[0]
-                    for p in parts
-                ]  # fmt: skip
-
+            run = reads(fn, parts, nbytes, u, threads, blocks_per_sm)
             mx.eval(run())
             us = statistics.median(cupti_us(run, args.steps, "mb_read_bw"))
             tb = nbytes / us / 1e6
