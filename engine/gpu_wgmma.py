@@ -235,8 +235,10 @@ _SOURCE = r"""
     if (n_steps > 1) {
       p1 = wload(k0 + 1);
     }
-    if (n_steps > 2) {
-      p2 = wload(k0 + 2);
+    if constexpr (!WEARLY) {
+      if (n_steps > 2) {
+        p2 = wload(k0 + 2);
+      }
     }
     for (int i = 0; i < n_steps; ++i) {
       mb_wait<LEAD - 1>();  // this thread's copies of step i are in
@@ -250,6 +252,16 @@ _SOURCE = r"""
                  T{}, mb_n<BN>{});
       }
       mb_wg_commit();
+      // WEARLY: step i + 2's weights now, so that their loads fly during the copies,
+      // the dequantization and the wait below: the fence at the loop's top compiles to
+      // MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S (SASS), which may hold each thread until its
+      // loads in flight are in, so loads issued at the end of a step are waited for
+      // almost at once
+      if constexpr (WEARLY) {
+        if (i + 2 < n_steps) {
+          p2 = wload(k0 + i + 2);
+        }
+      }
       // while the tensor cores run step i: step i + LEAD's x, step i + 1's weights
       if (i + LEAD < n_steps) {
         stage_x(k0 + i + LEAD, (i + LEAD) % NX);
@@ -258,8 +270,10 @@ _SOURCE = r"""
       if (i + 1 < n_steps) {
         deq(p1, (i + 1) % NA);
         p1 = p2;
-        if (i + 3 < n_steps) {
-          p2 = wload(k0 + i + 3);
+        if constexpr (!WEARLY) {
+          if (i + 3 < n_steps) {
+            p2 = wload(k0 + i + 3);
+          }
         }
       }
       mb_wg_wait<1>();  // step i - 1 is done: its buffers are free after the next barrier
@@ -350,6 +364,7 @@ _kernel = Baked(lambda: SpecsByKind(_spec), ensure_row_contiguous=True)
 ENV = "MARKBASE_GPU_WGMMA"
 NX_ENV = "MARKBASE_GPU_WGMMA_NX"
 WG_ENV = "MARKBASE_GPU_WGMMA_WG"
+WEARLY_ENV = "MARKBASE_GPU_WGMMA_WEARLY"
 
 
 def mode() -> str:
@@ -501,10 +516,21 @@ def unsplit(rows: int, n: int, k: int) -> bool:
 
 
 @cache
-def _template(dtype, gs: int, bn: int, nx: int, wgs: int) -> tuple:
+def _template(dtype, gs: int, bn: int, nx: int, wgs: int, wearly: bool = False) -> tuple:
     return (
         ("T", dtype), ("GS", gs), ("BN", bn), ("NX", nx), ("WGS", wgs), ("PADB", PAD),
+        ("WEARLY", wearly),
     )  # fmt: skip
+
+
+def weights_early() -> bool:
+    """``MARKBASE_GPU_WGMMA_WEARLY=1`` (off until measured): each k-step's weight loads
+    issued right after its wgmma, two steps ahead, instead of at its end, three ahead.
+    Why (session 23, from the SASS, not measured): a k-step takes ~2.2 us at 8b gate/up,
+    128 rows, against ~0.55 us of tensor work, on the H100 and the H200 alike, and x's
+    lead (3-5 buffers) did not move it; the fence before each step's barrier compiles
+    to ``MEMBAR.ALL.CTA``, which may wait for the thread's global loads in flight."""
+    return env_choice(WEARLY_ENV, "0", ("0", "1")) == "1"
 
 
 def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, glu: bool = False):
@@ -519,7 +545,7 @@ def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, 
     if s > 1:
         kind += "_sp"
     kind += f"_lb{geo.threads}x{geo.per_sm}"
-    template = _template(dtype, gs, geo.bn, geo.nx, geo.wgs)
+    template = _template(dtype, gs, geo.bn, geo.nx, geo.wgs, weights_early())
     fn = _kernel(kind, template, geo.shared_bytes)
     shape = (rows, n // 2 if glu else n)
     grid = (tiles * s * geo.threads, 1, 1)
@@ -572,7 +598,9 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                 for geo in geos:
                     kind = base + ("_sp" if split else "") + f"_lb{geo.threads}x{geo.per_sm}"
                     spec = _spec(kind)
-                    tmpl = list(_template(dtype, 64, geo.bn, geo.nx, geo.wgs))
-                    name = f"{spec.name}_{dtype}_{geo.bn}_{geo.nx}_{geo.wgs}"
-                    out.append(for_dtype(spec, dtype, name, tmpl))
+                    for wearly in (False, True) if geo.wgs == 4 and geo.bn == 128 else (False,):
+                        tmpl = list(_template(dtype, 64, geo.bn, geo.nx, geo.wgs, wearly))
+                        name = f"{spec.name}_{dtype}_{geo.bn}_{geo.nx}_{geo.wgs}"
+                        name += "_we" if wearly else ""
+                        out.append(for_dtype(spec, dtype, name, tmpl))
     return out

@@ -94,10 +94,18 @@ def test_switches(monkeypatch):
     monkeypatch.setenv(gpu_wgmma.NX_ENV, "6")
     with pytest.raises(ValueError, match=gpu_wgmma.NX_ENV):
         gpu_wgmma.x_stages()
+    monkeypatch.delenv(gpu_wgmma.WEARLY_ENV, raising=False)
+    assert not gpu_wgmma.weights_early()
+    monkeypatch.setenv(gpu_wgmma.WEARLY_ENV, "1")
+    assert gpu_wgmma.weights_early()
+    monkeypatch.setenv(gpu_wgmma.WEARLY_ENV, "yes")
+    with pytest.raises(ValueError, match=gpu_wgmma.WEARLY_ENV):
+        gpu_wgmma.weights_early()
 
 
 @needs_hopper
-@pytest.mark.parametrize("form", ["3:2", "4:2", "3:4", "4:4", "5:4"])  # x buffers : warpgroups
+# x buffers : warpgroups, "w": the weights' loads right after each step's wgmma
+@pytest.mark.parametrize("form", ["3:2", "4:2", "3:4", "4:4", "5:4", "3:4w"])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize(
     "rows,n,k,gs",
@@ -109,9 +117,10 @@ def test_exact_on_small_integers(rows, n, k, gs, dtype, form, monkeypatch):
     sum is exact in float32, so the output must equal the exact result rounded once (a
     layout error cannot hide in a tolerance). Split K (128 x 256, 130 rows: 2 row
     chunks) and not (33,792 rows: 264 tiles), 64-row blocks with rows past M."""
-    nx, wgs = form.split(":")
+    nx, wgs = form.rstrip("w").split(":")
     monkeypatch.setenv(gpu_wgmma.NX_ENV, nx)
     monkeypatch.setenv(gpu_wgmma.WG_ENV, wgs)
+    monkeypatch.setenv(gpu_wgmma.WEARLY_ENV, "1" if form.endswith("w") else "0")
     rng = np.random.default_rng(rows + n + k)
     q = rng.integers(0, 16, (n, k))
     wq = mx.array(pack(q))

@@ -43,7 +43,8 @@
 #   ENGINE_MODEL=8b ENGINE_QUANT=q4 bash bench/gpu/suite.sh prefill-together  (session 21, prepared)
 #   bash bench/gpu/suite.sh wgmma  (session 22, prepared)
 #   bash bench/gpu/suite.sh b1-test b1-q4 b1-read b1-profile b1-graph  (session 23, prepared: 8b 4-bit one row)
-#   bash bench/gpu/suite.sh b128-nx  (session 23, prepared: gpu_wgmma's x 2-3 steps ahead)
+#   bash bench/gpu/suite.sh b128-nx  (session 23: gpu_wgmma's x 2-3 steps ahead)
+#   bash bench/gpu/suite.sh b128-we  (session 23, prepared: gpu_wgmma's weight loads early)
 #
 # Stages run in the order given (put the important ones first); each python run has
 # its own time budget and a hard timeout, so one slow stage cannot eat the call.
@@ -368,6 +369,19 @@ for stage in "$@"; do
             --budget-s $(( ${NX_TIMEOUT:-150} - 30 )) --out "$OUT/wgmma_nx.json" 2>&1 | grep -v -i warn | tee "$OUT/wgmma_nx.log"
         for nx in ${NX_ENGINE:-5 3}; do
             MARKBASE_GPU_WGMMA_NX=$nx TABLE_CONFIGS=8b:q4 TABLE_BATCHES=128 TABLE_TAG=nx$nx \
+                bash "$0" engine-table
+        done
+        ;;
+    b128-we)  # session 23 (prepared): gpu_wgmma with each k-step's weight loads right after
+        # its wgmma (MARKBASE_GPU_WGMMA_WEARLY=1): exactness, the 8b products at 128 rows,
+        # then the engine at 8b 4-bit B=128 with it and without
+        timeout ${WE_CHECK_TIMEOUT:-100} python3 bench/gpu/wgmma_bench.py --check-only \
+            --check-forms 3:4w 2>&1 | grep -v -i warn | tail -17 | tee "$OUT/wgmma_we_check.log"
+        timeout ${WE_TIMEOUT:-150} python3 bench/gpu/wgmma_bench.py --skip-check --models 8b \
+            --rows 128 --forms 3:4,3:4w,4:4w --products gate_up,lm_head --reps 3 --calls 10 \
+            --budget-s $(( ${WE_TIMEOUT:-150} - 30 )) --out "$OUT/wgmma_we.json" 2>&1 | grep -v -i warn | tee "$OUT/wgmma_we.log"
+        for we in ${WE_ENGINE:-1 0}; do
+            MARKBASE_GPU_WGMMA_WEARLY=$we TABLE_CONFIGS=8b:q4 TABLE_BATCHES=128 TABLE_TAG=we$we \
                 bash "$0" engine-table
         done
         ;;

@@ -67,12 +67,13 @@ def check(rows: int, n: int, k: int, form: str, dtype=mx.bfloat16, gs: int = 64)
     return float(np.max(np.abs(np.array(got.astype(mx.float32)) - ref)))
 
 
-def check_all(forms: str = "3:2,4:2,3:4,4:4,5:4") -> list[dict]:
+def check_all(forms: str = "3:2,4:2,3:4,4:4,5:4,3:4w") -> list[dict]:
     out = []
     print("| nx:wg | rows | N | K | form | max error |")
     print("|---|---:|---:|---:|---|---:|")
     for nx in [f for f in forms.split(",") if f]:
-        os.environ[gpu_wgmma.NX_ENV], os.environ[gpu_wgmma.WG_ENV] = nx.split(":")
+        os.environ[gpu_wgmma.NX_ENV], os.environ[gpu_wgmma.WG_ENV] = nx.rstrip("w").split(":")
+        os.environ[gpu_wgmma.WEARLY_ENV] = "1" if nx.endswith("w") else "0"
         for rows, n, k in (
             (128, 256, 512),
             (40, 384, 256),
@@ -88,7 +89,7 @@ def check_all(forms: str = "3:2,4:2,3:4,4:4,5:4") -> list[dict]:
                     err = float("nan")
                 print(f"| {nx} | {rows} | {n} | {k} | {form} | {err:g} |")
                 out.append(dict(nx=nx, rows=rows, n=n, k=k, form=form, err=err))
-    for env in (gpu_wgmma.NX_ENV, gpu_wgmma.WG_ENV):
+    for env in (gpu_wgmma.NX_ENV, gpu_wgmma.WG_ENV, gpu_wgmma.WEARLY_ENV):
         os.environ.pop(env, None)
     return out
 
@@ -139,7 +140,7 @@ def main() -> None:
     ap.add_argument("--check-forms", default="", help="only these nx:wg in the check (no probes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    check_forms = args.check_forms or "3:2,4:2,3:4,4:4,5:4"
+    check_forms = args.check_forms or "3:2,4:2,3:4,4:4,5:4,3:4w"
     result: dict = {
         "engine": "wgmma-bench",
         "check": [] if args.skip_check else check_all(check_forms),
@@ -182,17 +183,21 @@ def main() -> None:
                 base = timed(fn, inputs, args.calls, args.reps)
                 forms = [(label, base)]
                 for form in [v for v in args.forms.split(",") if v]:
-                    nx, wgs = form.split(":")
+                    nx, wgs = form.rstrip("w").split(":")  # "w": MARKBASE_GPU_WGMMA_WEARLY=1
                     os.environ[gpu_wgmma.NX_ENV], os.environ[gpu_wgmma.WG_ENV] = nx, wgs
+                    os.environ[gpu_wgmma.WEARLY_ENV] = "1" if form.endswith("w") else "0"
                     try:
                         fn = gpu_wgmma.launcher(mx.bfloat16, rows, n, k, GS, residual, glu)
                         us = timed(fn, inputs, args.calls, args.reps)
                     except Exception as e:
                         print(f"wgmma {form}: {type(e).__name__}: {e}")
                         us = float("nan")
-                    forms.append((f"wgmma nx{nx} wg{wgs}", us))
+                    forms.append(
+                        (f"wgmma nx{nx} wg{wgs}" + (" we" if form.endswith("w") else ""), us)
+                    )
                 os.environ.pop(gpu_wgmma.NX_ENV, None)
                 os.environ.pop(gpu_wgmma.WG_ENV, None)
+                os.environ.pop(gpu_wgmma.WEARLY_ENV, None)
                 for form, s in forms:
                     print(
                         f"| {name} | {pname} | {rows} | {form} | {s * 1e6:.1f} | "
