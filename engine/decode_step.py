@@ -126,19 +126,13 @@ class FusedDecodeStep:
         # engine/gpu_prefetch.py: at one row, o_proj's weights and the first gate/up
         # rows asked into L2 beside the attention (MARKBASE_GPU_L2_PREFETCH=0: off)
         self.l2_prefetch = gpu_plans and gpu_prefetch.enabled()
+        self._prefetch_calls: dict = {}  # (layer, dtype, shape) -> its launch, or None
         # the rows' offsets and starts, at 1-2 rows, copied into device memory once a
         # step before the kernels read them (MARKBASE_GPU_DEVICE_SCALARS=1; off until
         # measured): see ``_device_scalars``
         self.device_scalars = (
             gpu_plans and os.environ.get("MARKBASE_GPU_DEVICE_SCALARS", "0") == "1"
         )
-        if gpu_plans:  # the RMSNorms' epsilons as kernel inputs, made outside any trace
-            from engine.gpu_mma import eps_array
-
-            for layer in self.inner.layers:
-                for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                    if hasattr(norm, "eps"):
-                        eps_array(float(norm.eps))
         self._tails: list = []  # (o_proj, gate_up, down_proj) a layer
         self._wqkv: list = []  # the fused q/k/v product a layer (or None)
         self.fused_groups = 0  # how many of the 2 per layer got one matmul
@@ -607,14 +601,19 @@ class FusedDecodeStep:
     def _prefetched(self, i: int, x, qkv):
         """``x``, copied by engine/gpu_prefetch.py's kernel, which runs beside layer
         ``i``'s attention (both wait for ``qkv``) and asks L2 for the start of its
-        o_proj and gate/up weights; ``x`` itself where that kernel does not apply."""
+        o_proj and gate/up weights; ``x`` itself where that kernel does not apply.
+        Whether it applies and its launch are worked out once per layer and shape."""
         from engine import gpu_prefetch
 
-        o_proj, gate_up, _ = self._tails[i]
-        if not gpu_prefetch.takes(x, o_proj, gate_up):
-            return x
-        rows = gpu_prefetch.gate_up_rows(gate_up)
-        return gpu_prefetch.residual_after(x, qkv, o_proj, gate_up, rows)
+        key = (i, x.dtype, x.shape)
+        call = self._prefetch_calls.get(key, False)
+        if call is False:
+            o_proj, gate_up, _ = self._tails[i]
+            call = None
+            if gpu_prefetch.takes(x, o_proj, gate_up):
+                call = gpu_prefetch.launcher(x.dtype, x.shape, o_proj, gate_up)
+            self._prefetch_calls[key] = call
+        return x if call is None else call(x, qkv)
 
     def _tail(self, i: int, x, o):
         """Layer ``i``'s part after the attention: (its output, the next layer's q/k/v

@@ -688,13 +688,7 @@ def eps_array(eps: float):
         import mlx.core as mx
 
         arr = mx.full((EPS_WORDS,), eps, dtype=mx.float32)
-        try:
-            mx.eval(arr)
-        except (RuntimeError, ValueError):
-            # first asked for inside mx.compile's trace, where nothing may be evaluated:
-            # a constant of the trace from host data (16 bytes: still past the pool);
-            # FusedDecodeStep makes its norms' arrays before it traces anything
-            return mx.array([eps] * EPS_WORDS, dtype=mx.float32)
+        mx.eval(arr)  # (allowed inside mx.compile's trace: it depends on no traced input)
         _eps_arrays[eps] = arr
     return arr
 

@@ -123,14 +123,23 @@ def takes(x, o_proj, gate_up) -> bool:
     return True
 
 
+def launcher(dtype, shape: tuple, o_proj, gate_up, rows: int | None = None):
+    """``call(x, dep)`` -> a copy of ``x`` (``shape``, [1, D]) made by the prefetch
+    kernel (see the module's docstring); ``dep``: the array whose kernel the attention
+    waits for too (the q/k/v product); ``rows``: of each gate/up half (``gate_up_rows``
+    when None). Worked out once, outside the per-call path."""
+    if rows is None:
+        rows = gate_up_rows(gate_up)
+    kern = _kernel("pf", (("T", dtype), ("ROWS", rows)))
+    call = one_output_call(kern, (SMS * THREADS, 1, 1), (THREADS, 1, 1), shape, dtype)
+    weights = [o_proj.weight, o_proj.scales, o_proj.biases]
+    weights += [gate_up.weight, gate_up.scales, gate_up.biases]
+    return lambda x, dep: call([x, dep, *weights])
+
+
 def residual_after(x, dep, o_proj, gate_up, rows: int):
-    """A copy of ``x`` [1, D], made by the prefetch kernel (see the module's docstring);
-    ``dep``: the array whose kernel the attention waits for too (the q/k/v product)."""
-    kern = _kernel("pf", (("T", x.dtype), ("ROWS", rows)))
-    call = one_output_call(kern, (SMS * THREADS, 1, 1), (THREADS, 1, 1), x.shape, x.dtype)
-    inputs = [x, dep, o_proj.weight, o_proj.scales, o_proj.biases]
-    inputs += [gate_up.weight, gate_up.scales, gate_up.biases]
-    return call(inputs)
+    """``launcher``'s call made and run once (tests)."""
+    return launcher(x.dtype, x.shape, o_proj, gate_up, rows)(x, dep)
 
 
 def kernel_specs_for_check() -> list[KernelSpec]:

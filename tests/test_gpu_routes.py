@@ -117,6 +117,10 @@ def test_eps_is_one_array_a_value_past_the_scalar_pool():
     assert e is gpu_mma.eps_array(1e-6) and e is not gpu_mma.eps_array(1e-5)
     assert e.dtype == mx.float32 and e.nbytes > 8
     assert float(e[0].item()) == pytest.approx(1e-6)
+    # first asked for inside mx.compile's trace (a route built while the step traces)
+    got = mx.compile(lambda x: x + gpu_mma.eps_array(2e-6)[0])(mx.array([1.0]))
+    assert got.item() == pytest.approx(1.000002)
+    assert gpu_mma.eps_array(2e-6).nbytes > 8 and gpu_mma.eps_array(2e-6)[0].item() > 0
 
 
 def test_device_scalars_keep_values_and_shape():
