@@ -105,8 +105,8 @@ class FusedDecodeStep:
         self.fold = os.environ.get("MARKBASE_GPU_FOLD", "1") != "0"
         # with fold, the RMSNorms before qkv, gate_up and the lm_head are handed to the
         # products, whose routes take them inside the 1-row kernel where
-        # engine/gpu_qstream.takes_norm says so (MARKBASE_GPU_QSTREAM_NORM=1; off by
-        # default: slower on the H200, NOTES.md session 12) and else apply them first;
+        # engine/gpu_qstream.takes_norm says so (MARKBASE_GPU_QSTREAM_NORM=0 turns it
+        # off; on since session 24, NOTES.md) and else apply them first;
         # fold_norm: inside engine/gpu_mma.py's 2+-row ones too (_norm forms), off unless
         # MARKBASE_GPU_NORM_FOLD=1: the step's GPU time went up 45-60% (session 8)
         self.fold_norm = os.environ.get("MARKBASE_GPU_NORM_FOLD", "0") == "1"

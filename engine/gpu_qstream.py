@@ -881,13 +881,16 @@ def _grid_blocks(
 
 def takes_norm(n: int, glu: bool) -> bool:
     """Whether the kernel for these outputs folds the RMSNorm before it in: the form has
-    it and MARKBASE_GPU_QSTREAM_NORM=1. Off by default: on the H200 (8b 4-bit B=1,
-    bench/gpu/NOTES.md session 12) it took 65 of 233 kernels a step away but the step's
-    GPU time went up 2.74 -> 4.01 ms (the norm forms of qkv and gate_up 2-3x slower
-    inside the step than alone), so the step got slower (303 -> 215 tok/s)."""
+    it and MARKBASE_GPU_QSTREAM_NORM is not 0 (on by default since session 24). Until
+    then it was off: inside the step the norm forms ran 2-3x slower than alone (H200,
+    session 12: GPU time 2.74 -> 4.01 ms). The cause was their epsilon, a [1] array in
+    MLX's pool of tiny arrays (managed memory), which every block read: one such read
+    costs a 9 MiB read kernel ~11 us (H100, bench/gpu/pool_cost.py). With the epsilon in
+    device memory (``gpu_mma.eps_array``) the fold takes 65 launches out of a step: 8b
+    4-bit B=1 2.584 -> 2.455 ms, 1b 4-bit 956 -> 1,072 tok/s (H100, NOTES.md session 24)."""
     import os
 
-    return form_for(n, glu) in NORM_FORMS and os.environ.get("MARKBASE_GPU_QSTREAM_NORM") == "1"
+    return form_for(n, glu) in NORM_FORMS and os.environ.get("MARKBASE_GPU_QSTREAM_NORM") != "0"
 
 
 def launcher(

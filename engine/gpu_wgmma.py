@@ -403,11 +403,12 @@ _hopper: list = []
 
 
 def x_stages() -> int:
-    """Buffers of x (``MARKBASE_GPU_WGMMA_NX``): 3 (copied one step ahead), 4 or 5
-    (two or three steps ahead). Session 22 timed only 3 with 4 warpgroups; one step
-    ahead leaves each step waiting on an L2 round trip (session 23's reading of
-    ~2.2 us a k-step against ~0.55 us of tensor time at 8b gate/up, 128 rows)."""
-    return int(env_choice(NX_ENV, "3", ("3", "4", "5")))
+    """Buffers of x (``MARKBASE_GPU_WGMMA_NX``): 4 (default, copied two steps ahead), 3
+    (one step ahead) or 5. H100, 8b at 128 rows with the early weight loads
+    (``weights_early``), us: gate/up 136.4 with 3, 123.9 with 4; output layer 535.6 /
+    489.2 (session 24); without them 4 was no better than 3 (session 23) and 5 is slower
+    (181 KB of shared memory)."""
+    return int(env_choice(NX_ENV, "4", ("3", "4", "5")))
 
 
 def warpgroups() -> int:
@@ -524,13 +525,15 @@ def _template(dtype, gs: int, bn: int, nx: int, wgs: int, wearly: bool = False) 
 
 
 def weights_early() -> bool:
-    """``MARKBASE_GPU_WGMMA_WEARLY=1`` (off until measured): each k-step's weight loads
-    issued right after its wgmma, two steps ahead, instead of at its end, three ahead.
-    Why (session 23, from the SASS, not measured): a k-step takes ~2.2 us at 8b gate/up,
-    128 rows, against ~0.55 us of tensor work, on the H100 and the H200 alike, and x's
-    lead (3-5 buffers) did not move it; the fence before each step's barrier compiles
-    to ``MEMBAR.ALL.CTA``, which may wait for the thread's global loads in flight."""
-    return env_choice(WEARLY_ENV, "0", ("0", "1")) == "1"
+    """``MARKBASE_GPU_WGMMA_WEARLY`` (default 1; 0 turns it off): each k-step's weight
+    loads issued right after its wgmma, two steps ahead, instead of at its end, three
+    ahead. Why (session 23, from the SASS): the fence before each step's barrier
+    compiles to ``MEMBAR.ALL.CTA``, which waits for the thread's global loads in flight,
+    so loads issued just before it made every k-step wait out an HBM round trip.
+    Measured (H100, session 24, 8b at 128 rows): gate/up 142.5 -> 136.4 us (123.9 with
+    4 x buffers), output layer 547.8 -> 535.6 (489.2); the whole B=128 step's GPU time
+    14.07 -> 13.53 ms with both."""
+    return env_choice(WEARLY_ENV, "1", ("0", "1")) == "1"
 
 
 def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, glu: bool = False):

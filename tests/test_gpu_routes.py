@@ -190,7 +190,7 @@ def test_qstream_integer_form_shapes(monkeypatch):
 
 
 def test_one_row_norm_goes_into_the_stream_kernel(monkeypatch, recorded):
-    """With MARKBASE_GPU_QSTREAM_NORM=1 (off by default), at one row the RMSNorm before
+    """By default (MARKBASE_GPU_QSTREAM_NORM unset), at one row the RMSNorm before
     qkv/gate_up goes inside engine/gpu_qstream.py's
     integer-form call (its weight and epsilon after the weight's arrays); at 3 rows with
     ``mma_norm=False`` (the decode step's default) it is its own op before the plain
@@ -215,7 +215,7 @@ def test_one_row_norm_goes_into_the_stream_kernel(monkeypatch, recorded):
 
     monkeypatch.setattr(gpu_qstream, "_kernel", Recorder())
     monkeypatch.setattr(gpu_qstream, "_smem", [228 << 10])
-    monkeypatch.setenv("MARKBASE_GPU_QSTREAM_NORM", "1")  # off by default (slower)
+    monkeypatch.delenv("MARKBASE_GPU_QSTREAM_NORM", raising=False)  # on by default
     gpu_linear.set_plans("1:mma", "1:qstream,2:qmma")
     wq, s, b = mx.quantize(mx.zeros((128, 1024), dtype=mx.bfloat16), group_size=64, bits=4)
     q = gpu_linear.GpuQuantizedLinear(wq, s, b, 64, 4, "affine")

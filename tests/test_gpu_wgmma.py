@@ -50,14 +50,16 @@ def test_splits_fill_the_slots_within_the_partials():
 def test_geometry_and_shared_memory(monkeypatch):
     """64-row blocks to 64 rows, 128 above; four warpgroups by default, only where the
     weight rows split into 256s (else two); two blocks of two warpgroups an SM at 3 x
-    stages (the launch bounds say so); every form within a block's 227 KB."""
+    stages (the launch bounds say so), and at the default 4; every form within a block's
+    227 KB."""
     monkeypatch.delenv(gpu_wgmma.WG_ENV, raising=False)
     monkeypatch.delenv(gpu_wgmma.NX_ENV, raising=False)
     assert gpu_wgmma.geometry(33, 4096).bn == 64 and gpu_wgmma.geometry(64, 4096).bn == 64
     assert gpu_wgmma.geometry(65, 4096).bn == 128 and gpu_wgmma.geometry(128, 4096).bn == 128
-    assert gpu_wgmma.geometry(128, 4096) == gpu_wgmma.Geometry(128, 3, 4)
+    assert gpu_wgmma.geometry(128, 4096) == gpu_wgmma.Geometry(128, 4, 4)  # x 2 steps ahead
     assert gpu_wgmma.geometry(128, 6272).wgs == 2  # 6,272 rows: 128s, not 256s
     assert gpu_wgmma.Geometry(128, 3, 2).per_sm == 2 and gpu_wgmma.Geometry(128, 3, 4).per_sm == 1
+    assert gpu_wgmma.Geometry(128, 4, 2).per_sm == 2
     monkeypatch.setenv(gpu_wgmma.WG_ENV, "2")
     assert gpu_wgmma.geometry(128, 4096).wgs == 2
     for bn in (64, 128):
@@ -89,15 +91,17 @@ def test_switches(monkeypatch):
         gpu_wgmma.enabled()
     monkeypatch.setenv(gpu_wgmma.ENV, "0")
     assert not gpu_wgmma.takes(128, 28672, 4096)
+    monkeypatch.delenv(gpu_wgmma.NX_ENV, raising=False)
+    assert gpu_wgmma.x_stages() == 4  # default since session 24 (measured)
     monkeypatch.setenv(gpu_wgmma.NX_ENV, "5")
     assert gpu_wgmma.x_stages() == 5
     monkeypatch.setenv(gpu_wgmma.NX_ENV, "6")
     with pytest.raises(ValueError, match=gpu_wgmma.NX_ENV):
         gpu_wgmma.x_stages()
     monkeypatch.delenv(gpu_wgmma.WEARLY_ENV, raising=False)
+    assert gpu_wgmma.weights_early()  # default since session 24 (measured)
+    monkeypatch.setenv(gpu_wgmma.WEARLY_ENV, "0")
     assert not gpu_wgmma.weights_early()
-    monkeypatch.setenv(gpu_wgmma.WEARLY_ENV, "1")
-    assert gpu_wgmma.weights_early()
     monkeypatch.setenv(gpu_wgmma.WEARLY_ENV, "yes")
     with pytest.raises(ValueError, match=gpu_wgmma.WEARLY_ENV):
         gpu_wgmma.weights_early()
@@ -105,7 +109,7 @@ def test_switches(monkeypatch):
 
 @needs_hopper
 # x buffers : warpgroups, "w": the weights' loads right after each step's wgmma
-@pytest.mark.parametrize("form", ["3:2", "4:2", "3:4", "4:4", "5:4", "3:4w"])
+@pytest.mark.parametrize("form", ["3:2", "4:2", "3:4", "4:4", "5:4", "3:4w", "4:4w"])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize(
     "rows,n,k,gs",

@@ -372,6 +372,12 @@ for stage in "$@"; do
                 bash "$0" engine-table
         done
         ;;
+    pool)  # session 24 (prepared): what one scalar read out of MLX's pool of tiny arrays
+        # (managed memory) costs a read kernel of o_proj's size, with and without the host
+        # reading that pool between evaluations
+        timeout ${POOL_TIMEOUT:-60} python3 bench/gpu/pool_cost.py --out "$OUT/pool_cost.json" \
+            2>&1 | grep -v -i warn | tee "$OUT/pool_cost.log"
+        ;;
     b128-we)  # session 23 (prepared): gpu_wgmma with each k-step's weight loads right after
         # its wgmma (MARKBASE_GPU_WGMMA_WEARLY=1): exactness, the 8b products at 128 rows,
         # then the engine at 8b 4-bit B=128 with it and without
