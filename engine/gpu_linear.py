@@ -243,7 +243,7 @@ class _Routes:
             if nm is not None:
                 from engine import gpu_mma
 
-                inputs += [nm.weight, gpu_mma.eps_array(float(nm.eps))]
+                inputs += [nm.weight, gpu_mma.device_scalar(float(nm.eps))]
             return launch(inputs)
 
         return route

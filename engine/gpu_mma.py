@@ -636,7 +636,7 @@ def launcher(
     """``call(inputs) -> y`` for products of ``rows`` rows of x [rows, K] and a weight
     of ``n`` rows (``base`` "float", or "q4" with group size ``gs``), in ``dtype``.
     ``inputs``: x, the weight's arrays, then the residual (``residual``) or the norm's
-    weight and ``eps_array(eps)`` (``norm``). Everything but the inputs is worked out
+    weight and ``device_scalar(eps)`` (``norm``). Everything but the inputs is worked out
     here once: engine/gpu_linear.py keeps one per layer and row count, because doing
     it on every call cost more host time than MLX's own op (bench/gpu/wrapper_cost.py)."""
     if glu and residual:
@@ -664,32 +664,31 @@ def _call(base: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bo
     if residual is not None:
         inputs.append(residual)
     if norm is not None:
-        inputs += [norm[0], eps_array(float(norm[1]))]
+        inputs += [norm[0], device_scalar(float(norm[1]))]
     run = launcher(base, x.dtype, x.shape[0], n, k, gs, residual is not None, glu, norm is not None)
     return run(inputs)
 
 
-_eps_arrays: dict = {}
-EPS_WORDS = 4  # 16 bytes: past MLX's CUDA scalar pool (arrays of 8 bytes or less)
+_device_scalars_made: dict = {}
+SCALAR_WORDS = 4  # 16 bytes: past MLX's CUDA scalar pool (arrays of 8 bytes or less)
 
 
-def eps_array(eps: float):
-    """RMSNorm's epsilon as a float32 input (the kernels read element 0), made once per
-    value, by a GPU op where there is one. Why not ``mx.array([eps])``: MLX's CUDA
-    allocator puts every array of 8 bytes or less in one small pool of managed memory
-    (mlx/backend/cuda/allocator.cpp, ``SmallSizePool``), shared with the step's other
-    scalars, such as the token sampled at B=1, which the host reads every step; so a
-    kernel's read of eps may cross to host memory. Session 23 measured the 1-row
-    kernels with the RMSNorm inside (which read eps in every block) ~17 us a call slower
-    inside the step than their plain forms, and only ~1-4 us slower alone; this array
-    is 16 bytes, made by ``mx.full`` on the GPU stream, so it is device memory."""
-    arr = _eps_arrays.get(eps)
+def device_scalar(value: float):
+    """A float32 scalar input (kernels read element 0: RMSNorm's epsilon, the prefill
+    attention's softmax scale) in device memory, made once per value by a GPU op.
+    Why not ``mx.array([value])``: MLX's CUDA allocator puts every array of 8 bytes or
+    less in one small pool of managed memory (mlx/backend/cuda/allocator.cpp,
+    ``SmallSizePool``), which the GPU reads across PCIe: a 9 MiB read kernel whose
+    blocks each read one such scalar took 15.9 us a launch against 4.7 us from a 16-byte
+    device array (H100, bench/gpu/pool_cost.py, session 24). So this array is 16 bytes,
+    made by ``mx.full`` on the GPU stream."""
+    arr = _device_scalars_made.get(value)
     if arr is None:
         import mlx.core as mx
 
-        arr = mx.full((EPS_WORDS,), eps, dtype=mx.float32)
+        arr = mx.full((SCALAR_WORDS,), value, dtype=mx.float32)
         mx.eval(arr)  # (allowed inside mx.compile's trace: it depends on no traced input)
-        _eps_arrays[eps] = arr
+        _device_scalars_made[value] = arr
     return arr
 
 
@@ -747,7 +746,7 @@ def warm(dtype, products) -> None:
             if residual:
                 ins += [mx.zeros((m, n), dtype=dtype)]
             if norm:
-                ins += [mx.ones((k,), dtype=dtype), eps_array(1e-5)]
+                ins += [mx.ones((k,), dtype=dtype), device_scalar(1e-5)]
             run = launcher(base, dtype, m, n, k, gs, bool(residual), glu, norm, mt=mt)
             outs.append(run(ins))
     mx.eval(outs)

@@ -157,7 +157,7 @@ def block(
     (the new position at pos + start, written here), ``start``/``pos`` [1], ``rope`` a
     gpu_attention.RopeTable; then gpu_qlayer.post's arguments. Returns the layer's
     output y [1, D], or with ``next_qkv`` (y, the next layer's q/k/v product)."""
-    from engine.gpu_mma import eps_array
+    from engine.gpu_mma import device_scalar
 
     d, f = x.shape[-1], down_proj.weight.shape[1] * 8
     hkv, hd = keys.shape[1], keys.shape[3]
@@ -168,7 +168,7 @@ def block(
         "block" if next_qkv is None else "block_next", template, smem
     )
     inputs = [qkv, keys, values, start, pos, rope.inv_freq]
-    inputs += [x, o_proj.weight, o_proj.scales, o_proj.biases, norm_weight, eps_array(eps)]
+    inputs += [x, o_proj.weight, o_proj.scales, o_proj.biases, norm_weight, device_scalar(eps)]
     inputs += [gate_up.weight, gate_up.scales, gate_up.biases]
     inputs += [down_proj.weight, down_proj.scales, down_proj.biases, gpu_qlayer.barrier(slot)]
     shapes = [(1, d), (1, d), (1, f), (1, n_heads * hd)]
@@ -176,7 +176,7 @@ def block(
     dtypes = [x.dtype] * 4 + ["float32"] * 3
     if next_qkv is not None:
         wq, nw1, eps1 = next_qkv
-        inputs += [nw1, eps_array(eps1), wq.weight, wq.scales, wq.biases]
+        inputs += [nw1, device_scalar(eps1), wq.weight, wq.scales, wq.biases]
         shapes.append((1, wq.weight.shape[0]))
         dtypes.append(x.dtype)
     import mlx.core as mx

@@ -293,7 +293,7 @@ def post(
     returns (y, that product of rmsnorm(y)) (``next_supported`` must say so).
     ``all_outputs``: every output (y, h, z[, qkv]; z = silu(gate) * up [1, F]), for
     the tests."""
-    from engine.gpu_mma import eps_array
+    from engine.gpu_mma import device_scalar
 
     d = x.shape[-1]
     f = down_proj.weight.shape[1] * 8
@@ -303,13 +303,13 @@ def post(
     template = (("T", x.dtype), *template)
     fn = _kernel("layer" if next_qkv is None else "layer_next", template, s["smem"])
     blocks = sm_count()
-    inputs = [o, x, o_proj.weight, o_proj.scales, o_proj.biases, norm_weight, eps_array(eps)]
+    inputs = [o, x, o_proj.weight, o_proj.scales, o_proj.biases, norm_weight, device_scalar(eps)]
     inputs += [gate_up.weight, gate_up.scales, gate_up.biases]
     inputs += [down_proj.weight, down_proj.scales, down_proj.biases, barrier(slot)]
     shapes = [(1, d), (1, d), (1, f)]
     if next_qkv is not None:
         wq, nw1, eps1 = next_qkv
-        inputs += [nw1, eps_array(eps1), wq.weight, wq.scales, wq.biases]
+        inputs += [nw1, device_scalar(eps1), wq.weight, wq.scales, wq.biases]
         shapes.append((1, wq.weight.shape[0]))
     outs = fn(
         inputs=inputs,

@@ -886,7 +886,7 @@ def takes_norm(n: int, glu: bool) -> bool:
     session 12: GPU time 2.74 -> 4.01 ms). The cause was their epsilon, a [1] array in
     MLX's pool of tiny arrays (managed memory), which every block read: one such read
     costs a 9 MiB read kernel ~11 us (H100, bench/gpu/pool_cost.py). With the epsilon in
-    device memory (``gpu_mma.eps_array``) the fold takes 65 launches out of a step: 8b
+    device memory (``gpu_mma.device_scalar``) the fold takes 65 launches out of a step: 8b
     4-bit B=1 2.584 -> 2.455 ms, 1b 4-bit 956 -> 1,072 tok/s (H100, NOTES.md session 24)."""
     import os
 
@@ -933,12 +933,12 @@ def quantized_matmul(
     """``x @ dequantize(w).T`` for one row x [1, K] and a 4-bit affine ``w`` [N, K/8];
     ``residual`` [1, N] added; ``glu``: w = [gate; up], the result silu(gate) * up;
     ``norm`` = (weight [K], eps): x through that RMSNorm first."""
-    from engine.gpu_mma import eps_array
+    from engine.gpu_mma import device_scalar
 
     n, k = w.shape[0], w.shape[1] * 8
     inputs = [x, w, scales, biases] + ([residual] if residual is not None else [])
     if norm is not None:
-        inputs += [norm[0], eps_array(float(norm[1]))]
+        inputs += [norm[0], device_scalar(float(norm[1]))]
     run = launcher(x.dtype, n, k, group_size, residual is not None, glu, norm is not None)
     return run(inputs)
 
@@ -949,7 +949,7 @@ def warm(dtype, products) -> None:
     PTX on disk)."""
     import mlx.core as mx
 
-    from engine.gpu_mma import eps_array
+    from engine.gpu_mma import device_scalar
 
     outs = []
     for gs, k, residual, glu, *rest in sorted(set(products)):
@@ -960,7 +960,7 @@ def warm(dtype, products) -> None:
         if residual:
             ins.append(mx.zeros((1, n), dtype=dtype))
         if norm:
-            ins += [mx.ones((k,), dtype=dtype), eps_array(1e-5)]
+            ins += [mx.ones((k,), dtype=dtype), device_scalar(1e-5)]
         outs.append(launcher(dtype, n, k, gs, residual, glu, norm)(ins))
     mx.eval(outs)
 

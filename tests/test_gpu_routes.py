@@ -104,7 +104,7 @@ def test_quantized_and_norm_inputs(recorded):
     assert y.shape == (3, 64) and made[-1][0] == "q4_glu_norm" and made[-1][1]["GS"] == 64
     ins = launches[-1]["inputs"]
     assert [a is c for a, c in zip(ins, [x, wq, s, b, norm.weight])] == [True] * 5
-    assert ins[5] is gpu_mma.eps_array(1e-6) and ins[5].dtype == mx.float32
+    assert ins[5] is gpu_mma.device_scalar(1e-6) and ins[5].dtype == mx.float32
     with pytest.raises(ValueError, match="norm and residual"):
         q.fused(x, residual=mx.ones((3, 128), dtype=mx.bfloat16), norm=norm)
 
@@ -113,14 +113,14 @@ def test_eps_is_one_array_a_value_past_the_scalar_pool():
     """The RMSNorm's epsilon input: float32, element 0 the value, more than 8 bytes (MLX's
     CUDA allocator keeps arrays of 8 bytes or less in a managed-memory pool the host
     also touches), the same array for the same value."""
-    e = gpu_mma.eps_array(1e-6)
-    assert e is gpu_mma.eps_array(1e-6) and e is not gpu_mma.eps_array(1e-5)
+    e = gpu_mma.device_scalar(1e-6)
+    assert e is gpu_mma.device_scalar(1e-6) and e is not gpu_mma.device_scalar(1e-5)
     assert e.dtype == mx.float32 and e.nbytes > 8
     assert float(e[0].item()) == pytest.approx(1e-6)
     # first asked for inside mx.compile's trace (a route built while the step traces)
-    got = mx.compile(lambda x: x + gpu_mma.eps_array(2e-6)[0])(mx.array([1.0]))
+    got = mx.compile(lambda x: x + gpu_mma.device_scalar(2e-6)[0])(mx.array([1.0]))
     assert got.item() == pytest.approx(1.000002)
-    assert gpu_mma.eps_array(2e-6).nbytes > 8 and gpu_mma.eps_array(2e-6)[0].item() > 0
+    assert gpu_mma.device_scalar(2e-6).nbytes > 8 and gpu_mma.device_scalar(2e-6)[0].item() > 0
 
 
 def test_device_scalars_keep_values_and_shape():
@@ -225,7 +225,7 @@ def test_one_row_norm_goes_into_the_stream_kernel(monkeypatch, recorded):
     assert qmade[-1] == "q4i_glu_norm"
     ins = launches[-1]["inputs"]
     assert [a is c for a, c in zip(ins, [x, wq, s, b, norm.weight])] == [True] * 5
-    assert ins[5] is gpu_mma.eps_array(1e-6)
+    assert ins[5] is gpu_mma.device_scalar(1e-6)
     q.fused(x, norm=norm, mma_norm=False)
     assert qmade[-1] == "q4i_norm" and len(launches[-1]["inputs"]) == 6
     x3 = mx.ones((3, 1024), dtype=mx.bfloat16)

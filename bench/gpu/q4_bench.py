@@ -238,7 +238,7 @@ def main() -> None:
             norm = None
             if stream is not None:
                 if stream.pop("norm") and not residual:  # qkv, gate_up
-                    norm = (mx.ones((k,), dtype=mx.bfloat16), gpu_mma.eps_array(1e-5))
+                    norm = (mx.ones((k,), dtype=mx.bfloat16), gpu_mma.device_scalar(1e-5))
                 gpu_qstream.set_knobs(**stream)
             else:
                 knobs, pin = parse(v)
