@@ -378,6 +378,14 @@ for stage in "$@"; do
         timeout ${POOL_TIMEOUT:-60} python3 bench/gpu/pool_cost.py --out "$OUT/pool_cost.json" \
             2>&1 | grep -v -i warn | tee "$OUT/pool_cost.log"
         ;;
+    b1-ql)  # session 24 (prepared): session 13's layer kernels (engine/gpu_qlayer.py,
+        # gpu_qblock.py: o_proj..down_proj as one launch with grid barriers; -ql2 with the
+        # next layer's norm + q/k/v; -ql3 the attention too) against the served default, now
+        # that their epsilon is no longer in MLX's pool of tiny arrays (session 14 measured
+        # them slower while every block read it across PCIe)
+        B1_VARIANTS=${B1_QL_VARIANTS:-default-wc-qe-pf12-qn1,default-wc-qe-qn1-ql,default-wc-qe-qn1-ql2,default-wc-qe-qn1-ql3} \
+            bash "$0" b1-profile
+        ;;
     b128-we)  # session 23 (prepared): gpu_wgmma with each k-step's weight loads right after
         # its wgmma (MARKBASE_GPU_WGMMA_WEARLY=1): exactness, the 8b products at 128 rows,
         # then the engine at 8b 4-bit B=128 with it and without
