@@ -1,9 +1,23 @@
 """Batched sampling with per-row settings, on the device.
 
 Each running sequence owns a ``RowSampler`` (its temperature, top-p/top-k and its
-own random key). ``sample_batch`` draws the next token for every row of a decode
-step in a few array ops. A seeded row draws from its own key chain, so its tokens
-do not depend on which other requests share the batch.
+own random stream). ``sample_batch`` draws the next token for every row of a decode
+step with array ops over the whole batch, not a loop of ops per row. A seeded row
+draws from its own stream, so its tokens do not depend on which other requests share
+the batch.
+
+How a row is drawn (inverse CDF with two uniforms from the row's stream): the
+temperature-scaled logits are exponentiated against the row's max; one uniform picks
+a block of BLOCK tokens with probability its share of the mass, the other a token in
+that block. Two levels keep float32 cumulative sums short (BLOCK terms, then
+V/BLOCK), so late tokens are not mis-weighted by rounding in a 128k-token cumsum.
+Top-k/top-p rows sort only their CANDIDATES largest logits (``argpartition``) and
+draw from the kept ones; a top-p row whose candidates hold less than top_p of the
+mass (a flat distribution) is redone over its whole sorted row, so the nucleus is
+exact. Why not a Gumbel draw per row: per-row noise over the whole vocabulary cost a
+loop of ops per row, and on MLX's CPU backend its transcendental ops run at ~12 ns an
+element: at B=32 over SmolLM2's 49k tokens sampling took 20 ms a step with a
+temperature and 205 ms with top-p 0.9 (its per-row full sort), against a ~100 ms step.
 
 Later per-row features (constrained-decoding masks, logit bias, penalties) slot in
 as extra per-row terms added to the logits before the draw.
@@ -15,8 +29,12 @@ import os
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from engine.types import SamplingParams
+
+BLOCK = 256  # tokens a block of the two-level draw
+CANDIDATES = 256  # logits a top-k/top-p row sorts (more where its top_k asks)
 
 
 @dataclass
@@ -24,18 +42,18 @@ class RowSampler:
     temperature: float
     top_p: float
     top_k: int
-    key: mx.array | None = field(default=None, repr=False)
+    rng: np.random.Generator | None = field(default=None, repr=False)
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> RowSampler:
         greedy = params.temperature <= 0.0
-        key = None
+        rng = None
         if not greedy:
             seed = (
                 params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
             )
-            key = mx.random.key(seed)
-        return cls(params.temperature, params.top_p, params.top_k, key)
+            rng = np.random.default_rng(seed)
+        return cls(params.temperature, params.top_p, params.top_k, rng)
 
     @property
     def greedy(self) -> bool:
@@ -45,42 +63,129 @@ class RowSampler:
     def filters(self) -> bool:
         return self.top_p < 1.0 or self.top_k > 0
 
-    def next_key(self) -> mx.array:
-        self.key, sub = mx.random.split(self.key)
-        return sub
-
-
-def _filter_row(logits: mx.array, top_p: float, top_k: int) -> mx.array:
-    """Set logits outside the top-k / nucleus of one row ([V]) to -inf."""
-    order = mx.argsort(-logits)
-    sorted_logits = logits[order]
-    keep = mx.ones(sorted_logits.shape, dtype=mx.bool_)
-    if top_k > 0:
-        keep = keep & (mx.arange(sorted_logits.shape[0]) < top_k)
-    if top_p < 1.0:
-        probs = mx.softmax(sorted_logits, axis=-1)
-        before = mx.cumsum(probs, axis=-1) - probs  # mass strictly before each token
-        keep = keep & (before < top_p)
-    filtered_sorted = mx.where(keep, sorted_logits, -mx.inf)
-    out = mx.full(logits.shape, -mx.inf, dtype=logits.dtype)
-    out[order] = filtered_sorted
-    return out
+    def draw(self) -> tuple[float, float]:
+        """This step's two uniforms in (0, 1]: never 0, so a draw never lands on a
+        token of zero weight before the first one that has weight."""
+        u = self.rng.random(2)
+        return 1.0 - float(u[0]), 1.0 - float(u[1])
 
 
 def sample_batch(logits: mx.array, rows: list[RowSampler]) -> mx.array:
-    """Next token for each row of ``logits`` ([B, V]); returns int32 [B], lazily."""
+    """Next token for each row of ``logits`` ([B, V]); returns int32 [B], lazily (a
+    top-p row may make it evaluate the logits: see ``_draw_filtered``)."""
     logits = logits.astype(mx.float32)
-    greedy_tokens = mx.argmax(logits, axis=-1)
-    if all(r.greedy for r in rows):
-        return greedy_tokens.astype(mx.int32)
-    drawn = []
-    for i, r in enumerate(rows):
-        if r.greedy:
-            drawn.append(greedy_tokens[i])
+    live = [i for i, r in enumerate(rows) if not r.greedy]
+    out = None if len(live) == len(rows) else mx.argmax(logits, axis=-1).astype(mx.int32)
+    if not live:
+        return out
+    draws = [rows[i].draw() for i in live]
+    plain = [j for j, i in enumerate(live) if not rows[i].filters]
+    filtered = [j for j, i in enumerate(live) if rows[i].filters]
+    for group, drawer in ((plain, _draw_full), (filtered, _draw_filtered)):
+        if not group:
             continue
-        row = logits[i] / r.temperature
-        if r.filters:
-            row = _filter_row(row, r.top_p, r.top_k)
-        noise = mx.random.gumbel(shape=row.shape, key=r.next_key())
-        drawn.append(mx.argmax(row + noise, axis=-1))
-    return mx.stack(drawn).astype(mx.int32)
+        idx = [live[j] for j in group]
+        whole = len(idx) == len(rows)
+        sub = logits if whole else logits[mx.array(idx, dtype=mx.int32)]
+        inv_t = mx.array([[1.0 / rows[i].temperature] for i in idx], dtype=mx.float32)
+        u = mx.array([draws[j] for j in group], dtype=mx.float32)  # [n, 2]
+        tokens = drawer(sub, inv_t, u, [rows[i] for i in idx])
+        if whole:
+            return tokens
+        if out is None:  # every row samples, in two groups
+            out = mx.zeros((len(rows),), dtype=mx.int32)
+        out[mx.array(idx, dtype=mx.int32)] = tokens
+    return out
+
+
+def _exp_below(x: mx.array, m: mx.array, inv_t: mx.array) -> mx.array:
+    """``exp((x - m) * inv_t)`` for x <= m (the row's max), exactly 0 at -inf: the
+    softmax weights of the logits at temperature 1 / inv_t. On the CPU as one compiled
+    kernel through engine/fast_math.py (MLX's CPU exp is ~12 ns an element, 10x its
+    multiplies; relative error below 4e-6); a GPU's own exp is fast."""
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return _compiled_cpu_exp()(x, m, inv_t)
+    return mx.exp((x - m) * inv_t)
+
+
+_cpu_exp: list = []
+
+
+def _compiled_cpu_exp():
+    if not _cpu_exp:
+        from engine import fast_math
+
+        def shifted(x, m, inv_t):
+            d = (x - m) * inv_t
+            return mx.where(d > -87.0, fast_math.exp(d), 0.0)
+
+        _cpu_exp.append(mx.compile(shifted))
+    return _cpu_exp[0]
+
+
+def _pick(cum: mx.array, u: mx.array) -> mx.array:
+    """Index of the first cumulative weight reaching ``u`` of the row's total ([n, m]
+    cumulative sums, u [n] in (0, 1]): never a zero-weight entry, never past the end."""
+    target = u[:, None] * cum[:, -1:]
+    return mx.minimum((cum < target).sum(axis=-1), cum.shape[-1] - 1).astype(mx.int32)
+
+
+def _draw_full(x: mx.array, inv_t: mx.array, u: mx.array, rows=None) -> mx.array:
+    """One token a row of logits ``x`` [n, V] from its softmax at temperature
+    1 / ``inv_t`` [n, 1] (two uniforms a row in ``u`` [n, 2]): a block of BLOCK tokens
+    by its mass, then a token in it."""
+    n, v = x.shape
+    e = _exp_below(x, x.max(axis=-1, keepdims=True), inv_t)
+    nb = -(-v // BLOCK)
+    if nb * BLOCK != v:
+        e = mx.pad(e, [(0, 0), (0, nb * BLOCK - v)])
+    blocks = e.reshape(n, nb, BLOCK)
+    blk = _pick(mx.cumsum(blocks.sum(axis=-1), axis=-1), u[:, 0])
+    inner = mx.take_along_axis(blocks, mx.broadcast_to(blk[:, None, None], (n, 1, BLOCK)), axis=1)
+    pos = _pick(mx.cumsum(inner[:, 0, :], axis=-1), u[:, 1])
+    return blk * BLOCK + pos
+
+
+def _draw_filtered(
+    x: mx.array, inv_t: mx.array, u: mx.array, rows: list[RowSampler], full: bool = False
+):
+    """One token a row from its top-k / top-p set (nucleus: the fewest largest tokens
+    whose mass reaches top_p, as ``before < top_p`` over the sorted probabilities).
+    Sorts the CANDIDATES largest (or ``full``: the whole row); top-p rows whose
+    candidates hold less than top_p are redone with ``full`` (this checks on the host,
+    so it evaluates the logits: only when a row has top_p < 1)."""
+    n, v = x.shape
+    kmax = max(r.top_k for r in rows)
+    k = v if full else min(v, max(CANDIDATES, kmax))
+    m = x.max(axis=-1, keepdims=True)
+    if k < v:
+        idx = mx.argpartition(-x, k - 1, axis=-1)[:, :k]
+        vals = mx.take_along_axis(x, idx, axis=-1)
+    else:
+        idx = mx.broadcast_to(mx.arange(v, dtype=mx.uint32)[None], (n, v))
+        vals = x
+    order = mx.argsort(-vals, axis=-1)
+    idx = mx.take_along_axis(idx, order, axis=-1)
+    vals = mx.take_along_axis(vals, order, axis=-1)
+    total = mx.sum(_exp_below(x, m, inv_t), axis=-1, keepdims=True)
+    p = _exp_below(vals, m, inv_t) / total
+    top_p = mx.array([[r.top_p] for r in rows], dtype=mx.float32)
+    top_k = mx.array([[r.top_k if r.top_k > 0 else k] for r in rows], dtype=mx.int32)
+    keep = (mx.cumsum(p, axis=-1) - p < top_p) & (mx.arange(k)[None] < top_k)
+    if k < v and any(r.top_p < 1.0 for r in rows):
+        short = (p.sum(axis=-1) < top_p[:, 0]).tolist()  # the nucleus passes the candidates
+        if any(short):
+            redo = [i for i, s in enumerate(short) if s]
+            sel = mx.array(redo, dtype=mx.int32)
+            again = _draw_filtered(x[sel], inv_t[sel], u[sel], [rows[i] for i in redo], full=True)
+            out = _finish(idx, p, keep, u)
+            if len(redo) == n:
+                return again
+            out[sel] = again
+            return out
+    return _finish(idx, p, keep, u)
+
+
+def _finish(idx: mx.array, p: mx.array, keep: mx.array, u: mx.array) -> mx.array:
+    pick = _pick(mx.cumsum(mx.where(keep, p, 0.0), axis=-1), u[:, 0])
+    return mx.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(mx.int32)

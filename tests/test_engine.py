@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 import pytest
 from conftest_loading import RANDOM_LLAMA
 
@@ -389,25 +390,25 @@ def test_sliding_window_model_batched_equals_alone(arch, config):
 
 def test_a_failing_sequence_does_not_take_down_the_batch(tiny, monkeypatch):
     """A sampler error in one row fails that request only (fault injected by seed)."""
-    import mlx.core as mx
-
     import engine.worker as worker_mod
     from engine.sampler import RowSampler
 
     class FaultySampler(RowSampler):
         calls = 0
 
-        def next_key(self):
+        def draw(self):
             FaultySampler.calls += 1
             if FaultySampler.calls > 3:  # fail mid-stream, inside a batched decode step
                 raise RuntimeError("injected sampler fault")
-            return super().next_key()
+            return super().draw()
 
     real = RowSampler.from_params
 
     def from_params(params):
         if params.seed == 666:
-            return FaultySampler(params.temperature, params.top_p, params.top_k, mx.random.key(0))
+            return FaultySampler(
+                params.temperature, params.top_p, params.top_k, np.random.default_rng(0)
+            )
         return real(params)
 
     monkeypatch.setattr(worker_mod.RowSampler, "from_params", staticmethod(from_params))

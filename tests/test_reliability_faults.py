@@ -196,23 +196,23 @@ def test_one_failing_sequence_fails_only_its_request(monkeypatch):
     """A sampler fault in one row of a batched decode step (injected for seed 666):
     that request gets a 500 error body, or an error chunk and [DONE] when it
     streams; the greedy streams beside it finish with their usual text."""
-    import mlx.core as mx
-
     import engine.worker as worker_mod
     from engine.sampler import RowSampler
 
     class FaultySampler(RowSampler):
-        def next_key(self):
+        def draw(self):
             self.calls = getattr(self, "calls", 0) + 1
             if self.calls > 3:
                 raise RuntimeError("injected sampler fault")
-            return super().next_key()
+            return super().draw()
 
     real = RowSampler.from_params
 
     def from_params(params):
         if params.seed == 666:
-            return FaultySampler(params.temperature, params.top_p, params.top_k, mx.random.key(0))
+            return FaultySampler(
+                params.temperature, params.top_p, params.top_k, np.random.default_rng(0)
+            )
         return real(params)
 
     monkeypatch.setattr(worker_mod.RowSampler, "from_params", staticmethod(from_params))

@@ -1,0 +1,169 @@
+"""engine/sampler.py: the batched draw against the distributions it must follow.
+
+Each test draws many rows at once (one seed a row) from the same logits, so the
+counts test the distribution, not one lucky draw: every token's count must sit within
+5 standard deviations of its expected count, and no token outside the allowed set may
+appear at all."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import sampler
+from engine.sampler import RowSampler, sample_batch
+from engine.types import SamplingParams
+
+N = 12000  # draws per test
+
+
+def rows_of(n: int, seed0: int = 0, **params) -> list[RowSampler]:
+    return [RowSampler.from_params(SamplingParams(seed=seed0 + i, **params)) for i in range(n)]
+
+
+def draw_counts(logits: np.ndarray, rows: list[RowSampler]) -> np.ndarray:
+    batch = mx.broadcast_to(mx.array(logits[None].astype(np.float32)), (len(rows), len(logits)))
+    tokens = np.array(sample_batch(batch, rows))
+    return np.bincount(tokens, minlength=len(logits))
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def assert_follows(counts: np.ndarray, probs: np.ndarray) -> None:
+    """Counts within 5 sigma of N * probs per token; none where probs is 0."""
+    n = counts.sum()
+    expect = n * probs
+    sigma = np.sqrt(np.maximum(expect * (1 - probs), 1.0))
+    assert np.all(counts[probs == 0] == 0), np.nonzero(counts * (probs == 0))
+    worst = np.max(np.abs(counts - expect) / sigma)
+    assert worst < 5.0, worst
+
+
+@pytest.mark.parametrize("vocab,temperature", [(600, 1.0), (1000, 0.5), (256, 2.0)])
+def test_temperature_draw_follows_the_softmax(vocab, temperature):
+    """Two-level draw (blocks of 256, the last padded) = softmax(logits / T)."""
+    rng = np.random.default_rng(vocab)
+    logits = rng.normal(size=vocab) * 2
+    counts = draw_counts(logits, rows_of(N, temperature=temperature))
+    assert_follows(counts, softmax(logits / temperature))
+
+
+def test_top_k_keeps_the_k_largest_renormalized():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=800) * 1.5
+    k = 40
+    keep = np.argsort(-logits)[:k]
+    probs = np.zeros_like(logits)
+    probs[keep] = softmax(logits[keep])
+    assert_follows(draw_counts(logits, rows_of(N, temperature=1.0, top_k=k)), probs)
+
+
+def nucleus(logits: np.ndarray, top_p: float) -> np.ndarray:
+    p = softmax(logits)
+    order = np.argsort(-p)
+    before = np.cumsum(p[order]) - p[order]
+    kept = order[before < top_p]
+    out = np.zeros_like(p)
+    out[kept] = p[kept] / p[kept].sum()
+    return out
+
+
+def test_top_p_is_the_exact_nucleus():
+    """A peaked row: the nucleus lies inside the 256 candidates."""
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=5000) * 3
+    probs = nucleus(logits, 0.8)
+    assert 0 < np.count_nonzero(probs) < sampler.CANDIDATES
+    assert_follows(draw_counts(logits, rows_of(N, temperature=1.0, top_p=0.8)), probs)
+
+
+def test_top_p_past_the_candidates_is_redone_over_the_whole_row():
+    """A flat row: 90% of the mass needs ~1,800 of 2,000 tokens, far past the 256
+    candidates; the draw must still be the exact nucleus (tokens past rank 256 drawn,
+    the excluded tail never)."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=2000) * 0.3
+    probs = nucleus(logits, 0.9)
+    assert np.count_nonzero(probs) > 4 * sampler.CANDIDATES
+    counts = draw_counts(logits, rows_of(N, temperature=1.0, top_p=0.9))
+    assert_follows(counts, probs)
+    rank = np.argsort(np.argsort(-logits))
+    assert counts[rank >= sampler.CANDIDATES].sum() > N // 2
+
+
+def test_top_k_and_top_p_together():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=700) * 2
+    k = 30
+    keep = np.argsort(-logits)[:k]
+    sub = np.full_like(logits, -np.inf)
+    sub[keep] = logits[keep]
+    p = softmax(logits)
+    order = np.argsort(-p)[:k]
+    before = np.cumsum(p[order]) - p[order]
+    kept = order[before < 0.5]
+    probs = np.zeros_like(p)
+    probs[kept] = p[kept] / p[kept].sum()
+    counts = draw_counts(logits, rows_of(N, temperature=1.0, top_k=k, top_p=0.5))
+    assert_follows(counts, probs)
+
+
+def test_masked_tokens_are_never_drawn():
+    """-inf logits (a constrained-decoding mask) have weight exactly 0."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=512)
+    logits[::3] = -np.inf
+    counts = draw_counts(logits, rows_of(4000, temperature=1.5))
+    assert counts[::3].sum() == 0
+    assert_follows(counts, softmax(logits / 1.5))
+
+
+def test_a_seeded_row_draws_the_same_in_any_batch():
+    """Row seed 42's tokens over 6 steps, alone and in mixed batches (greedy rows,
+    top-p rows, other seeds; at different positions), are the same."""
+    rng = np.random.default_rng(6)
+    steps = [rng.normal(size=(5, 3000)).astype(np.float32) * 2 for _ in range(6)]
+
+    def run(make_batch, pos):
+        rows = make_batch()
+        got = []
+        for logits in steps:
+            batch = mx.array(logits[: len(rows)])
+            batch[pos] = mx.array(logits[0])  # the row under test always sees row 0
+            got.append(int(np.array(sample_batch(batch, rows))[pos]))
+        return got
+
+    def me():
+        return RowSampler.from_params(SamplingParams(temperature=0.8, top_p=0.95, seed=42))
+
+    alone = run(lambda: [me()], 0)
+    mixed = run(
+        lambda: [
+            RowSampler.from_params(SamplingParams(temperature=0.0)),
+            RowSampler.from_params(SamplingParams(temperature=1.0, seed=1)),
+            me(),
+            RowSampler.from_params(SamplingParams(temperature=1.0, top_p=0.5, seed=2)),
+        ],
+        2,
+    )
+    first = run(lambda: [me(), RowSampler.from_params(SamplingParams(temperature=0.7, seed=3))], 0)
+    assert alone == mixed == first
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_ones():
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(4, 900)).astype(np.float32)
+    rows = [
+        RowSampler.from_params(SamplingParams(temperature=0.0)),
+        RowSampler.from_params(SamplingParams(temperature=1.0, seed=1)),
+        RowSampler.from_params(SamplingParams(temperature=0.0)),
+        RowSampler.from_params(SamplingParams(temperature=1.0, top_k=5, seed=2)),
+    ]
+    got = np.array(sample_batch(mx.array(logits), rows))
+    assert got.dtype == np.int32 and got.shape == (4,)
+    assert got[0] == logits[0].argmax() and got[2] == logits[2].argmax()
+    assert got[3] in np.argsort(-logits[3])[:5]
