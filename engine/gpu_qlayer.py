@@ -22,7 +22,16 @@ read, not a hang. For the same reason two launches must never run side by side (
 needs every SM): MLX's CUDA graphs run nodes without a data dependency concurrently,
 so only chain them (the decode step does: each layer's input is the last one's output).
 
-Off unless MARKBASE_GPU_QSTREAM_LAYER=1 (``wanted``): not yet measured on a GPU.
+Each phase after the first issues its first weight loads, then meets the barrier
+(session 24): the weights do not depend on the last phase, so their HBM latency runs
+under the wait, which separate launches cannot do (MLX's graphs have no programmatic
+dependent launch).
+
+Off unless MARKBASE_GPU_QSTREAM_LAYER=1 (``wanted``). Session 14 measured it slower (8b
+4-bit B=1 GPU time 2.91 -> 3.59 ms), while its epsilon was a [1] array in MLX's pool of
+tiny arrays, read by every block across PCIe (~11 us a launch, bench/gpu/pool_cost.py,
+session 24); with the epsilon in device memory and the barrier after the first loads it
+is not yet measured (``suite.sh b1-ql``).
 """
 
 from __future__ import annotations
@@ -73,15 +82,20 @@ __device__ __forceinline__ void mb_grid_sync(int* bar) {
 
 def _phase_function() -> str:
     """gpu_qstream's integer-form body as a device function of its inputs, which it
-    reads through L2 (they may be this kernel's own earlier writes, from another SM)."""
+    reads through L2 (they may be this kernel's own earlier writes, from another SM).
+    ``bar`` (not null): the grid barrier that waits for the last phase's writes (this
+    phase's input) is met after this phase's first weight loads are issued, so they fly
+    while the blocks wait for each other; weights do not depend on the last phase.
+    The block first syncs: its new loads may land where its last phase's x was."""
     body = _IBODY.replace("w_shape[0]", "w_rows")
-    loads = {
+    swaps = {
         "*reinterpret_cast<const uint4*>(x + c * 32 + p * 8)": (
             "__ldcg(reinterpret_cast<const uint4*>(x + c * 32 + p * 8))"
         ),
         "static_cast<float>(r[c_o])": "static_cast<float>(__ldcg(r + c_o))",
+        _EARLY_START: _BARRIER_START,
     }
-    for old, new in loads.items():
+    for old, new in swaps.items():
         if old not in body:
             raise AssertionError(f"gpu_qlayer: gpu_qstream's body no longer has {old!r}")
         body = body.replace(old, new)
@@ -90,30 +104,41 @@ def _phase_function() -> str:
         "          bool RES, bool NORM>\n"
         "__device__ __forceinline__ void mb_q4i_phase(const T* x, const uint32_t* w,\n"
         "    const T* scales, const T* biases, const T* r, const T* nw, const float* eps,\n"
-        "    T* y, const int w_rows) {\n"
-        "  constexpr bool EARLY = false;\n"
+        "    T* y, const int w_rows, int* bar) {\n"
+        "  constexpr bool EARLY = true;\n"
+        "  constexpr bool ABL = false;\n"
     )
     return head + body + "}\n"
 
 
+_EARLY_START = """  if constexpr (EARLY) {
+    mb_ring_start<STAGES>(total, issue);
+  }
+"""
+_BARRIER_START = """  __syncthreads();
+  mb_ring_start<STAGES>(total, issue);
+  if (bar != nullptr) {
+    mb_grid_sync(bar);
+  }
+"""
+
+
 _LAYER_BODY = r"""
   // A: h = o @ Wo^T + x; B: z = silu(gate) * up of rmsnorm(h) @ Wgu^T; C: y = z @ Wd^T + h
+  // (each phase after the first meets the grid barrier after its first weight loads)
   mb_q4i_phase<T, D, GS, WARPS, SA, CA, false, true, false>(
-      o, wo, so, bo, x, nullptr, nullptr, h, wo_shape[0]);
-  mb_grid_sync(barrier);
+      o, wo, so, bo, x, nullptr, nullptr, h, wo_shape[0], nullptr);
   mb_q4i_phase<T, D, GS, WARPS, SA, CA, true, false, true>(
-      h, wgu, sgu, bgu, nullptr, nw, eps, z, wgu_shape[0]);
-  mb_grid_sync(barrier);
+      h, wgu, sgu, bgu, nullptr, nw, eps, z, wgu_shape[0], barrier);
   mb_q4i_phase<T, F, GS, WARPS, SC, CC, false, true, false>(
-      z, wd, sd, bd, h, nullptr, nullptr, y, wd_shape[0]);
+      z, wd, sd, bd, h, nullptr, nullptr, y, wd_shape[0], barrier);
 """
 
 # D (the ``layer_next`` kind): the next layer's q/k/v product of rmsnorm(y), so that the
 # step's next kernel is that layer's attention
 _NEXT_BODY = r"""
-  mb_grid_sync(barrier);
   mb_q4i_phase<T, D, GS, WARPS, SA, CA, false, false, true>(
-      y, wq, sq, bq, nullptr, nw1, eps1, qkv, wq_shape[0]);
+      y, wq, sq, bq, nullptr, nw1, eps1, qkv, wq_shape[0], barrier);
 """
 _NEXT_INPUTS = [
     ("nw1", "T", 1),

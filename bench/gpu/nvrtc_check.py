@@ -116,14 +116,9 @@ def compile_source(
     return rc == 0, buf.value.decode(errors="replace")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--root", default="/tmp/nvrtc")
-    ap.add_argument("--show", action="store_true", help="print the generated sources")
-    ap.add_argument("--only", default="", help="only kernels whose name contains this")
-    ap.add_argument("--ptx", default="", help="write PTX (compute_90a) to this folder")
-    ap.add_argument("--sass", default="", help="write SASS (sm_90a, nvdisasm) to this folder")
-    args = ap.parse_args()
+def all_specs() -> list:
+    """Every custom kernel's specs, as ``kernel_specs_for_check`` of each module gives
+    them (also tests/test_kernel_sources.py's list)."""
     from engine import (
         gpu_attention,
         gpu_attention_tc,
@@ -139,8 +134,7 @@ def main() -> None:
         gpu_wgmma,
     )
 
-    failed = 0
-    specs = (
+    return (
         gpu_attention.kernel_specs_for_check()
         + gpu_attention_tc.kernel_specs_for_check()
         + gpu_gemv.kernel_specs_for_check()
@@ -154,6 +148,18 @@ def main() -> None:
         + gpu_wgmma.kernel_specs_for_check()
         + gpu_prefetch.kernel_specs_for_check()
     )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", default="/tmp/nvrtc")
+    ap.add_argument("--show", action="store_true", help="print the generated sources")
+    ap.add_argument("--only", default="", help="only kernels whose name contains this")
+    ap.add_argument("--ptx", default="", help="write PTX (compute_90a) to this folder")
+    ap.add_argument("--sass", default="", help="write SASS (sm_90a, nvdisasm) to this folder")
+    args = ap.parse_args()
+    failed = 0
+    specs = all_specs()
     for spec in specs:
         if args.only not in spec.name:
             continue

@@ -382,7 +382,10 @@ for stage in "$@"; do
         # gpu_qblock.py: o_proj..down_proj as one launch with grid barriers; -ql2 with the
         # next layer's norm + q/k/v; -ql3 the attention too) against the served default, now
         # that their epsilon is no longer in MLX's pool of tiny arrays (session 14 measured
-        # them slower while every block read it across PCIe)
+        # them slower while every block read it across PCIe). Each phase now meets its grid
+        # barrier after its first weight loads are issued (session 24). Their GPU tests first.
+        timeout ${QL_TEST_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --tb=short \
+            tests/test_gpu_qlayer.py -k "equals or matches" 2>&1 | tail -8 | tee "$OUT/test_ql.log"
         B1_VARIANTS=${B1_QL_VARIANTS:-default-wc-qe-pf12-qn1,default-wc-qe-qn1-ql,default-wc-qe-qn1-ql2,default-wc-qe-qn1-ql3} \
             bash "$0" b1-profile
         ;;
