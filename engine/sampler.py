@@ -151,9 +151,9 @@ def _draw_filtered(
 ):
     """One token a row from its top-k / top-p set (nucleus: the fewest largest tokens
     whose mass reaches top_p, as ``before < top_p`` over the sorted probabilities).
-    Sorts the CANDIDATES largest (or ``full``: the whole row); top-p rows whose
-    candidates hold less than top_p are redone with ``full`` (this checks on the host,
-    so it evaluates the logits: only when a row has top_p < 1)."""
+    Sorts the CANDIDATES largest (or ``full``: the whole row); top-p rows without
+    top-k whose candidates hold less than top_p are redone with ``full`` (this checks
+    on the host, so it evaluates the logits: only when such a row is in the batch)."""
     n, v = x.shape
     kmax = max(r.top_k for r in rows)
     k = v if full else min(v, max(CANDIDATES, kmax))
@@ -172,10 +172,13 @@ def _draw_filtered(
     top_p = mx.array([[r.top_p] for r in rows], dtype=mx.float32)
     top_k = mx.array([[r.top_k if r.top_k > 0 else k] for r in rows], dtype=mx.int32)
     keep = (mx.cumsum(p, axis=-1) - p < top_p) & (mx.arange(k)[None] < top_k)
-    if k < v and any(r.top_p < 1.0 for r in rows):
+    # a top-p row without top-k may need more than the candidates (a top-k row's set
+    # is inside them: k >= its top_k)
+    open_rows = [r.top_p < 1.0 and r.top_k == 0 for r in rows]
+    if k < v and any(open_rows):
         short = (p.sum(axis=-1) < top_p[:, 0]).tolist()  # the nucleus passes the candidates
-        if any(short):
-            redo = [i for i, s in enumerate(short) if s]
+        if any(s and o for s, o in zip(short, open_rows)):
+            redo = [i for i, (s, o) in enumerate(zip(short, open_rows)) if s and o]
             sel = mx.array(redo, dtype=mx.int32)
             again = _draw_filtered(x[sel], inv_t[sel], u[sel], [rows[i] for i in redo], full=True)
             out = _finish(idx, p, keep, u)

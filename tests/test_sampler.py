@@ -167,3 +167,21 @@ def test_greedy_rows_take_the_argmax_beside_sampled_ones():
     assert got.dtype == np.int32 and got.shape == (4,)
     assert got[0] == logits[0].argmax() and got[2] == logits[2].argmax()
     assert got[3] in np.argsort(-logits[3])[:5]
+
+
+def test_top_k_past_the_candidates_with_top_p():
+    """top_k 400 (> CANDIDATES: the candidates grow to it) on a flat row with top-p
+    0.95: the set is the nucleus of the top 400, with no whole-row redo needed."""
+    rng = np.random.default_rng(8)
+    logits = rng.normal(size=3000) * 0.3
+    k = 400
+    assert k > sampler.CANDIDATES
+    p = softmax(logits)
+    order = np.argsort(-p)[:k]
+    before = np.cumsum(p[order]) - p[order]
+    kept = order[before < 0.95]
+    probs = np.zeros_like(p)
+    probs[kept] = p[kept] / p[kept].sum()
+    assert len(kept) == k  # the top-k set binds before the nucleus does
+    counts = draw_counts(logits, rows_of(N, temperature=1.0, top_k=k, top_p=0.95))
+    assert_follows(counts, probs)
