@@ -78,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ignore: markbase gets ignore_eos, peers a logit_bias of -100 on the EOS tokens",
     )
     p.add_argument(
+        "--sampling",
+        default="",
+        help='JSON merged into every request, e.g. \'{"temperature": 1.0, "top_p": 0.9}\' '
+        "(default: temperature 0, greedy)",
+    )
+    p.add_argument(
         "--max-level-seconds",
         type=float,
         default=300.0,
@@ -420,7 +426,8 @@ def render(args, argv: list[str], info: dict, records: list[dict], skipped: dict
         f"workload: model {args.model}; requests per level "
         f"{dict(zip(args.concurrency, args.level_requests))}; prompt ~{args.prompt_tokens} tokens "
         f"(shared system prompt + distinct user message); max_tokens {args.max_tokens}; "
-        f"temperature 0; stream with include_usage; eos={args.eos}; level cap {args.max_level_seconds:.0f} s"
+        f"{json.dumps(sampling_of(args)) if args.sampling else 'temperature 0'}; "
+        f"stream with include_usage; eos={args.eos}; level cap {args.max_level_seconds:.0f} s"
         + (f"; clients ramped over {args.ramp_s:g} s" if args.ramp_s else "")
         + ("; QUICK smoke run" if args.quick else "")
     )
@@ -534,6 +541,11 @@ def render(args, argv: list[str], info: dict, records: list[dict], skipped: dict
     return "\n".join(L)
 
 
+def sampling_of(args) -> dict:
+    """``--sampling`` as a dict (empty: the workload's greedy default)."""
+    return json.loads(args.sampling) if args.sampling else {}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv_full = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     args = parse_args(argv)
@@ -565,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"# llama-cpp-python setup failed: {e}")
 
     specs, skipped, setup = make_specs(args, log)
+    for spec in specs:  # every server gets the same sampling settings
+        spec.extra_body.update(sampling_of(args))
     log(f"# markbase setup here: {setup}")
     info["markbase_setup"] = setup
     for name, why in skipped.items():
