@@ -147,13 +147,18 @@ def _draw_full(x: mx.array, inv_t: mx.array, u: mx.array, rows=None) -> mx.array
 
 
 def _draw_filtered(
-    x: mx.array, inv_t: mx.array, u: mx.array, rows: list[RowSampler], full: bool = False
+    x: mx.array, inv_t: mx.array, u: mx.array, rows: list[RowSampler], full: bool | None = None
 ):
     """One token a row from its top-k / top-p set (nucleus: the fewest largest tokens
     whose mass reaches top_p, as ``before < top_p`` over the sorted probabilities).
-    Sorts the CANDIDATES largest (or ``full``: the whole row); top-p rows without
-    top-k whose candidates hold less than top_p are redone with ``full`` (this checks
-    on the host, so it evaluates the logits: only when such a row is in the batch)."""
+    On the CPU, sorts the CANDIDATES largest; top-p rows without top-k whose
+    candidates hold less than top_p are redone with ``full`` (the whole row sorted).
+    That check reads on the host, so it evaluates the logits, only when such a row is
+    in the batch. On a GPU (``full`` None: by device) every row is sorted whole: a GPU
+    sorts them fast, and a host check would stall the worker's pipelined step (the
+    next step's graph is built while this one runs)."""
+    if full is None:
+        full = mx.default_device().type != mx.DeviceType.cpu
     n, v = x.shape
     kmax = max(r.top_k for r in rows)
     k = v if full else min(v, max(CANDIDATES, kmax))

@@ -185,3 +185,18 @@ def test_top_k_past_the_candidates_with_top_p():
     assert len(kept) == k  # the top-k set binds before the nucleus does
     counts = draw_counts(logits, rows_of(N, temperature=1.0, top_k=k, top_p=0.95))
     assert_follows(counts, probs)
+
+
+@pytest.mark.parametrize("top_p,top_k", [(0.8, 0), (1.0, 20), (0.9, 300)])
+def test_whole_row_form_draws_what_the_candidate_form_draws(top_p, top_k):
+    """A GPU sorts every row whole (no host check that would stall its pipelined step);
+    the CPU sorts the candidates. With the same uniforms both must draw the same token."""
+    rng = np.random.default_rng(9)
+    logits = rng.normal(size=(600, 4000)).astype(np.float32) * 3
+    rows = rows_of(600, temperature=0.9, top_p=top_p, top_k=top_k)
+    x = mx.array(logits)
+    inv_t = mx.full((600, 1), 1 / 0.9)
+    u = mx.array([r.draw() for r in rows], dtype=mx.float32)
+    whole = np.array(sampler._draw_filtered(x, inv_t, u, rows, full=True))
+    cands = np.array(sampler._draw_filtered(x, inv_t, u, rows, full=False))
+    assert (whole == cands).mean() > 0.998  # (a float sum's order may move a boundary)
