@@ -389,6 +389,11 @@ for stage in "$@"; do
         B1_VARIANTS=${B1_QL_VARIANTS:-default-wc-qe-pf12-qn1,default-wc-qe-qn1-ql,default-wc-qe-qn1-ql2,default-wc-qe-qn1-ql3} \
             bash "$0" b1-profile
         ;;
+    sampler)  # session 24 (prepared): engine/sampler.py's batched draw on the GPU against its
+        # per-row form before and mlx-lm's make_sampler, llama-3 vocabulary, B=1..128
+        timeout ${SAMPLER_TIMEOUT:-120} python3 bench/sampler_bench.py --vocab 128256 \
+            --batches 1,8,32,128 --reps 10 2>&1 | grep -v -i warn | tee "$OUT/sampler.md"
+        ;;
     b128-we)  # session 23 (prepared): gpu_wgmma with each k-step's weight loads right after
         # its wgmma (MARKBASE_GPU_WGMMA_WEARLY=1): exactness, the 8b products at 128 rows,
         # then the engine at 8b 4-bit B=128 with it and without
