@@ -34,7 +34,7 @@ import numpy as np
 from engine.types import SamplingParams
 
 BLOCK = 256  # tokens a block of the two-level draw
-CANDIDATES = 256  # logits a top-k/top-p row sorts (more where its top_k asks)
+CANDIDATES = 1024  # logits a top-k/top-p row sorts on the CPU (more where its top_k asks)
 
 
 @dataclass

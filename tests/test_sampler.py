@@ -73,7 +73,7 @@ def nucleus(logits: np.ndarray, top_p: float) -> np.ndarray:
 
 
 def test_top_p_is_the_exact_nucleus():
-    """A peaked row: the nucleus lies inside the 256 candidates."""
+    """A peaked row: the nucleus lies inside the candidates."""
     rng = np.random.default_rng(2)
     logits = rng.normal(size=5000) * 3
     probs = nucleus(logits, 0.8)
@@ -82,17 +82,20 @@ def test_top_p_is_the_exact_nucleus():
 
 
 def test_top_p_past_the_candidates_is_redone_over_the_whole_row():
-    """A flat row: 90% of the mass needs ~1,800 of 2,000 tokens, far past the 256
-    candidates; the draw must still be the exact nucleus (tokens past rank 256 drawn,
-    the excluded tail never)."""
+    """A flat row: 90% of the mass needs ~2,700 of 3,000 tokens, far past the CPU's
+    candidates; the draw must still be the exact nucleus: the excluded tail never
+    drawn, tokens past the candidates drawn, and the counts in bins of 150 ranks within
+    5 sigma (too few draws a token to test each alone)."""
     rng = np.random.default_rng(3)
-    logits = rng.normal(size=2000) * 0.3
+    logits = rng.normal(size=3000) * 0.3
     probs = nucleus(logits, 0.9)
-    assert np.count_nonzero(probs) > 4 * sampler.CANDIDATES
+    assert np.count_nonzero(probs) > 2 * sampler.CANDIDATES
     counts = draw_counts(logits, rows_of(N, temperature=1.0, top_p=0.9))
-    assert_follows(counts, probs)
-    rank = np.argsort(np.argsort(-logits))
-    assert counts[rank >= sampler.CANDIDATES].sum() > N // 2
+    assert counts[probs == 0].sum() == 0
+    order = np.argsort(-logits)
+    assert counts[order[sampler.CANDIDATES :]].sum() > N // 4  # ~45% of the nucleus
+    binned = counts[order].reshape(-1, 150).sum(axis=1)
+    assert_follows(binned, probs[order].reshape(-1, 150).sum(axis=1))
 
 
 def test_top_k_and_top_p_together():
@@ -170,12 +173,11 @@ def test_greedy_rows_take_the_argmax_beside_sampled_ones():
 
 
 def test_top_k_past_the_candidates_with_top_p():
-    """top_k 400 (> CANDIDATES: the candidates grow to it) on a flat row with top-p
-    0.95: the set is the nucleus of the top 400, with no whole-row redo needed."""
+    """top_k past CANDIDATES (the candidates grow to it) on a flat row with top-p
+    0.95: the set is the nucleus of the top k, with no whole-row redo needed."""
     rng = np.random.default_rng(8)
     logits = rng.normal(size=3000) * 0.3
-    k = 400
-    assert k > sampler.CANDIDATES
+    k = sampler.CANDIDATES + 200
     p = softmax(logits)
     order = np.argsort(-p)[:k]
     before = np.cumsum(p[order]) - p[order]
@@ -185,18 +187,3 @@ def test_top_k_past_the_candidates_with_top_p():
     assert len(kept) == k  # the top-k set binds before the nucleus does
     counts = draw_counts(logits, rows_of(N, temperature=1.0, top_k=k, top_p=0.95))
     assert_follows(counts, probs)
-
-
-@pytest.mark.parametrize("top_p,top_k", [(0.8, 0), (1.0, 20), (0.9, 300)])
-def test_whole_row_form_draws_what_the_candidate_form_draws(top_p, top_k):
-    """A GPU sorts every row whole (no host check that would stall its pipelined step);
-    the CPU sorts the candidates. With the same uniforms both must draw the same token."""
-    rng = np.random.default_rng(9)
-    logits = rng.normal(size=(600, 4000)).astype(np.float32) * 3
-    rows = rows_of(600, temperature=0.9, top_p=top_p, top_k=top_k)
-    x = mx.array(logits)
-    inv_t = mx.full((600, 1), 1 / 0.9)
-    u = mx.array([r.draw() for r in rows], dtype=mx.float32)
-    whole = np.array(sampler._draw_filtered(x, inv_t, u, rows, full=True))
-    cands = np.array(sampler._draw_filtered(x, inv_t, u, rows, full=False))
-    assert (whole == cands).mean() > 0.998  # (a float sum's order may move a boundary)
