@@ -12,7 +12,8 @@ batch, a full sort for top-p), on the same logits in the same process.
 
 Prints ms a step (median of reps) per batch size and setting for markbase's sampler,
 its per-row form before session 24 (``per_row``) and mlx-lm's, with the ratios.
-Logits are random normal x 3 (a peaked row: top-p 0.9 needs a few dozen tokens).
+Logits are random normal x 3 (at temperature 0.7, top-p 0.9 keeps 1-485 tokens a row,
+median ~145 at B=32).
 """
 
 from __future__ import annotations
