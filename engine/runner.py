@@ -11,7 +11,7 @@ import os
 
 import mlx.core as mx
 
-from engine import attention, cpu_qgemm, fast_math, gpu_prefill
+from engine import attention, cpu_qgemm, fast_math, gpu_prefill, rope_offsets
 from engine.cpu_step import CpuDecodeStep
 from engine.decode_step import make_decode_step, on_gpu
 from engine.kv import BatchKV, PromptBatchKV, SequenceKV
@@ -53,6 +53,9 @@ class ModelRunner:
         # off); after the decode step took its own copies.
         if on_gpu():
             gpu_prefill.install(model)
+            # prompt chunks' RoPE offsets in device memory, not MLX's pool of tiny
+            # arrays (engine/rope_offsets.py)
+            rope_offsets.install(model)
         # After the step fused its weights: on the CPU, decode products read the
         # quantized copies of the float32 weights (engine/cpu_qgemm.py).
         self.qgemm = cpu_qgemm.register_model(model, cpu_shadows) if cpu_shadows else None
