@@ -394,6 +394,14 @@ for stage in "$@"; do
         timeout ${SAMPLER_TIMEOUT:-120} python3 bench/sampler_bench.py --vocab 128256 \
             --batches 1,8,32,128 --reps 10 2>&1 | grep -v -i warn | tee "$OUT/sampler.md"
         ;;
+    rope-ab)  # session 24 (prepared): prompt chunks' RoPE offsets in device memory
+        # (engine/rope_offsets.py) or as mx.fast.rope's pool scalar: 2k prefill and B=1,
+        # off/on twice, one process each
+        for v in 0 1 0 1; do
+            MARKBASE_GPU_ROPE_DEVICE_OFFSET=$v TABLE_CONFIGS="${ROPE_CONFIGS:-1b:q4}" TABLE_BATCHES=1 \
+                TABLE_TIMEOUT=${ROPE_TIMEOUT:-80} TABLE_TAG=rope$v bash "$0" engine-table 2>&1 | grep -E "prefill|worker "
+        done
+        ;;
     b128-we)  # session 23 (prepared): gpu_wgmma with each k-step's weight loads right after
         # its wgmma (MARKBASE_GPU_WGMMA_WEARLY=1): exactness, the 8b products at 128 rows,
         # then the engine at 8b 4-bit B=128 with it and without
