@@ -62,9 +62,11 @@ def test_top_k_keeps_the_k_largest_renormalized():
     assert_follows(draw_counts(logits, rows_of(N, temperature=1.0, top_k=k)), probs)
 
 
-def nucleus(logits: np.ndarray, top_p: float) -> np.ndarray:
+def nucleus(logits: np.ndarray, top_p: float, top_k: int = 0) -> np.ndarray:
+    """The draw's expected distribution: softmax over the ``top_k`` largest (all with
+    0), then the fewest largest whose mass reaches ``top_p`` (``before < top_p``)."""
     p = softmax(logits)
-    order = np.argsort(-p)
+    order = np.argsort(-p)[: top_k or len(p)]
     before = np.cumsum(p[order]) - p[order]
     kept = order[before < top_p]
     out = np.zeros_like(p)
@@ -101,17 +103,8 @@ def test_top_p_past_the_candidates_is_redone_over_the_whole_row():
 def test_top_k_and_top_p_together():
     rng = np.random.default_rng(4)
     logits = rng.normal(size=700) * 2
-    k = 30
-    keep = np.argsort(-logits)[:k]
-    sub = np.full_like(logits, -np.inf)
-    sub[keep] = logits[keep]
-    p = softmax(logits)
-    order = np.argsort(-p)[:k]
-    before = np.cumsum(p[order]) - p[order]
-    kept = order[before < 0.5]
-    probs = np.zeros_like(p)
-    probs[kept] = p[kept] / p[kept].sum()
-    counts = draw_counts(logits, rows_of(N, temperature=1.0, top_k=k, top_p=0.5))
+    probs = nucleus(logits, 0.5, top_k=30)
+    counts = draw_counts(logits, rows_of(N, temperature=1.0, top_k=30, top_p=0.5))
     assert_follows(counts, probs)
 
 
@@ -178,12 +171,7 @@ def test_top_k_past_the_candidates_with_top_p():
     rng = np.random.default_rng(8)
     logits = rng.normal(size=3000) * 0.3
     k = sampler.CANDIDATES + 200
-    p = softmax(logits)
-    order = np.argsort(-p)[:k]
-    before = np.cumsum(p[order]) - p[order]
-    kept = order[before < 0.95]
-    probs = np.zeros_like(p)
-    probs[kept] = p[kept] / p[kept].sum()
-    assert len(kept) == k  # the top-k set binds before the nucleus does
+    probs = nucleus(logits, 0.95, top_k=k)
+    assert np.count_nonzero(probs) == k  # the top-k set binds before the nucleus does
     counts = draw_counts(logits, rows_of(N, temperature=1.0, top_k=k, top_p=0.95))
     assert_follows(counts, probs)
