@@ -14,7 +14,9 @@ V/BLOCK), so late tokens are not mis-weighted by rounding in a 128k-token cumsum
 Top-k/top-p rows on the CPU sort only their CANDIDATES largest logits
 (``argpartition``) and draw from the kept ones; a top-p row whose candidates hold less
 than top_p of the mass (a flat distribution) is redone over its whole sorted row, so
-the nucleus is exact. On a GPU they sort whole rows (fast there, and lazy). Why not a Gumbel draw per row: per-row noise over the whole vocabulary cost a
+the nucleus is exact. On a GPU they sort whole rows (fast there, and lazy). On the
+CPU the same draw runs in numpy (``_sample_numpy``: MLX's CPU exp and argpartition
+are 3-4x slower than numpy's, bench/sampler_bench.py). Why not a Gumbel draw per row: per-row noise over the whole vocabulary cost a
 loop of ops per row, and on MLX's CPU backend its transcendental ops run at ~12 ns an
 element: at B=32 over SmolLM2's 49k tokens sampling took 20 ms a step with a
 temperature and 205 ms with top-p 0.9 (its per-row full sort), against a ~100 ms step.
@@ -79,6 +81,8 @@ def sample_batch(logits: mx.array, rows: list[RowSampler]) -> mx.array:
     if not live:
         return out
     draws = [rows[i].draw() for i in live]
+    if numpy_route():
+        return _sample_numpy(logits, rows, live, draws)
     plain = [j for j, i in enumerate(live) if not rows[i].filters]
     filtered = [j for j, i in enumerate(live) if rows[i].filters]
     for group, drawer in ((plain, _draw_full), (filtered, _draw_filtered)):
@@ -197,3 +201,83 @@ def _draw_filtered(
 def _finish(idx: mx.array, p: mx.array, keep: mx.array, u: mx.array) -> mx.array:
     pick = _pick(mx.cumsum(mx.where(keep, p, 0.0), axis=-1), u[:, 0])
     return mx.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(mx.int32)
+
+
+# -- the CPU's route: the same draw in numpy ------------------------------------------
+# Why: on MLX's CPU backend exp costs ~12 ns an element (~5 through fast_math) and
+# argpartition ~13 ms for 32 rows of 49k, where numpy's SIMD exp and introselect take
+# 2.8 and 3.1 ms. The CPU's decode loop is not pipelined (engine/config.py), so reading
+# the logits here loses no overlap; ``np.asarray`` maps them without a copy.
+use_numpy_on_cpu = True  # tests switch it to run the MLX route on the CPU too
+
+
+def numpy_route() -> bool:
+    return use_numpy_on_cpu and mx.default_device().type == mx.DeviceType.cpu
+
+
+def _sample_numpy(logits: mx.array, rows, live: list[int], draws) -> mx.array:
+    x = np.asarray(logits)
+    out = np.argmax(x, axis=-1).astype(np.int32)
+    plain = [j for j, i in enumerate(live) if not rows[i].filters]
+    filtered = [j for j, i in enumerate(live) if rows[i].filters]
+    for group, drawer in ((plain, _np_full), (filtered, _np_filtered)):
+        if not group:
+            continue
+        idx = np.array([live[j] for j in group])
+        inv_t = np.array([[1.0 / rows[i].temperature] for i in idx], dtype=np.float32)
+        u = np.array([draws[j] for j in group], dtype=np.float32)
+        out[idx] = drawer(x[idx], inv_t, u, [rows[i] for i in idx])
+    return mx.array(out)
+
+
+def _np_weights(x: np.ndarray, m: np.ndarray, inv_t: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.exp((x - m) * inv_t, dtype=np.float32)
+
+
+def _np_pick(cum: np.ndarray, u: np.ndarray) -> np.ndarray:
+    target = u[:, None] * cum[:, -1:]
+    return np.minimum((cum < target).sum(axis=-1), cum.shape[-1] - 1)
+
+
+def _np_full(x: np.ndarray, inv_t: np.ndarray, u: np.ndarray, rows=None) -> np.ndarray:
+    """``_draw_full`` in numpy."""
+    n, v = x.shape
+    e = _np_weights(x, x.max(axis=-1, keepdims=True), inv_t)
+    nb = -(-v // BLOCK)
+    if nb * BLOCK != v:
+        e = np.pad(e, [(0, 0), (0, nb * BLOCK - v)])
+    blocks = e.reshape(n, nb, BLOCK)
+    blk = _np_pick(np.cumsum(blocks.sum(axis=-1), axis=-1), u[:, 0])
+    pos = _np_pick(np.cumsum(blocks[np.arange(n), blk], axis=-1), u[:, 1])
+    return blk * BLOCK + pos
+
+
+def _np_filtered(x: np.ndarray, inv_t: np.ndarray, u: np.ndarray, rows, full: bool = False):
+    """``_draw_filtered`` in numpy (the candidates, and the whole-row redo of top-p rows
+    without top-k whose candidates hold less than top_p)."""
+    n, v = x.shape
+    k = v if full else min(v, max(CANDIDATES, max(r.top_k for r in rows)))
+    if k < v:
+        idx = np.argpartition(-x, k - 1, axis=-1)[:, :k]
+        vals = np.take_along_axis(x, idx, axis=-1)
+    else:
+        idx = np.broadcast_to(np.arange(v), (n, v))
+        vals = x
+    order = np.argsort(-vals, axis=-1, kind="stable")
+    idx = np.take_along_axis(idx, order, axis=-1)
+    vals = np.take_along_axis(vals, order, axis=-1)
+    m = x.max(axis=-1, keepdims=True)
+    p = _np_weights(vals, m, inv_t) / _np_weights(x, m, inv_t).sum(axis=-1, keepdims=True)
+    top_p = np.array([[r.top_p] for r in rows], dtype=np.float32)
+    top_k = np.array([[r.top_k if r.top_k > 0 else k] for r in rows])
+    keep = (np.cumsum(p, axis=-1) - p < top_p) & (np.arange(k)[None] < top_k)
+    pick = _np_pick(np.cumsum(np.where(keep, p, 0.0), axis=-1), u[:, 0])
+    out = idx[np.arange(n), pick]
+    if k < v:
+        redo = [
+            i for i, r in enumerate(rows) if r.top_p < 1.0 and r.top_k == 0 and p[i].sum() < r.top_p
+        ]
+        if redo:
+            out[redo] = _np_filtered(x[redo], inv_t[redo], u[redo], [rows[i] for i in redo], True)
+    return out

@@ -18,6 +18,13 @@ from engine.types import SamplingParams
 N = 12000  # draws per test
 
 
+@pytest.fixture(autouse=True, params=["numpy", "mlx"])
+def route(request, monkeypatch):
+    """Every test on both routes: the CPU's numpy draw and the MLX ops a GPU runs."""
+    monkeypatch.setattr(sampler, "use_numpy_on_cpu", request.param == "numpy")
+    return request.param
+
+
 def rows_of(n: int, seed0: int = 0, **params) -> list[RowSampler]:
     return [RowSampler.from_params(SamplingParams(seed=seed0 + i, **params)) for i in range(n)]
 
@@ -175,3 +182,25 @@ def test_top_k_past_the_candidates_with_top_p():
     assert np.count_nonzero(probs) == k  # the top-k set binds before the nucleus does
     counts = draw_counts(logits, rows_of(N, temperature=1.0, top_k=k, top_p=0.95))
     assert_follows(counts, probs)
+
+
+@pytest.mark.parametrize("top_p,top_k", [(0.8, 0), (1.0, 20), (0.9, 300)])
+def test_whole_row_form_draws_what_the_candidate_form_draws(top_p, top_k, route):
+    """A GPU sorts every row whole (no host check that would stall its pipelined step);
+    the CPU sorts the candidates. With the same uniforms both must draw the same token,
+    and the numpy route what the MLX ops draw."""
+    rng = np.random.default_rng(9)
+    logits = rng.normal(size=(600, 4000)).astype(np.float32) * 3
+    rows = rows_of(600, temperature=0.9, top_p=top_p, top_k=top_k)
+    u = np.array([r.draw() for r in rows], dtype=np.float32)
+    inv_t = np.full((600, 1), 1 / 0.9, dtype=np.float32)
+    if route == "numpy":
+        whole = sampler._np_filtered(logits, inv_t, u, rows, full=True)
+        cands = sampler._np_filtered(logits, inv_t, u, rows)
+        ops = np.array(sampler._draw_filtered(mx.array(logits), mx.array(inv_t), mx.array(u), rows))
+        assert (cands == ops).mean() > 0.998
+    else:
+        x, t, uu = mx.array(logits), mx.array(inv_t), mx.array(u)
+        whole = np.array(sampler._draw_filtered(x, t, uu, rows, full=True))
+        cands = np.array(sampler._draw_filtered(x, t, uu, rows, full=False))
+    assert (whole == cands).mean() > 0.998  # (a float sum's order may move a boundary)
