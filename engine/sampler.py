@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -127,26 +128,28 @@ def _compiled_cpu_exp():
     return _cpu_exp[0]
 
 
-def _pick(cum: mx.array, u: mx.array) -> mx.array:
+def _pick(cum, u, xp=mx):
     """Index of the first cumulative weight reaching ``u`` of the row's total ([n, m]
-    cumulative sums, u [n] in (0, 1]): never a zero-weight entry, never past the end."""
+    cumulative sums, u [n] in (0, 1]): never a zero-weight entry, never past the end.
+    ``xp``: the array module (mx, or numpy on the CPU's route)."""
     target = u[:, None] * cum[:, -1:]
-    return mx.minimum((cum < target).sum(axis=-1), cum.shape[-1] - 1).astype(mx.int32)
+    return xp.minimum((cum < target).sum(axis=-1), cum.shape[-1] - 1).astype(xp.int32)
 
 
-def _draw_full(x: mx.array, inv_t: mx.array, u: mx.array, rows=None) -> mx.array:
+def _draw_full(x, inv_t, u, rows=None, xp=mx):
     """One token a row of logits ``x`` [n, V] from its softmax at temperature
     1 / ``inv_t`` [n, 1] (two uniforms a row in ``u`` [n, 2]): a block of BLOCK tokens
-    by its mass, then a token in it."""
+    by its mass, then a token in it. ``xp``: mx, or numpy (``_sample_numpy``)."""
     n, v = x.shape
-    e = _exp_below(x, x.max(axis=-1, keepdims=True), inv_t)
+    weights = _np_weights if xp is np else _exp_below
+    e = weights(x, x.max(axis=-1, keepdims=True), inv_t)
     nb = -(-v // BLOCK)
     if nb * BLOCK != v:
-        e = mx.pad(e, [(0, 0), (0, nb * BLOCK - v)])
+        e = xp.pad(e, [(0, 0), (0, nb * BLOCK - v)])
     blocks = e.reshape(n, nb, BLOCK)
-    blk = _pick(mx.cumsum(blocks.sum(axis=-1), axis=-1), u[:, 0])
-    inner = mx.take_along_axis(blocks, mx.broadcast_to(blk[:, None, None], (n, 1, BLOCK)), axis=1)
-    pos = _pick(mx.cumsum(inner[:, 0, :], axis=-1), u[:, 1])
+    blk = _pick(xp.cumsum(blocks.sum(axis=-1), axis=-1), u[:, 0], xp)
+    inner = xp.take_along_axis(blocks, xp.broadcast_to(blk[:, None, None], (n, 1, BLOCK)), axis=1)
+    pos = _pick(xp.cumsum(inner[:, 0, :], axis=-1), u[:, 1], xp)
     return blk * BLOCK + pos
 
 
@@ -220,7 +223,7 @@ def _sample_numpy(logits: mx.array, rows, live: list[int], draws) -> mx.array:
     out = np.argmax(x, axis=-1).astype(np.int32)
     plain = [j for j, i in enumerate(live) if not rows[i].filters]
     filtered = [j for j, i in enumerate(live) if rows[i].filters]
-    for group, drawer in ((plain, _np_full), (filtered, _np_filtered)):
+    for group, drawer in ((plain, partial(_draw_full, xp=np)), (filtered, _np_filtered)):
         if not group:
             continue
         idx = np.array([live[j] for j in group])
@@ -233,24 +236,6 @@ def _sample_numpy(logits: mx.array, rows, live: list[int], draws) -> mx.array:
 def _np_weights(x: np.ndarray, m: np.ndarray, inv_t: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):
         return np.exp((x - m) * inv_t, dtype=np.float32)
-
-
-def _np_pick(cum: np.ndarray, u: np.ndarray) -> np.ndarray:
-    target = u[:, None] * cum[:, -1:]
-    return np.minimum((cum < target).sum(axis=-1), cum.shape[-1] - 1)
-
-
-def _np_full(x: np.ndarray, inv_t: np.ndarray, u: np.ndarray, rows=None) -> np.ndarray:
-    """``_draw_full`` in numpy."""
-    n, v = x.shape
-    e = _np_weights(x, x.max(axis=-1, keepdims=True), inv_t)
-    nb = -(-v // BLOCK)
-    if nb * BLOCK != v:
-        e = np.pad(e, [(0, 0), (0, nb * BLOCK - v)])
-    blocks = e.reshape(n, nb, BLOCK)
-    blk = _np_pick(np.cumsum(blocks.sum(axis=-1), axis=-1), u[:, 0])
-    pos = _np_pick(np.cumsum(blocks[np.arange(n), blk], axis=-1), u[:, 1])
-    return blk * BLOCK + pos
 
 
 def _np_filtered(x: np.ndarray, inv_t: np.ndarray, u: np.ndarray, rows, full: bool = False):
@@ -272,7 +257,7 @@ def _np_filtered(x: np.ndarray, inv_t: np.ndarray, u: np.ndarray, rows, full: bo
     top_p = np.array([[r.top_p] for r in rows], dtype=np.float32)
     top_k = np.array([[r.top_k if r.top_k > 0 else k] for r in rows])
     keep = (np.cumsum(p, axis=-1) - p < top_p) & (np.arange(k)[None] < top_k)
-    pick = _np_pick(np.cumsum(np.where(keep, p, 0.0), axis=-1), u[:, 0])
+    pick = _pick(np.cumsum(np.where(keep, p, 0.0), axis=-1), u[:, 0], np)
     out = idx[np.arange(n), pick]
     if k < v:
         redo = [
