@@ -74,8 +74,8 @@ class RowSampler:
 
 
 def sample_batch(logits: mx.array, rows: list[RowSampler]) -> mx.array:
-    """Next token for each row of ``logits`` ([B, V]); returns int32 [B], lazily (a
-    top-p row may make it evaluate the logits: see ``_draw_filtered``)."""
+    """Next token for each row of ``logits`` ([B, V]); returns int32 [B]: lazily on a
+    GPU, computed here on the CPU (``_sample_numpy``) when any row samples."""
     logits = logits.astype(mx.float32)
     live = [i for i, r in enumerate(rows) if not r.greedy]
     out = None if len(live) == len(rows) else mx.argmax(logits, axis=-1).astype(mx.int32)
