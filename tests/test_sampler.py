@@ -18,9 +18,10 @@ from engine.types import SamplingParams
 N = 12000  # draws per test
 
 
-@pytest.fixture(autouse=True, params=["numpy", "mlx"])
+@pytest.fixture(params=["numpy", "mlx"])
 def route(request, monkeypatch):
-    """Every test on both routes: the CPU's numpy draw and the MLX ops a GPU runs."""
+    """A test taking it runs on both routes: the CPU's numpy draw and the MLX ops a GPU
+    runs."""
     monkeypatch.setattr(sampler, "use_numpy_on_cpu", request.param == "numpy")
     return request.param
 
@@ -51,7 +52,7 @@ def assert_follows(counts: np.ndarray, probs: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("vocab,temperature", [(600, 1.0), (1000, 0.5), (256, 2.0)])
-def test_temperature_draw_follows_the_softmax(vocab, temperature):
+def test_temperature_draw_follows_the_softmax(vocab, temperature, route):
     """Two-level draw (blocks of 256, the last padded) = softmax(logits / T)."""
     rng = np.random.default_rng(vocab)
     logits = rng.normal(size=vocab) * 2
@@ -59,7 +60,7 @@ def test_temperature_draw_follows_the_softmax(vocab, temperature):
     assert_follows(counts, softmax(logits / temperature))
 
 
-def test_top_k_keeps_the_k_largest_renormalized():
+def test_top_k_keeps_the_k_largest_renormalized(route):
     rng = np.random.default_rng(1)
     logits = rng.normal(size=800) * 1.5
     k = 40
@@ -81,7 +82,7 @@ def nucleus(logits: np.ndarray, top_p: float, top_k: int = 0) -> np.ndarray:
     return out
 
 
-def test_top_p_is_the_exact_nucleus():
+def test_top_p_is_the_exact_nucleus(route):
     """A peaked row: the nucleus lies inside the candidates."""
     rng = np.random.default_rng(2)
     logits = rng.normal(size=5000) * 3
@@ -90,7 +91,7 @@ def test_top_p_is_the_exact_nucleus():
     assert_follows(draw_counts(logits, rows_of(N, temperature=1.0, top_p=0.8)), probs)
 
 
-def test_top_p_past_the_candidates_is_redone_over_the_whole_row():
+def test_top_p_past_the_candidates_is_redone_over_the_whole_row(route):
     """A flat row: 90% of the mass needs ~2,700 of 3,000 tokens, far past the CPU's
     candidates; the draw must still be the exact nucleus: the excluded tail never
     drawn, tokens past the candidates drawn, and the counts in bins of 150 ranks within
@@ -107,7 +108,7 @@ def test_top_p_past_the_candidates_is_redone_over_the_whole_row():
     assert_follows(binned, probs[order].reshape(-1, 150).sum(axis=1))
 
 
-def test_top_k_and_top_p_together():
+def test_top_k_and_top_p_together(route):
     rng = np.random.default_rng(4)
     logits = rng.normal(size=700) * 2
     probs = nucleus(logits, 0.5, top_k=30)
@@ -115,7 +116,7 @@ def test_top_k_and_top_p_together():
     assert_follows(counts, probs)
 
 
-def test_masked_tokens_are_never_drawn():
+def test_masked_tokens_are_never_drawn(route):
     """-inf logits (a constrained-decoding mask) have weight exactly 0."""
     rng = np.random.default_rng(5)
     logits = rng.normal(size=512)
@@ -125,7 +126,7 @@ def test_masked_tokens_are_never_drawn():
     assert_follows(counts, softmax(logits / 1.5))
 
 
-def test_a_seeded_row_draws_the_same_in_any_batch():
+def test_a_seeded_row_draws_the_same_in_any_batch(route):
     """Row seed 42's tokens over 6 steps, alone and in mixed batches (greedy rows,
     top-p rows, other seeds; at different positions), are the same."""
     rng = np.random.default_rng(6)
@@ -157,7 +158,7 @@ def test_a_seeded_row_draws_the_same_in_any_batch():
     assert alone == mixed == first
 
 
-def test_greedy_rows_take_the_argmax_beside_sampled_ones():
+def test_greedy_rows_take_the_argmax_beside_sampled_ones(route):
     rng = np.random.default_rng(7)
     logits = rng.normal(size=(4, 900)).astype(np.float32)
     rows = [
@@ -172,7 +173,7 @@ def test_greedy_rows_take_the_argmax_beside_sampled_ones():
     assert got[3] in np.argsort(-logits[3])[:5]
 
 
-def test_top_k_past_the_candidates_with_top_p():
+def test_top_k_past_the_candidates_with_top_p(route):
     """top_k past CANDIDATES (the candidates grow to it) on a flat row with top-p
     0.95: the set is the nucleus of the top k, with no whole-row redo needed."""
     rng = np.random.default_rng(8)
@@ -185,22 +186,16 @@ def test_top_k_past_the_candidates_with_top_p():
 
 
 @pytest.mark.parametrize("top_p,top_k", [(0.8, 0), (1.0, 20), (0.9, 300)])
-def test_whole_row_form_draws_what_the_candidate_form_draws(top_p, top_k, route):
-    """A GPU sorts every row whole (no host check that would stall its pipelined step);
-    the CPU sorts the candidates. With the same uniforms both must draw the same token,
-    and the numpy route what the MLX ops draw."""
+def test_candidates_and_whole_rows_draw_the_same(top_p, top_k):
+    """The CPU's numpy route sorts the candidates, a GPU's MLX route whole rows: with the
+    same uniforms both (and numpy over whole rows) must draw the same token."""
     rng = np.random.default_rng(9)
     logits = rng.normal(size=(600, 4000)).astype(np.float32) * 3
     rows = rows_of(600, temperature=0.9, top_p=top_p, top_k=top_k)
     u = np.array([r.draw() for r in rows], dtype=np.float32)
     inv_t = np.full((600, 1), 1 / 0.9, dtype=np.float32)
-    if route == "numpy":
-        whole = sampler._np_filtered(logits, inv_t, u, rows, full=True)
-        cands = sampler._np_filtered(logits, inv_t, u, rows)
-        ops = np.array(sampler._draw_filtered(mx.array(logits), mx.array(inv_t), mx.array(u), rows))
-        assert (cands == ops).mean() > 0.998
-    else:
-        x, t, uu = mx.array(logits), mx.array(inv_t), mx.array(u)
-        whole = np.array(sampler._draw_filtered(x, t, uu, rows, full=True))
-        cands = np.array(sampler._draw_filtered(x, t, uu, rows, full=False))
-    assert (whole == cands).mean() > 0.998  # (a float sum's order may move a boundary)
+    cands = sampler._draw_filtered(logits, inv_t, u, rows, np)
+    whole = sampler._draw_filtered(logits, inv_t, u, rows, np, full=True)
+    ops = sampler._draw_filtered(mx.array(logits), mx.array(inv_t), mx.array(u), rows, mx)
+    # (a float sum's order may move a boundary)
+    assert (cands == whole).mean() > 0.998 and (cands == np.array(ops)).mean() > 0.998
