@@ -128,8 +128,8 @@ class FusedDecodeStep:
         self.l2_prefetch = gpu_plans and gpu_prefetch.enabled()
         self._prefetch_calls: dict = {}  # (layer, dtype, shape) -> its launch, or None
         # the rows' offsets and starts, at 1-2 rows, copied into device memory once a
-        # step before the kernels read them (MARKBASE_GPU_DEVICE_SCALARS=1; off until
-        # measured): see ``_device_scalars``
+        # step before the kernels read them (MARKBASE_GPU_DEVICE_SCALARS=1; off: measured
+        # slower, session 24): see ``_device_scalars``
         self.device_scalars = (
             gpu_plans and os.environ.get("MARKBASE_GPU_DEVICE_SCALARS", "0") == "1"
         )
@@ -701,14 +701,17 @@ def _device_scalars(a):
     in one small pool of managed memory (mlx/backend/cuda/allocator.cpp,
     ``SmallSizePool``) that the host also touches each step (at B=1 it reads the
     sampled token there), so at 1-2 rows each attention block's read of its row's
-    offset and start may cross to host memory, 32 kernels a step at 8b; one small
-    kernel reads them once instead (a suspect from MLX's source, bench/gpu/NOTES.md
-    session 23; not measured)."""
+    offset and start may cross to host memory, 32 kernels a step at 8b; small copy
+    kernels read them once instead. Measured (H100, bench/gpu/NOTES.md session 24):
+    the attention 14.4 -> 13.5 us a call, but the copies cost more (8b 4-bit B=1 step
+    2.455 -> 2.542 ms), so it stays off; kept for profile_step.py's ``-ds``."""
     import mlx.core as mx
 
     if a.nbytes > 8:
         return a
-    pad = mx.zeros((4 - a.shape[0],), dtype=a.dtype)
+    from engine.gpu_mma import SCALAR_WORDS
+
+    pad = mx.zeros((SCALAR_WORDS - a.shape[0],), dtype=a.dtype)
     return mx.concatenate([a, pad])[: a.shape[0]]
 
 

@@ -601,7 +601,7 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                 for geo in geos:
                     kind = base + ("_sp" if split else "") + f"_lb{geo.threads}x{geo.per_sm}"
                     spec = _spec(kind)
-                    for wearly in (False, True) if geo.wgs == 4 and geo.bn == 128 else (False,):
+                    for wearly in (False, True):  # WEARLY is the default at every geometry
                         tmpl = list(_template(dtype, 64, geo.bn, geo.nx, geo.wgs, wearly))
                         name = f"{spec.name}_{dtype}_{geo.bn}_{geo.nx}_{geo.wgs}"
                         name += "_we" if wearly else ""

@@ -27,8 +27,9 @@ import threading
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.gpu_mma import SCALAR_WORDS  # 16 bytes: past MLX's CUDA pool of tiny arrays
+
 ENV = "MARKBASE_GPU_ROPE_DEVICE_OFFSET"
-WORDS = 4  # 16 bytes: past MLX's CUDA pool of arrays of 8 bytes or less
 KEEP = 16  # offsets remembered a thread (a chunk's layers share one)
 
 
@@ -62,7 +63,7 @@ def device_offset(offset: int) -> mx.array:
     if arr is None:
         if len(made) >= KEEP:
             made.clear()
-        arr = made[offset] = mx.full((WORDS,), offset, dtype=mx.int32)[:1]
+        arr = made[offset] = mx.full((SCALAR_WORDS,), offset, dtype=mx.int32)[:1]
     return arr
 
 

@@ -109,7 +109,7 @@ def test_switches(monkeypatch):
 
 @needs_hopper
 # x buffers : warpgroups, "w": the weights' loads right after each step's wgmma
-@pytest.mark.parametrize("form", ["3:2", "4:2", "3:4", "4:4", "5:4", "3:4w", "4:4w"])
+@pytest.mark.parametrize("form", ["3:2", "4:2", "3:4", "4:4", "5:4", "3:4w", "4:4w", "4:2w"])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize(
     "rows,n,k,gs",

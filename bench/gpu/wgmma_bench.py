@@ -67,13 +67,25 @@ def check(rows: int, n: int, k: int, form: str, dtype=mx.bfloat16, gs: int = 64)
     return float(np.max(np.abs(np.array(got.astype(mx.float32)) - ref)))
 
 
-def check_all(forms: str = "3:2,4:2,3:4,4:4,5:4,3:4w") -> list[dict]:
+# x buffers : warpgroups, "w": the weights' loads right after each step's wgmma
+CHECK_FORMS = "3:2,4:2,3:4,4:4,5:4,3:4w,4:4w,4:2w"
+
+
+def use_form(form: str) -> tuple[str, str]:
+    """Set gpu_wgmma's knobs for launchers made from now on: ``"nx:wg"`` (x buffers,
+    warpgroups), a trailing ``w`` for MARKBASE_GPU_WGMMA_WEARLY=1; -> (nx, wg)."""
+    nx, wgs = form.rstrip("w").split(":")
+    os.environ[gpu_wgmma.NX_ENV], os.environ[gpu_wgmma.WG_ENV] = nx, wgs
+    os.environ[gpu_wgmma.WEARLY_ENV] = "1" if form.endswith("w") else "0"
+    return nx, wgs
+
+
+def check_all(forms: str = CHECK_FORMS) -> list[dict]:
     out = []
     print("| nx:wg | rows | N | K | form | max error |")
     print("|---|---:|---:|---:|---|---:|")
     for nx in [f for f in forms.split(",") if f]:
-        os.environ[gpu_wgmma.NX_ENV], os.environ[gpu_wgmma.WG_ENV] = nx.rstrip("w").split(":")
-        os.environ[gpu_wgmma.WEARLY_ENV] = "1" if nx.endswith("w") else "0"
+        use_form(nx)
         for rows, n, k in (
             (128, 256, 512),
             (40, 384, 256),
@@ -140,7 +152,7 @@ def main() -> None:
     ap.add_argument("--check-forms", default="", help="only these nx:wg in the check (no probes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    check_forms = args.check_forms or "3:2,4:2,3:4,4:4,5:4,3:4w"
+    check_forms = args.check_forms or CHECK_FORMS
     result: dict = {
         "engine": "wgmma-bench",
         "check": [] if args.skip_check else check_all(check_forms),
@@ -183,9 +195,7 @@ def main() -> None:
                 base = timed(fn, inputs, args.calls, args.reps)
                 forms = [(label, base)]
                 for form in [v for v in args.forms.split(",") if v]:
-                    nx, wgs = form.rstrip("w").split(":")  # "w": MARKBASE_GPU_WGMMA_WEARLY=1
-                    os.environ[gpu_wgmma.NX_ENV], os.environ[gpu_wgmma.WG_ENV] = nx, wgs
-                    os.environ[gpu_wgmma.WEARLY_ENV] = "1" if form.endswith("w") else "0"
+                    nx, wgs = use_form(form)
                     try:
                         fn = gpu_wgmma.launcher(mx.bfloat16, rows, n, k, GS, residual, glu)
                         us = timed(fn, inputs, args.calls, args.reps)
