@@ -11,7 +11,9 @@ batch, a full sort for top-p), on the same logits in the same process.
     .venv/bin/python bench/sampler_bench.py [--vocab 49152] [--batches 1,8,32] [--reps 10]
 
 Prints ms a step (median of reps) per batch size and setting for markbase's sampler,
-its per-row form before session 24 (``per_row``) and mlx-lm's, with the ratios.
+its per-row form before session 24 (``per_row``) and mlx-lm's, with the ratios; on a
+CUDA GPU also markbase's MLX ops without engine/gpu_sampler.py's kernel (``ops``).
+``--dtype bfloat16``: logits as a bf16 model's output layer gives them.
 Logits are random normal x 3 (at temperature 0.7, top-p 0.9 keeps 1-485 tokens a row,
 median ~145 at B=32).
 """
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
+from engine import sampler  # noqa: E402
 from engine.sampler import RowSampler, sample_batch  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 
@@ -78,13 +81,17 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args()
-    print(f"device {mx.default_device()}, vocab {args.vocab}, ms a step (median of {args.reps})")
-    print("| B | setting | markbase | markbase before (per row) | mlx-lm make_sampler "
+    cuda = mx.cuda.is_available()
+    print(f"device {mx.default_device()}, vocab {args.vocab}, {args.dtype} logits, "
+          f"ms a step (median of {args.reps})")  # fmt: skip
+    ops_col = " markbase ops (no kernel) |" if cuda else ""
+    print(f"| B | setting | markbase |{ops_col} markbase before (per row) | mlx-lm make_sampler "
           "| before / now | mlx-lm / markbase |")  # fmt: skip
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|" + ("---:|" if cuda else "") + "---:|---:|---:|---:|")
     for b in [int(v) for v in args.batches.split(",")]:
-        logits = mx.random.normal((b, args.vocab)) * 3
+        logits = (mx.random.normal((b, args.vocab)) * 3).astype(getattr(mx, args.dtype))
         # mlx-lm samples from log-probabilities (its generate step makes them first);
         # made here, outside its timing
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -92,13 +99,19 @@ def main() -> None:
         for name, kw in SETTINGS.items():
             rows = [RowSampler.from_params(SamplingParams(seed=i, **kw)) for i in range(b)]
             ours = timed(lambda rows=rows, x=logits: sample_batch(x, rows), args.reps)
+            ops = ""
+            if cuda:
+                sampler.use_kernel_on_gpu = False
+                ms = timed(lambda rows=rows, x=logits: sample_batch(x, rows), args.reps)
+                sampler.use_kernel_on_gpu = True
+                ops = f" {ms:.2f} |"
             peer_sampler = make_sampler(
                 temp=kw["temperature"], top_p=kw.get("top_p", 0.0), top_k=kw.get("top_k", 0)
             )
             peer = timed(lambda s=peer_sampler, x=logprobs: s(x), args.reps)
             keys = [mx.random.key(i) for i in range(b)]
             before = timed(lambda x=logits, kw=kw, keys=keys: per_row(x, kw, keys), args.reps)
-            print(f"| {b} | {name} | {ours:.2f} | {before:.2f} | {peer:.2f} "
+            print(f"| {b} | {name} | {ours:.2f} |{ops} {before:.2f} | {peer:.2f} "
                   f"| {before / ours:.2f}x | {peer / ours:.2f}x |")  # fmt: skip
 
 

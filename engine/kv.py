@@ -42,8 +42,11 @@ class SequenceKV:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
+        self.stage = False  # queue the forward so far here (ModelRunner.prefill's stages)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self.stage:
+            mx.async_eval(keys, values)
         start, n = self.offset, keys.shape[2]
         self.keys = _grow(self.keys, start, start + n, keys)
         self.values = _grow(self.values, start, start + n, values)
@@ -96,8 +99,11 @@ class PromptBatchKV:
         self.starts = [c.offset for c in caches]  # each row's first position this chunk
         self.width = max(self.starts)
         self.offset = mx.array(self.starts, dtype=mx.int32) if self.width else 0
+        self.stage = False  # as SequenceKV.stage
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self.stage:
+            mx.async_eval(keys, values)
         rows_k, rows_v = [], []
         for i, (cache, n, start) in enumerate(zip(self.caches, self.lengths, self.starts)):
             cache.update_and_fetch(keys[i : i + 1, :, :n, :], values[i : i + 1, :, :n, :])

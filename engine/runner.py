@@ -11,7 +11,7 @@ import os
 
 import mlx.core as mx
 
-from engine import attention, cpu_qgemm, fast_math, gpu_prefill, rope_offsets
+from engine import attention, cpu_qgemm, fast_math, gpu_prefill, prefill_stages, rope_offsets
 from engine.cpu_step import CpuDecodeStep
 from engine.decode_step import make_decode_step, on_gpu
 from engine.kv import BatchKV, PromptBatchKV, SequenceKV
@@ -48,6 +48,9 @@ class ModelRunner:
         # engine/cpu_step.py; GPU: the fused one, engine/decode_step.py); other
         # families, or fused_decode=False, call the model as is.
         self.decode_step = _make_decode_step(model) if fused_decode else None
+        # GPU: a prompt chunk's first layers start while the host builds the rest
+        # (engine/prefill_stages.py; MARKBASE_GPU_PREFILL_STAGES=0 turns it off).
+        self.stage_every = prefill_stages.every_from_env() if on_gpu() else 0
         # GPU prefill: quantized products of 256+ rows dequantize the weight and run a
         # float matmul (engine/gpu_prefill.py; MARKBASE_GPU_PREFILL_DEQ_ROWS=0 turns it
         # off); after the decode step took its own copies.
@@ -70,6 +73,12 @@ class ModelRunner:
         self, kv: list[SequenceKV], tokens: list[int], want_logits: bool
     ) -> mx.array | None:
         """Feed ``tokens`` of one sequence; return the last position's logits [V] if asked."""
+        with prefill_stages.staged(kv, len(tokens), self.stage_every):
+            return self._prefill(kv, tokens, want_logits)
+
+    def _prefill(
+        self, kv: list[SequenceKV], tokens: list[int], want_logits: bool
+    ) -> mx.array | None:
         if not want_logits:
             self._forward_body(kv, tokens)
             evaluate = mx.async_eval if self.async_prefill else mx.eval
@@ -104,7 +113,8 @@ class ModelRunner:
         layers = [
             PromptBatchKV([kv[layer] for kv in kvs], lengths) for layer in range(self.num_layers)
         ]
-        hidden = self.body(tokens, cache=layers)
+        with prefill_stages.staged(layers, tokens.size, self.stage_every):
+            hidden = self.body(tokens, cache=layers)
         last = hidden[mx.arange(len(chunks)), mx.array(lengths, dtype=mx.int32) - 1]
         return self.head(last)
 

@@ -213,6 +213,14 @@ class ModelWorker:
         first = sample_batch(logits[None], [greedy])
         layer_kv = [c.kv() for c in kv]
         mx.eval(first, layer_kv)
+        # temperature-only rows (a GPU's sampling kernel, engine/gpu_sampler.py): alone
+        # (the logits' dtype) and beside a top-p row (float32)
+        plain = RowSampler.from_params(SamplingParams(temperature=1.0, seed=0))
+        top_p = RowSampler.from_params(SamplingParams(temperature=1.0, top_p=0.9, seed=0))
+        mx.eval(
+            sample_batch(logits[None], [plain]),
+            sample_batch(mx.stack([logits, logits]), [plain, top_p]),
+        )
         # chunks of fewer rows: their products' kernels compile per band of rows
         for rows in warmup_prefill_rows(self.scheduler.chunk_tokens, self.context_length):
             mx.eval(runner.prefill(runner.new_sequence_kv(), prompt[:rows], want_logits=True))

@@ -58,7 +58,8 @@ def test_layer_kernel_equals_the_separate_kernels(d, f, gs, dtype):
     h = qmm(wo, o, residual=x)
     z = qmm(wgu, h, glu=True, norm=(nw, eps))
     y = qmm(wd, z, residual=h)
-    slot = 1000 + d + f + gs  # a barrier of its own
+    slot = 1000 + d + f + gs  # a barrier of its own (shared by the two dtypes' runs)
+    gen0 = np.array(gpu_qlayer.barrier(slot)).tolist()[1]
     # one launch at a time: two launches of one barrier must not run side by side (MLX's
     # CUDA graphs run nodes without a data dependency concurrently)
     got = gpu_qlayer.post(o, x, wo, wgu, wd, nw, eps, slot=slot)
@@ -82,9 +83,9 @@ def test_layer_kernel_equals_the_separate_kernels(d, f, gs, dtype):
     want_qkv = qmm(wq, y2, norm=(nw1, eps))
     np.testing.assert_allclose(_f32(qkv), _f32(want_qkv), rtol=tol, atol=tol)
     bar = np.array(gpu_qlayer.barrier(slot))
-    # launches of 2, 2 and 3 barriers: the count back to 0, the generation at 7, no
-    # block waited past the limit
-    assert bar.tolist()[:3] == [0, 7, 0]
+    # launches of 2, 2 and 3 barriers: the count back to 0, the generation 7 further
+    # on, no block waited past the limit
+    assert bar.tolist()[:3] == [0, gen0 + 7, 0]
     assert not gpu_qlayer.timed_out()
 
 

@@ -18,11 +18,15 @@ from engine.types import SamplingParams
 N = 12000  # draws per test
 
 
-@pytest.fixture(params=["numpy", "mlx"])
+ON_CUDA = mx.cuda.is_available()
+
+
+@pytest.fixture(params=["numpy", "mlx"] + (["kernel"] if ON_CUDA else []))
 def route(request, monkeypatch):
-    """A test taking it runs on both routes: the CPU's numpy draw and the MLX ops a GPU
-    runs."""
+    """A test taking it runs on every route: the CPU's numpy draw, the MLX ops, and on
+    a CUDA GPU engine/gpu_sampler.py's kernel."""
     monkeypatch.setattr(sampler, "use_numpy_on_cpu", request.param == "numpy")
+    monkeypatch.setattr(sampler, "use_kernel_on_gpu", request.param == "kernel")
     return request.param
 
 
@@ -199,3 +203,27 @@ def test_candidates_and_whole_rows_draw_the_same(top_p, top_k):
     ops = sampler._draw_filtered(mx.array(logits), mx.array(inv_t), mx.array(u), rows, mx)
     # (a float sum's order may move a boundary)
     assert (cands == whole).mean() > 0.998 and (cands == np.array(ops)).mean() > 0.998
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_kernel_and_mlx_ops_draw_the_same(dtype, monkeypatch):
+    """engine/gpu_sampler.py's kernel against the MLX ops for the same uniforms, the
+    llama-3 vocabulary, sampled rows beside greedy ones: the same tokens but where a
+    float sum's order moves a boundary."""
+    rng = np.random.default_rng(7)
+    b, v = 64, 128256
+    logits = mx.array((rng.normal(size=(b, v)) * 3).astype(np.float32)).astype(dtype)
+    logits[5, 1000:1003] = 40.0  # a tie: the first index, as mx.argmax
+
+    def tokens(kernel: bool) -> np.ndarray:
+        monkeypatch.setattr(sampler, "use_kernel_on_gpu", kernel)
+        rows = rows_of(b, seed0=50, temperature=0.8)
+        for i in (0, 5, 17):
+            rows[i] = RowSampler.from_params(SamplingParams(temperature=0.0))
+        return np.array(sample_batch(logits, rows))
+
+    ops, kern = tokens(False), tokens(True)
+    assert kern.shape == (b,) and kern.dtype == np.int32
+    assert kern[5] == 1000 and kern[0] == int(np.argmax(np.array(logits[0].astype(mx.float32))))
+    assert (ops == kern).mean() >= 0.95, (ops != kern).sum()

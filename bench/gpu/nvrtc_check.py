@@ -131,6 +131,7 @@ def all_specs() -> list:
         gpu_qgemm,
         gpu_qlayer,
         gpu_qstream,
+        gpu_sampler,
         gpu_wgmma,
     )
 
@@ -147,6 +148,7 @@ def all_specs() -> list:
         + gpu_dequant.kernel_specs_for_check()
         + gpu_wgmma.kernel_specs_for_check()
         + gpu_prefetch.kernel_specs_for_check()
+        + gpu_sampler.kernel_specs_for_check()
     )
 
 

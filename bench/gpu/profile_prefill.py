@@ -11,7 +11,9 @@ Runs ON the GPU machine (after bench/gpu/remote_setup.sh b and bench/gpu/env.sh)
 
 Variants: ``default`` (as served: engine/gpu_prefill_attention.py's kernel and, for
 4-bit, engine/gpu_prefill.py's route from 256 rows), ``qmm`` (4-bit: MLX's
-``quantized_matmul`` at every row count), ``mlxattn`` (MLX's attention for prompts).
+``quantized_matmul`` at every row count), ``mlxattn`` (MLX's attention for prompts),
+``unstaged`` / ``staged<N>`` (engine/prefill_stages.py off / every N layers; the
+default stages every 4). A variant may be named more than once, to interleave an A/B.
 Each prints wall ms a chunk (median of ``--reps``, synchronised), then, profiled, the
 kernels a chunk, the summed kernel time, the GPU busy time and the top kernels.
 On a CPU (``--models tiny --no-profile``) it only checks that it runs.
@@ -34,11 +36,13 @@ from bench_decode import build_model  # noqa: E402
 from profile_step import kernel_stats  # noqa: E402
 from shapes import CONFIGS  # noqa: E402
 
-from engine import gpu_prefill, gpu_prefill_attention  # noqa: E402
+from engine import gpu_prefill, gpu_prefill_attention, prefill_stages  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 
 now = time.perf_counter
-VARIANTS = ("default", "qmm", "mlxattn")
+# default as served; staged<N> stages every N layers, unstaged none
+# (engine/prefill_stages.py); a variant may repeat to interleave A/B runs
+VARIANTS = ("default", "qmm", "mlxattn", "unstaged", "staged<N>")
 OFF = 1 << 30  # a row threshold no chunk reaches: the dequantize route off
 
 
@@ -46,9 +50,19 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def set_variant(model, variant: str, env: dict) -> None:
-    """Switch the routes in this process (both read their switch per call or per
-    install): the dequantize route's threshold, and the prompt attention's route."""
+def known(variant: str) -> bool:
+    return variant in VARIANTS or (variant.startswith("staged") and variant[6:].isdigit())
+
+
+def set_variant(runner: ModelRunner, model, variant: str, env: dict) -> None:
+    """Switch the routes in this process (each reads its switch per call or per
+    install): the dequantize route's threshold, the prompt attention's route, and
+    the layers between prefill stages."""
+    runner.stage_every = prefill_stages.every_from_env()
+    if variant == "unstaged":
+        runner.stage_every = 0
+    elif variant.startswith("staged"):
+        runner.stage_every = int(variant[6:])
     gpu_prefill.install(
         model, min_rows=OFF if variant == "qmm" else gpu_prefill.min_rows_from_env()
     )
@@ -103,14 +117,14 @@ def main() -> None:
             model = build_model(cfg, quant)
             runner = ModelRunner(model, fused_decode=False)
             for variant in [v for v in args.variants.split(",") if v]:
-                if variant not in VARIANTS:
+                if not known(variant):
                     raise SystemExit(f"unknown variant {variant!r}: want some of {VARIANTS}")
                 if variant == "qmm" and quant == "bf16":
                     continue
                 if now() - t_start > args.budget_s:
                     log(f"[{name} {quant}] {variant}: budget spent")
                     continue
-                set_variant(model, variant, os.environ)
+                set_variant(runner, model, variant, os.environ)
                 t = now()
                 one_chunk(runner, tokens)  # first call: JIT compiles
                 first = now() - t

@@ -389,10 +389,28 @@ for stage in "$@"; do
         B1_VARIANTS=${B1_QL_VARIANTS:-default-wc-qe-pf12-qn1,default-wc-qe-qn1-ql,default-wc-qe-qn1-ql2,default-wc-qe-qn1-ql3} \
             bash "$0" b1-profile
         ;;
+    prefill-stages)  # session 25 (prepared): a prompt chunk's forward queued at some layers
+        # (engine/prefill_stages.py) so the GPU starts while the host builds the rest,
+        # against none (the profile showed the GPU idle ~3.3 ms of an 11 ms 1b chunk),
+        # interleaved in one process; then the 1b 4-bit default with the RoPE offset as
+        # MLX's pool scalar (MARKBASE_GPU_ROPE_DEVICE_OFFSET=0): compare its rope kernel
+        timeout ${PS_TIMEOUT:-150} python3 bench/gpu/profile_prefill.py --models ${PS_MODELS:-1b,8b} \
+            --quants ${PS_QUANTS:-bf16,q4} --variants ${PS_VARIANTS:-unstaged,default,unstaged,default} \
+            --budget-s $(( ${PS_TIMEOUT:-150} - 30 )) --out "$OUT/prefill_stages.json" 2>&1 \
+            | grep -v -i warn | tee "$OUT/prefill_stages.log"
+        MARKBASE_GPU_ROPE_DEVICE_OFFSET=0 timeout ${PS_ROPE_TIMEOUT:-60} python3 bench/gpu/profile_prefill.py \
+            --models 1b --quants q4 --variants default --budget-s 40 --out "$OUT/prefill_rope0.json" 2>&1 \
+            | grep -v -i warn | tee "$OUT/prefill_rope0.log"
+        ;;
     sampler)  # session 24 (prepared): engine/sampler.py's batched draw on the GPU against its
         # per-row form before and mlx-lm's make_sampler, llama-3 vocabulary, B=1..128
+        # (session 25: engine/gpu_sampler.py's kernel for the plain rows, its tests first,
+        # then the bench with bf16 logits as the output layer gives them, the MLX ops beside)
+        timeout ${SAMPLER_TEST_TIMEOUT:-90} python3 -m pytest -q -p no:cacheprovider --tb=short \
+            tests/test_sampler.py 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/test_sampler.log"
         timeout ${SAMPLER_TIMEOUT:-120} python3 bench/sampler_bench.py --vocab 128256 \
-            --batches 1,8,32,128 --reps 10 2>&1 | grep -v -i warn | tee "$OUT/sampler.md"
+            --dtype ${SAMPLER_DTYPE:-bfloat16} --batches 1,8,32,128 --reps 10 2>&1 \
+            | grep -v -i warn | tee "$OUT/sampler.md"
         ;;
     rope-ab)  # session 24 (prepared): prompt chunks' RoPE offsets in device memory
         # (engine/rope_offsets.py) or as mx.fast.rope's pool scalar: 2k prefill and B=1,

@@ -1,0 +1,60 @@
+"""engine/prefill_stages.py (CPU, stages forced on): a staged prompt chunk queues its
+forward at the marked layers and gives the same logits and KV as an unstaged one;
+the marks are gone afterwards."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from engine import prefill_stages
+from engine.loading import build_random_model
+from engine.runner import ModelRunner
+
+CFG = dict(hidden_size=64, num_hidden_layers=7, intermediate_size=128, num_attention_heads=4,
+           num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=128)  # fmt: skip
+
+
+def test_stage_layers():
+    assert prefill_stages.stage_layers(16, 4) == [1, 5, 9, 13]
+    assert prefill_stages.stage_layers(32, 4) == [1, 5, 9, 13, 17, 21, 25, 29]
+    assert prefill_stages.stage_layers(16, 0) == []
+    assert prefill_stages.stage_layers(2, 4) == []  # nothing to overlap
+
+
+def test_staged_prefill_equals_unstaged(monkeypatch):
+    model = build_random_model("llama", CFG, seed=5).model
+    runner = ModelRunner(model)
+    tokens = [int(t) for t in np.random.default_rng(0).integers(0, 128, size=160)]
+    queued = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(len(a)), real(*a)))
+
+    runner.stage_every = 0
+    plain_kv = runner.new_sequence_kv()
+    plain = np.array(runner.prefill(plain_kv, tokens, want_logits=True))
+    assert queued == []
+
+    runner.stage_every = 2
+    staged_kv = runner.new_sequence_kv()
+    staged = np.array(runner.prefill(staged_kv, tokens, want_logits=True))
+    assert len(queued) == len(prefill_stages.stage_layers(7, 2)) == 3
+    np.testing.assert_array_equal(staged, plain)
+    for a, b in zip(staged_kv, plain_kv):
+        np.testing.assert_array_equal(np.array(a.kv()[0]), np.array(b.kv()[0]))
+    assert not any(c.stage for c in staged_kv)
+
+    queued.clear()  # a short chunk is not staged
+    runner.prefill(runner.new_sequence_kv(), tokens[:16], want_logits=True)
+    assert queued == []
+
+    queued.clear()  # several prompts in one forward (200 rows) are staged too
+    kvs = [runner.new_sequence_kv() for _ in range(2)]
+    together = np.array(runner.prefill_together(kvs, [tokens[:100], tokens[:90]]))
+    assert len(queued) == 3
+    np.testing.assert_allclose(together[0], plain_first(runner, tokens[:100]), atol=1e-5)
+
+
+def plain_first(runner, tokens):
+    runner.stage_every = 0
+    return np.array(runner.prefill(runner.new_sequence_kv(), tokens, want_logits=True))
