@@ -90,8 +90,9 @@ def sample_batch(logits: mx.array, rows: list[RowSampler]) -> mx.array:
         return mx.argmax(logits, axis=-1).astype(mx.int32)
     draws = [rows[i].draw() for i in live]
     xp = np if numpy_route() else mx
-    kernel = xp is mx and use_kernel_on_gpu and gpu_sampler.enabled() and gpu_sampler.takes(logits)
-    if kernel and not any(rows[i].filters for i in live):  # one kernel for the whole step
+    kernel = xp is mx and use_kernel_on_gpu and gpu_sampler.enabled()
+    whole = kernel and gpu_sampler.takes(logits) and not any(rows[i].filters for i in live)
+    if whole:  # one kernel for the whole step
         return gpu_sampler.draw(raw, _kernel_params(rows, range(len(rows)), draws))
     x = np.asarray(logits) if xp is np else logits
     if len(live) < len(rows):
@@ -105,7 +106,7 @@ def sample_batch(logits: mx.array, rows: list[RowSampler]) -> mx.array:
             continue
         idx = [live[j] for j in group]
         sub = x if len(idx) == len(rows) else x[xp.array(idx)]
-        if kernel and drawer is _draw_full:
+        if kernel and drawer is _draw_full and gpu_sampler.takes(sub):
             tokens = gpu_sampler.draw(sub, _kernel_params(rows, idx, [draws[j] for j in group]))
         else:
             inv_t = xp.array([[1.0 / rows[i].temperature] for i in idx], dtype=xp.float32)

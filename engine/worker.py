@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from engine import metrics
+from engine import gpu_sampler, metrics
 from engine.config import (
     EngineConfig,
     pipeline_decode_enabled,
@@ -213,13 +213,15 @@ class ModelWorker:
         first = sample_batch(logits[None], [greedy])
         layer_kv = [c.kv() for c in kv]
         mx.eval(first, layer_kv)
-        # temperature-only rows (a GPU's sampling kernel, engine/gpu_sampler.py): alone
-        # (the logits' dtype) and beside a top-p row (float32)
+        # temperature-only rows (a GPU's sampling kernel, engine/gpu_sampler.py, from
+        # MIN_ROWS rows): alone (the logits' dtype) and beside a top-p row (float32)
+        n = gpu_sampler.MIN_ROWS + 1
         plain = RowSampler.from_params(SamplingParams(temperature=1.0, seed=0))
         top_p = RowSampler.from_params(SamplingParams(temperature=1.0, top_p=0.9, seed=0))
+        rows_of = mx.broadcast_to(logits[None], (n, logits.shape[-1]))
         mx.eval(
-            sample_batch(logits[None], [plain]),
-            sample_batch(mx.stack([logits, logits]), [plain, top_p]),
+            sample_batch(rows_of, [plain] * n),
+            sample_batch(rows_of, [plain] * (n - 1) + [top_p]),
         )
         # chunks of fewer rows: their products' kernels compile per band of rows
         for rows in warmup_prefill_rows(self.scheduler.chunk_tokens, self.context_length):

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import sampler
+from engine import gpu_sampler, sampler
 from engine.sampler import RowSampler, sample_batch
 from engine.types import SamplingParams
 
@@ -21,12 +21,14 @@ N = 12000  # draws per test
 ON_CUDA = mx.cuda.is_available()
 
 
-@pytest.fixture(params=["numpy", "mlx"] + (["kernel"] if ON_CUDA else []))
+@pytest.fixture(params=["numpy", "mlx"] + (["kernel", "kernel-onepass"] if ON_CUDA else []))
 def route(request, monkeypatch):
     """A test taking it runs on every route: the CPU's numpy draw, the MLX ops, and on
-    a CUDA GPU engine/gpu_sampler.py's kernel."""
+    a CUDA GPU engine/gpu_sampler.py's kernel in both its forms."""
     monkeypatch.setattr(sampler, "use_numpy_on_cpu", request.param == "numpy")
-    monkeypatch.setattr(sampler, "use_kernel_on_gpu", request.param == "kernel")
+    monkeypatch.setattr(sampler, "use_kernel_on_gpu", request.param.startswith("kernel"))
+    monkeypatch.setattr(gpu_sampler, "MIN_ROWS", 1)  # the kernel at every batch size
+    monkeypatch.setenv("MARKBASE_GPU_SAMPLER_ONEPASS", "1" if "onepass" in request.param else "0")
     return request.param
 
 
@@ -207,7 +209,8 @@ def test_candidates_and_whole_rows_draw_the_same(top_p, top_k):
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-def test_kernel_and_mlx_ops_draw_the_same(dtype, monkeypatch):
+@pytest.mark.parametrize("onepass", ["0", "1"])
+def test_kernel_and_mlx_ops_draw_the_same(dtype, onepass, monkeypatch):
     """engine/gpu_sampler.py's kernel against the MLX ops for the same uniforms, the
     llama-3 vocabulary, sampled rows beside greedy ones: the same tokens but where a
     float sum's order moves a boundary."""
@@ -215,6 +218,7 @@ def test_kernel_and_mlx_ops_draw_the_same(dtype, monkeypatch):
     b, v = 64, 128256
     logits = mx.array((rng.normal(size=(b, v)) * 3).astype(np.float32)).astype(dtype)
     logits[5, 1000:1003] = 40.0  # a tie: the first index, as mx.argmax
+    monkeypatch.setenv("MARKBASE_GPU_SAMPLER_ONEPASS", onepass)
 
     def tokens(kernel: bool) -> np.ndarray:
         monkeypatch.setattr(sampler, "use_kernel_on_gpu", kernel)

@@ -402,15 +402,19 @@ for stage in "$@"; do
             --models 1b --quants q4 --variants default --budget-s 40 --out "$OUT/prefill_rope0.json" 2>&1 \
             | grep -v -i warn | tee "$OUT/prefill_rope0.log"
         ;;
-    sampler)  # session 24 (prepared): engine/sampler.py's batched draw on the GPU against its
+    sampler)  # session 24: engine/sampler.py's batched draw on the GPU against its
         # per-row form before and mlx-lm's make_sampler, llama-3 vocabulary, B=1..128
         # (session 25: engine/gpu_sampler.py's kernel for the plain rows, its tests first,
         # then the bench with bf16 logits as the output layer gives them, the MLX ops beside)
         timeout ${SAMPLER_TEST_TIMEOUT:-90} python3 -m pytest -q -p no:cacheprovider --tb=short \
             tests/test_sampler.py 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/test_sampler.log"
-        timeout ${SAMPLER_TIMEOUT:-120} python3 bench/sampler_bench.py --vocab 128256 \
-            --dtype ${SAMPLER_DTYPE:-bfloat16} --batches 1,8,32,128 --reps 10 2>&1 \
-            | grep -v -i warn | tee "$OUT/sampler.md"
+        # (the kernel at every B, MIN_ROWS 1; its two-pass form, then the one-pass form)
+        for one in ${SAMPLER_ONEPASS:-0 1}; do
+            MARKBASE_GPU_SAMPLER_MIN_ROWS=1 MARKBASE_GPU_SAMPLER_ONEPASS=$one \
+                timeout ${SAMPLER_TIMEOUT:-120} python3 bench/sampler_bench.py --vocab 128256 \
+                --dtype ${SAMPLER_DTYPE:-bfloat16} --batches 1,8,32,128 --reps 10 2>&1 \
+                | grep -v -i warn | tee "$OUT/sampler$one.md"
+        done
         ;;
     rope-ab)  # session 24 (prepared): prompt chunks' RoPE offsets in device memory
         # (engine/rope_offsets.py) or as mx.fast.rope's pool scalar: 2k prefill and B=1,
