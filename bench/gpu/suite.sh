@@ -394,6 +394,8 @@ for stage in "$@"; do
         # against none (the profile showed the GPU idle ~3.3 ms of an 11 ms 1b chunk),
         # interleaved in one process; then the 1b 4-bit default with the RoPE offset as
         # MLX's pool scalar (MARKBASE_GPU_ROPE_DEVICE_OFFSET=0): compare its rope kernel
+        timeout 60 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_prefill_stages.py \
+            2>&1 | grep -v -i warn | tail -4 | tee "$OUT/test_stages.log"  # staged = unstaged, on the GPU
         timeout ${PS_TIMEOUT:-150} python3 bench/gpu/profile_prefill.py --models ${PS_MODELS:-1b,8b} \
             --quants ${PS_QUANTS:-bf16,q4} --variants ${PS_VARIANTS:-unstaged,default,unstaged,default} \
             --budget-s $(( ${PS_TIMEOUT:-150} - 30 )) --out "$OUT/prefill_stages.json" 2>&1 \
