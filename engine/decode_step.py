@@ -117,7 +117,7 @@ class FusedDecodeStep:
         self._pre, self._post, self._qkv = [], [], []
         self._products: list = []  # (linear, residual, glu): what warm_up compiles for
         # engine/gpu_qlayer.py's one-kernel layer tail at one row (MARKBASE_GPU_QSTREAM_LAYER=1;
-        # off by default until measured); per layer, whether the kernel takes it
+        # off: measured slower, sessions 14 and 25); per layer, whether the kernel takes it
         self.qlayer = gpu_qlayer.wanted()
         # ... and the next layer's RMSNorm + q/k/v product as its fourth phase
         # (MARKBASE_GPU_QSTREAM_LAYER=2): the step is then two kernels a layer

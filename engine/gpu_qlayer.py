@@ -27,11 +27,12 @@ Each phase after the first issues its first weight loads, then meets the barrier
 under the wait, which separate launches cannot do (MLX's graphs have no programmatic
 dependent launch).
 
-Off unless MARKBASE_GPU_QSTREAM_LAYER=1 (``wanted``). Session 14 measured it slower (8b
-4-bit B=1 GPU time 2.91 -> 3.59 ms), while its epsilon was a [1] array in MLX's pool of
-tiny arrays, read by every block across PCIe (~11 us a launch, bench/gpu/pool_cost.py,
-session 24); with the epsilon in device memory and the barrier after the first loads it
-is not yet measured (``suite.sh b1-ql``).
+Off unless MARKBASE_GPU_QSTREAM_LAYER=1 (``wanted``): measured slower. Session 14: 8b
+4-bit B=1 GPU time 2.91 -> 3.59 ms, while its epsilon was a [1] array in MLX's pool of
+tiny arrays. Session 25 (H100, ``suite.sh b1-ql``), with the epsilon in device memory
+and the barrier after the first loads: GPU busy 2.408 ms a step as served against 2.583
+(this kernel), 2.625 (with the next q/k/v) and 3.331 (gpu_qblock's whole layer); the
+layer kernel takes 54.2 us a layer against ~48 us for the separate launches.
 """
 
 from __future__ import annotations

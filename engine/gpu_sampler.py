@@ -40,7 +40,7 @@ import os
 from engine.cuda_kernels import Baked, KernelSpec, for_dtype, one_output_call
 
 THREADS = 1024
-BLOCK = 256  # tokens a block: engine/sampler.BLOCK
+BLOCK = 256  # tokens a block of the two-level draw (engine/sampler.py's too)
 MAX_BLOCKS = 2048  # so vocabularies up to 524,288 tokens
 MIN_ROWS = int(os.environ.get("MARKBASE_GPU_SAMPLER_MIN_ROWS", "8"))  # measured: above
 

@@ -43,7 +43,7 @@ import numpy as np
 from engine import gpu_sampler
 from engine.types import SamplingParams
 
-BLOCK = 256  # tokens a block of the two-level draw
+BLOCK = gpu_sampler.BLOCK  # tokens a block of the two-level draw (the kernel's too)
 CANDIDATES = 1024  # logits a top-k/top-p row sorts on the CPU (more where its top_k asks)
 
 
@@ -91,7 +91,7 @@ def sample_batch(logits: mx.array, rows: list[RowSampler]) -> mx.array:
     draws = [rows[i].draw() for i in live]
     xp = np if numpy_route() else mx
     kernel = xp is mx and use_kernel_on_gpu and gpu_sampler.enabled()
-    whole = kernel and gpu_sampler.takes(logits) and not any(rows[i].filters for i in live)
+    whole = kernel and gpu_sampler.takes(raw) and not any(rows[i].filters for i in live)
     if whole:  # one kernel for the whole step
         return gpu_sampler.draw(raw, _kernel_params(rows, range(len(rows)), draws))
     x = np.asarray(logits) if xp is np else logits

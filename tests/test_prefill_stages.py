@@ -30,14 +30,17 @@ def test_staged_prefill_equals_unstaged(monkeypatch):
     real = mx.async_eval
     monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(len(a)), real(*a)))
 
-    runner.stage_every = 0
+    def prefill(prompt, every, kv=None):
+        runner.stage_every = every
+        kv = runner.new_sequence_kv() if kv is None else kv
+        return np.array(runner.prefill(kv, prompt, want_logits=True))
+
     plain_kv = runner.new_sequence_kv()
-    plain = np.array(runner.prefill(plain_kv, tokens, want_logits=True))
+    plain = prefill(tokens, 0, plain_kv)
     assert queued == []
 
-    runner.stage_every = 2
     staged_kv = runner.new_sequence_kv()
-    staged = np.array(runner.prefill(staged_kv, tokens, want_logits=True))
+    staged = prefill(tokens, 2, staged_kv)
     assert len(queued) == len(prefill_stages.stage_layers(7, 2)) == 3
     np.testing.assert_array_equal(staged, plain)
     for a, b in zip(staged_kv, plain_kv):
@@ -45,16 +48,11 @@ def test_staged_prefill_equals_unstaged(monkeypatch):
     assert not any(c.stage for c in staged_kv)
 
     queued.clear()  # a short chunk is not staged
-    runner.prefill(runner.new_sequence_kv(), tokens[:16], want_logits=True)
+    prefill(tokens[:16], 2)
     assert queued == []
 
     queued.clear()  # several prompts in one forward (200 rows) are staged too
     kvs = [runner.new_sequence_kv() for _ in range(2)]
     together = np.array(runner.prefill_together(kvs, [tokens[:100], tokens[:90]]))
     assert len(queued) == 3
-    np.testing.assert_allclose(together[0], plain_first(runner, tokens[:100]), atol=1e-5)
-
-
-def plain_first(runner, tokens):
-    runner.stage_every = 0
-    return np.array(runner.prefill(runner.new_sequence_kv(), tokens, want_logits=True))
+    np.testing.assert_allclose(together[0], prefill(tokens[:100], 0), atol=1e-5)
