@@ -288,16 +288,6 @@ class FusedDecodeStep:
 
         self._head = wrap(head)
         self._lm_head = lm_head
-        # each 1-row product's kernel may ask L2 for the start of the product after it
-        # as its warps end (gpu_qstream's tail prefetch, MARKBASE_GPU_QSTREAM_TAIL_PF_MB):
-        # gate/up -> down_proj -> the next layer's q/k/v (the last layer's: the lm_head).
-        # o_proj's and q/k/v's are engine/gpu_prefetch.py's, beside the attention
-        nexts = self._wqkv[1:] + [lm_head]
-        for (_, wgu, down_proj), nxt in zip(self._tails, nexts):
-            if isinstance(wgu, GpuQuantizedLinear):
-                wgu.tail_next = (down_proj, False)
-            if isinstance(down_proj, GpuQuantizedLinear):
-                down_proj.tail_next = (nxt, False)
         # GPU: decode attention as engine/gpu_attention.py's kernel (no mask, one
         # kernel a layer instead of MLX's masked fallback's seven)
         self.attention_kernel = bool(gpu_plans) and attention_kernel_wanted(model)
@@ -504,7 +494,7 @@ class FusedDecodeStep:
         return out
 
     def _qstream_products(self) -> set:
-        """(group size, K, residual, glu, norm, tail prefetch kind) of every 1-row product the step can send
+        """(group size, K, residual, glu, norm) of every 1-row product the step can send
         to engine/gpu_qstream.py (the lm_head too: it has the qkv's K, so shares its
         kernel on llama shapes, but a model need not)."""
         from engine import gpu_qstream
@@ -519,9 +509,7 @@ class FusedDecodeStep:
                 dtype, 1, n, k, linear.bits, linear.group_size, linear.mode, linear.biases
             ):
                 norm = normed and self.fold and gpu_qstream.takes_norm(n, glu)
-                pf, _ = linear._tail_prefetch(dtype)
-                pf_kind = 0 if pf is None else 2 if pf[1] else 1
-                out.add((linear.group_size, k, residual, glu, norm, pf_kind))
+                out.add((linear.group_size, k, residual, glu, norm))
         return out
 
     def _compiled_call(self, tokens, cache):

@@ -283,10 +283,6 @@ class GpuLinear(_Routes):
 class GpuQuantizedLinear(_Routes):
     """A quantized linear layer (no bias) that follows the quantized plan per call."""
 
-    # (the product the decode step runs after this one, whether it is a [gate; up]
-    # pair): set by engine/decode_step.py for the 1-row kernels' tail prefetch
-    tail_next: tuple | None = None
-
     def __init__(self, weight, scales, biases, group_size, bits, mode, plan=None) -> None:
         self.weight, self.scales, self.biases = weight, scales, biases
         self.group_size, self.bits, self.mode = group_size, bits, mode
@@ -316,12 +312,7 @@ class GpuQuantizedLinear(_Routes):
 
                 if norm and not gpu_qstream.takes_norm(n, glu):
                     return None
-                pf, nxt = self._tail_prefetch(dtype)
-                run = gpu_qstream.launcher(dtype, n, k, self.group_size, residual, glu, norm, pf)
-                if pf is None:
-                    return run
-                more = [nxt.weight, nxt.scales, nxt.biases]
-                return lambda inputs: run(inputs + more)
+                return gpu_qstream.launcher(dtype, n, k, self.group_size, residual, glu, norm)
             form = "qmma"
         if form == "qgemm" and self._wgmma_takes(rows, dtype, n, k):
             if norm:  # as for qgemm: the norm as its own op (_make_route)
@@ -343,27 +334,6 @@ class GpuQuantizedLinear(_Routes):
         from engine import gpu_mma
 
         return gpu_mma.launcher("q4", dtype, rows, n, k, self.group_size, residual, glu, norm)
-
-    def _tail_prefetch(self, dtype):
-        """((bytes, next is [gate; up]), the next product) for the 1-row kernel's tail
-        prefetch (engine/gpu_qstream.py ``_TAIL_PF``): ``tail_next`` is set (the decode
-        step links each product to the one after it), is 4-bit with biases in this
-        dtype, and ``gpu_qstream.tail_prefetch_bytes`` is not 0; else (None, None)."""
-        import mlx.core as mx
-
-        from engine import gpu_qstream
-
-        nxt, glu = self.tail_next or (None, False)
-        size = gpu_qstream.tail_prefetch_bytes()
-        if (
-            size <= 0
-            or not isinstance(nxt, GpuQuantizedLinear)
-            or nxt.biases is None
-            or nxt.weight.dtype != mx.uint32
-            or nxt.scales.dtype != dtype
-        ):
-            return None, None
-        return (size, glu), nxt
 
     def _qgemm_or_qmma(self, form: str, rows: int, dtype, glu: bool, k: int, residual: bool) -> str:
         """``form``, except ``qgemm`` where its kernel does not take this layer or the

@@ -477,49 +477,6 @@ _IBODY = r"""
 """
 
 
-# The tail prefetch (``_pf`` kinds of the integer form; ``MARKBASE_GPU_QSTREAM_TAIL_PF``,
-# off until measured): as each warp ends its rows it asks L2 for a share of the next
-# product's first rows (the rows that product's warps take first: warp g output g; with
-# PGLU, [gate; up], the first rows of each half), ``PFB`` bytes of weights, scales and
-# biases in all. Why: a launch's start and end leave HBM idle for ~3 us (one read kernel
-# of o_proj's size gets 1.6 TB/s where a copy gets 3.0: bench/gpu/NOTES.md, session 23),
-# and the next product's first loads then wait a full HBM latency. Issued from the warps
-# that are done, those bytes move into the end of this launch and the gap after it.
-_TAIL_PF_HEADER = r"""
-__device__ __forceinline__ void mb_pf_lines(const void* p, const size_t bytes, const size_t t,
-                                            const size_t nt) {
-  const char* c = static_cast<const char*>(p);
-  for (size_t o = t * 128; o < bytes; o += nt * 128) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + o));
-  }
-}
-template <bool PGLU, typename S>
-__device__ __forceinline__ void mb_tail_prefetch(const uint32_t* w, const size_t n,
-                                                 const size_t kw, const S* s, const S* b,
-                                                 const size_t ks, const size_t bytes,
-                                                 const size_t t, const size_t nt) {
-  const size_t half = PGLU ? n / 2 : n;
-  const size_t wr = kw * 4, sr = ks * sizeof(S);
-  size_t rows = bytes / ((wr + 2 * sr) * (PGLU ? 2 : 1));
-  rows = rows < half ? rows : half;
-  const char* wc = reinterpret_cast<const char*>(w);
-  const char* sc = reinterpret_cast<const char*>(s);
-  const char* bc = reinterpret_cast<const char*>(b);
-#pragma unroll
-  for (int h = 0; h < (PGLU ? 2 : 1); ++h) {
-    mb_pf_lines(wc + h * half * wr, rows * wr, t, nt);
-    mb_pf_lines(sc + h * half * sr, rows * sr, t, nt);
-    mb_pf_lines(bc + h * half * sr, rows * sr, t, nt);
-  }
-}
-"""
-_TAIL_PF = r"""
-  // PF: this warp is done; its share of the next product's first rows, asked of L2
-  mb_tail_prefetch<PGLU>(pw, pw_shape[0], pw_shape[1], ps, pb, ps_shape[1],
-                         static_cast<size_t>(PFB), static_cast<size_t>(gw) * 32 + lane,
-                         static_cast<size_t>(TW) * 32);
-"""
-
 # The tensor-core form (``mma``): a warp owns 16 weight rows (an m-tile; with the SwiGLU
 # 8 gate rows and their 8 up rows) and walks K in blocks of 8 quantization groups. In
 # one mma.sync.m16n8k16 the 16 k of a lane's A pairs are 2 values from each of the
@@ -729,11 +686,8 @@ def _specs() -> dict[str, KernelSpec]:
         if form in NORM_FORMS:
             kinds += [("_norm", False, False, True), ("_glu_norm", True, False, True)]
         if form == "q4i":  # bench/gpu/q4_bench.py's ablation: the stream without the math
-            plain = list(kinds)
-            kinds += [(k + "_abl", g, r, nm) for k, g, r, nm in plain]
-            kinds += [(k + "_pf", g, r, nm) for k, g, r, nm in plain]  # the tail prefetch
+            kinds += [(k + "_abl", g, r, nm) for k, g, r, nm in kinds]
         for suffix, glu, res, norm in kinds:
-            pf = suffix.endswith("_pf")
             flags = "".join(
                 f"  constexpr bool {name} = {'true' if on else 'false'};\n"
                 for name, on in (("GLU", glu), ("RES", res), ("NORM", norm))
@@ -748,14 +702,9 @@ def _specs() -> dict[str, KernelSpec]:
                 flags += "  const T* nw = nullptr;\n  const float* eps = nullptr;\n"
             extra = [("r", "T", 2)] if res else []
             extra += [("nw", "T", 1), ("eps", "float32", 1)] if norm else []
-            extra += [("pw", "uint32", 2), ("ps", "T", 2), ("pb", "T", 2)] if pf else []
             name = {"q4": "mb_qstream", "q4i": "mb_qstream_i", "mma": "mb_qstream_mma"}[form]
             out[form + suffix] = KernelSpec(
-                name + suffix,
-                inputs + extra,
-                [("y", "T")],
-                flags + body + (_TAIL_PF if pf else ""),
-                header + (_TAIL_PF_HEADER if form == "q4i" else ""),
+                name + suffix, inputs + extra, [("y", "T")], flags + body, header
             )
     return out
 
@@ -945,21 +894,11 @@ def takes_norm(n: int, glu: bool) -> bool:
 
 
 def launcher(
-    dtype,
-    n: int,
-    k: int,
-    gs: int,
-    residual: bool = False,
-    glu: bool = False,
-    norm: bool = False,
-    prefetch: tuple[int, bool] | None = None,
+    dtype, n: int, k: int, gs: int, residual: bool = False, glu: bool = False, norm: bool = False
 ):
     """``call(inputs) -> y`` [1, N] (``glu``: [1, N/2]) for x [1, K] and a 4-bit weight of
     ``n`` rows; ``inputs``: x, w, scales, biases, then the residual (``residual``) or the
-    RMSNorm's weight [K] and epsilon [1] float32 (``norm``: ``takes_norm`` must say so),
-    then with ``prefetch`` = (bytes, the next product is a [gate; up] pair) that next
-    product's weight, scales and biases, whose first rows the warps ask L2 for as they
-    end (the integer form only: ``_TAIL_PF``)."""
+    RMSNorm's weight [K] and epsilon [1] float32 (``norm``: ``takes_norm`` must say so)."""
     if glu and residual:
         raise ValueError("gpu_qstream: glu and residual together are not a kernel")
     if norm and residual:
@@ -972,15 +911,9 @@ def launcher(
     kind = form + ("_glu" if glu else "_res" if residual else "") + ("_norm" if norm else "")
     if form == "q4i" and _knobs.get("abl"):
         kind += "_abl"
-    elif prefetch is not None and form == "q4i":
-        kind += "_pf"
-    elif prefetch is not None:
-        raise ValueError(f"gpu_qstream: form {form} does not take the tail prefetch")
     template = (("T", dtype), ("K", k), ("GS", gs), ("STAGES", stages), ("WARPS", warps))
     if form == "q4i":
         template += (("CPS", cps), ("EARLY", early_issue()))
-    if kind.endswith("_pf"):
-        template += (("PFB", int(prefetch[0])), ("PGLU", bool(prefetch[1])))
     smem = smem_bytes(form, k, gs, stages, warps, cps)
     if smem + 1024 > smem_per_sm():
         raise ValueError(
@@ -995,48 +928,24 @@ def launcher(
 
 
 def quantized_matmul(
-    x,
-    w,
-    scales,
-    biases,
-    group_size: int,
-    residual=None,
-    glu: bool = False,
-    norm=None,
-    prefetch=None,
+    x, w, scales, biases, group_size: int, residual=None, glu: bool = False, norm=None
 ):
     """``x @ dequantize(w).T`` for one row x [1, K] and a 4-bit affine ``w`` [N, K/8];
     ``residual`` [1, N] added; ``glu``: w = [gate; up], the result silu(gate) * up;
-    ``norm`` = (weight [K], eps): x through that RMSNorm first; ``prefetch`` = (bytes,
-    next is [gate; up], (its weight, scales, biases)): the tail prefetch of that next
-    product (``launcher``)."""
+    ``norm`` = (weight [K], eps): x through that RMSNorm first."""
     from engine.gpu_mma import device_scalar
 
     n, k = w.shape[0], w.shape[1] * 8
     inputs = [x, w, scales, biases] + ([residual] if residual is not None else [])
     if norm is not None:
         inputs += [norm[0], device_scalar(float(norm[1]))]
-    pf = None
-    if prefetch is not None:
-        pf = (prefetch[0], prefetch[1])
-        inputs += list(prefetch[2])
-    run = launcher(x.dtype, n, k, group_size, residual is not None, glu, norm is not None, pf)
+    run = launcher(x.dtype, n, k, group_size, residual is not None, glu, norm is not None)
     return run(inputs)
-
-
-def tail_prefetch_bytes() -> int:
-    """Bytes of the next product each 1-row product's warps ask L2 for as they end
-    (``_TAIL_PF``): ``MARKBASE_GPU_QSTREAM_TAIL_PF_MB`` MiB; 0 (the default until
-    measured) turns it off."""
-    import os
-
-    return int(float(os.environ.get("MARKBASE_GPU_QSTREAM_TAIL_PF_MB", "0")) * (1 << 20))
 
 
 def warm(dtype, products) -> None:
     """Compile now every variant the decode step can call: ``products`` = (group size,
-    K, residual, glu[, norm[, tail prefetch: 0 none, 1 plain, 2 [gate; up]]]) per kind
-    of 1-row product (NVRTC ~1 s each; MLX keeps the
+    K, residual, glu[, norm]) per kind of 1-row product (NVRTC ~1 s each; MLX keeps the
     PTX on disk)."""
     import mlx.core as mx
 
@@ -1045,8 +954,6 @@ def warm(dtype, products) -> None:
     outs = []
     for gs, k, residual, glu, *rest in sorted(set(products)):
         norm = bool(rest and rest[0])
-        # the tail prefetch: 0 none, 1 of a plain next product, 2 of a [gate; up] one
-        pf_kind = rest[1] if len(rest) > 1 else 0
         n = 16  # one m-tile (the tensor-core form's; the CUDA-core form takes any)
         s = mx.ones((n, k // gs), dtype=dtype)
         ins = [mx.zeros((1, k), dtype=dtype), mx.zeros((n, k // 8), dtype=mx.uint32), s, s]
@@ -1054,11 +961,7 @@ def warm(dtype, products) -> None:
             ins.append(mx.zeros((1, n), dtype=dtype))
         if norm:
             ins += [mx.ones((k,), dtype=dtype), device_scalar(1e-5)]
-        pf = None
-        if pf_kind:
-            pf = (tail_prefetch_bytes(), pf_kind == 2)
-            ins += [mx.zeros((n, k // 8), dtype=mx.uint32), s, s]
-        outs.append(launcher(dtype, n, k, gs, residual, glu, norm, pf)(ins))
+        outs.append(launcher(dtype, n, k, gs, residual, glu, norm)(ins))
     mx.eval(outs)
 
 
@@ -1073,7 +976,5 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                     cps = 2 if (k // 1024) % 2 == 0 else 1
                     tmpl += [("CPS", cps), ("EARLY", stages != 4)]
                     name += f"_c{cps}" + ("_e" if stages != 4 else "")
-                if spec.name.endswith("_pf"):  # the tail prefetch: 8 MiB, of a [gate; up]
-                    tmpl += [("PFB", 8 << 20), ("PGLU", k == 4096)]
                 out.append(for_dtype(spec, dtype, name, tmpl))
     return out

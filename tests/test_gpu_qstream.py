@@ -233,52 +233,11 @@ def test_plan_form_routes_by_rows():
         gpu_linear.reset_plans()
 
 
-@pytest.mark.parametrize("mb", ["0.25", "8", "200"])
-def test_tail_prefetch_computes_the_same(monkeypatch, mb):
-    """The ``_pf`` kinds (each warp asks L2 for the next product's first rows as it
-    ends) give the same bits as the plain ones: plain, residual, SwiGLU and norm forms,
-    the next product plain or [gate; up], a prefetch of part of it, of all of it (200
-    MiB: capped at its rows), and more warps than rows."""
-    monkeypatch.setenv("MARKBASE_GPU_QSTREAM_TAIL_PF_MB", mb)
-    size = gpu_qstream.tail_prefetch_bytes()
-    rng = np.random.default_rng(11)
-    dtype = mx.bfloat16
-
-    def weight(n, k):
-        w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(dtype)
-        return mx.quantize(w, group_size=64, bits=4)
-
-    gpu_qstream.set_knobs(form="q4i")
-    try:
-        for n, k in [(4096, 4096), (300, 2048), (2048, 14336)]:
-            wq, s, b = weight(n, k)
-            x = mx.array(rng.standard_normal((1, k)).astype(np.float32)).astype(dtype)
-            r = mx.array(rng.standard_normal((1, n)).astype(np.float32)).astype(dtype)
-            norm = (mx.ones((k,), dtype=dtype), 1e-5)
-            for next_glu in (False, True):
-                nxt = weight(1024, 2048)
-                for kw in ({}, {"residual": r}, {"glu": True}, {"norm": norm}):
-                    want = gpu_qstream.quantized_matmul(x, wq, s, b, 64, **kw)
-                    got = gpu_qstream.quantized_matmul(
-                        x, wq, s, b, 64, prefetch=(size, next_glu, nxt), **kw
-                    )
-                    np.testing.assert_array_equal(
-                        np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
-                    )
-    finally:
-        gpu_qstream.set_knobs()
-
-
-@pytest.mark.parametrize(
-    "qnorm,early,tail_mb",
-    [("0", "0", "0"), ("1", "0", "0"), ("0", "1", "0"), ("1", "1", "0"), ("1", "1", "4")],
-)
-def test_decode_step_on_the_kernel_matches_the_model(monkeypatch, qnorm, early, tail_mb):
+@pytest.mark.parametrize("qnorm,early", [("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")])
+def test_decode_step_on_the_kernel_matches_the_model(monkeypatch, qnorm, early):
     """The GPU decode step with its 1-row 4-bit products on this kernel (o_proj and
     down_proj with the residual, gate_up with the SwiGLU; with MARKBASE_GPU_QSTREAM_NORM=1
-    qkv, gate_up and the lm_head with their RMSNorm inside; with a tail prefetch,
-    gate_up's of down_proj and down_proj's of the next q/k/v or the lm_head) equals the
-    model's own call."""
+    qkv, gate_up and the lm_head with their RMSNorm inside) equals the model's own call."""
     from engine.decode_step import FusedDecodeStep
     from engine.loading import build_random_model
 
@@ -289,21 +248,18 @@ def test_decode_step_on_the_kernel_matches_the_model(monkeypatch, qnorm, early, 
     model.set_dtype(mx.bfloat16)
     monkeypatch.setenv("MARKBASE_GPU_QSTREAM_NORM", qnorm)
     monkeypatch.setenv("MARKBASE_GPU_QSTREAM_EARLY", early)
-    monkeypatch.setenv("MARKBASE_GPU_QSTREAM_TAIL_PF_MB", tail_mb)
     try:
         gpu_linear.set_plans("1:xwt,2:mma,33:xwt", "1:qstream,2:qmma")
         step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
         step.warm_up()
         products = step._qstream_products()
         # qkv (and the lm_head: the same K) and gate_up with their RMSNorm inside;
-        # o_proj and down_proj with the residual, no norm; with the tail prefetch
-        # (kind 1: of a plain product) gate_up and down_proj
-        on, pf = qnorm == "1", int(tail_mb != "0")
+        # o_proj and down_proj with the residual, no norm
+        on = qnorm == "1"
         assert {p[2:] for p in products} == {
-            (False, False, on, 0),
-            (False, True, on, pf),
-            (True, False, False, 0),
-            (True, False, False, pf),
+            (False, False, on),
+            (False, True, on),
+            (True, False, False),
         }
         prompts = ([5, 6, 7, 8, 9, 10],)
         check_step_matches_model(step, model, prompts)

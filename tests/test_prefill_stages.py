@@ -1,4 +1,5 @@
-"""engine/prefill_stages.py (CPU, stages forced on): a staged prompt chunk queues its
+"""engine/prefill_stages.py (stages forced on; on the CPU, and on a GPU by
+``bench/gpu/suite.sh stage-check``): a staged prompt chunk queues its
 forward at the marked layers and gives the same logits and KV as an unstaged one;
 the marks are gone afterwards."""
 
@@ -55,4 +56,8 @@ def test_staged_prefill_equals_unstaged(monkeypatch):
     kvs = [runner.new_sequence_kv() for _ in range(2)]
     together = np.array(runner.prefill_together(kvs, [tokens[:100], tokens[:90]]))
     assert len(queued) == 3
-    np.testing.assert_allclose(together[0], prefill(tokens[:100], 0), atol=1e-5)
+    # (on a GPU MLX's float32 matmuls run in TF32 by default, and a 2-row forward takes
+    # other kernels than a 1-row one: 7e-4 apart on an H100, session 26; the staged
+    # and unstaged forwards above are still bit-equal there)
+    atol = 3e-3 if mx.default_device() == mx.gpu else 1e-5
+    np.testing.assert_allclose(together[0], prefill(tokens[:100], 0), atol=atol)

@@ -71,9 +71,7 @@ now = time.perf_counter
 # kernel at one row (engine/gpu_qlayer.py, FusedDecodeStep.qlayer,
 # MARKBASE_GPU_QSTREAM_LAYER=1); "-ql2" = with the next layer's RMSNorm + q/k/v product
 # inside it too (MARKBASE_GPU_QSTREAM_LAYER=2); "-ql3" = the attention too: one kernel a
-# layer (engine/gpu_qblock.py, MARKBASE_GPU_QSTREAM_LAYER=3); "-tp<MB>" = each 1-row
-# product's warps ask L2 for MB of the next product as they end (gpu_qstream's tail
-# prefetch, MARKBASE_GPU_QSTREAM_TAIL_PF_MB; session 26, off by default)
+# layer (engine/gpu_qblock.py, MARKBASE_GPU_QSTREAM_LAYER=3)
 VARIANTS = {
     "default": (True, None, None),  # what the engine does (engine/gpu_linear.py defaults)
     "mlx": (False, "1:xwt", "1:qmm"),
@@ -242,8 +240,6 @@ def main() -> None:
                 # reset_plans below, and read this when they are)
                 os.environ["MARKBASE_GPU_QSTREAM_NORM"] = "1" if "-qn1" in v else "0"
                 os.environ["MARKBASE_GPU_QSTREAM_EARLY"] = "1" if "-qe" in v else "0"
-                tp = re.search(r"-tp(\d+)", v)  # gpu_qstream's tail prefetch, its MB
-                os.environ["MARKBASE_GPU_QSTREAM_TAIL_PF_MB"] = tp.group(1) if tp else "0"
                 pf = re.search(r"-pf(\d*)", v)  # engine/gpu_prefetch.py, its MB of gate/up
                 if hasattr(step, "l2_prefetch"):
                     step.l2_prefetch = pf is not None

@@ -404,15 +404,6 @@ for stage in "$@"; do
             --models 1b --quants q4 --variants default --budget-s 40 --out "$OUT/prefill_rope0.json" 2>&1 \
             | grep -v -i warn | tee "$OUT/prefill_rope0.log"
         ;;
-    b1-tail)  # session 26 (prepared): gpu_qstream's tail prefetch (each 1-row product's
-        # warps ask L2 for the next product's first MB as they end): its GPU tests, then
-        # 8b 4-bit one row as served against the same with 4, 8 and 16 MiB (CUPTI)
-        timeout ${TP_TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/test_gpu_qstream.py -k "tail_prefetch or 1-1-4" 2>&1 | grep -v -i warn \
-            | tail -15 | tee "$OUT/test_tail.log"
-        B1_VARIANTS=${TP_VARIANTS:-default-wc-qe-qn1-pf12,default-wc-qe-qn1-pf12-tp4,default-wc-qe-qn1-pf12-tp8,default-wc-qe-qn1-pf12-tp16} \
-            bash "$0" b1-profile
-        ;;
     stage-check)  # session 26: tests/test_prefill_stages.py failed its exact equality on the
         # GPU (session 26, run2): the differences, unstaged twice and staged vs unstaged
         timeout ${SC_TIMEOUT:-120} python3 bench/gpu/stage_check.py 2>&1 | grep -v -i warn \
