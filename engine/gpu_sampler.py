@@ -24,10 +24,12 @@ sampler``, ms a step, this kernel / the MLX ops / mlx-lm): B=1 0.32 / 0.20 / 0.1
 B=8 0.18 / 0.30 / 0.10, B=32 0.14 / 0.77 / 0.11, B=128 0.53 / 0.84 / 0.23. So it runs
 from ``MIN_ROWS`` rows. That form reads its row twice (the max, then the blocks'
 masses), one element a thread a load: latency-bound, ~0.15 ms a row. The one-pass
-form (``ONEPASS``, ``MARKBASE_GPU_SAMPLER_ONEPASS=1``; prepared, not yet measured)
-reads it once, 16 bytes a lane a load, two blocks' loads in flight a warp: each
-256-token block's max, first argmax and mass against its own max, rescaled to the
-row's max afterwards. Predicted: ~20-30 us a step at any B up to ~132.
+form (``ONEPASS``, ``MARKBASE_GPU_SAMPLER_ONEPASS=1``, off) reads it once, 16 bytes a
+lane a load, two blocks' loads in flight a warp: each 256-token block's max, first
+argmax and mass against its own max, rescaled to the row's max afterwards. Predicted
+~20-30 us a step; measured (session 26, a noisier host, wall ms a step, one-pass /
+two-pass / mlx-lm): B=8 0.20 / 0.53 / 0.10, B=32 0.60 / 0.50 / 0.13, B=128 0.54 /
+0.66 / 0.23: not ahead of mlx-lm, not clearly ahead of the two-pass form.
 
 Top-k/top-p rows still sort on the MLX route. ``MARKBASE_GPU_SAMPLER_KERNEL=0`` turns
 this off; ``MARKBASE_GPU_SAMPLER_MIN_ROWS`` moves the threshold.
@@ -36,6 +38,7 @@ this off; ``MARKBASE_GPU_SAMPLER_MIN_ROWS`` moves the threshold.
 from __future__ import annotations
 
 import os
+from functools import cache
 
 from engine.cuda_kernels import Baked, KernelSpec, for_dtype, one_output_call
 
@@ -259,7 +262,7 @@ _TEMPLATE = (("NT", THREADS), ("BLK", BLOCK), ("MAXB", MAX_BLOCKS))
 
 def one_pass() -> bool:
     """``MARKBASE_GPU_SAMPLER_ONEPASS=1``: the one-pass form (16-byte loads, each
-    block's max, argmax and mass in one read of the row; not yet measured)."""
+    block's max, argmax and mass in one read of the row; measured no better, session 26)."""
     return os.environ.get("MARKBASE_GPU_SAMPLER_ONEPASS", "0") == "1"
 
 
@@ -284,12 +287,17 @@ def takes(logits) -> bool:
 def draw(logits, params):
     """int32 [B]: a token for each row of ``logits`` [B, V]; ``params`` float32 [B, 4]
     (1 / temperature, or 0 for greedy; u0; u1; unused)."""
+    return _launch(logits.dtype, logits.shape[0], one_pass())([logits, params])[:, 0]
+
+
+@cache
+def _launch(dtype, rows: int, onepass: bool):
+    """The kernel's call for ``rows`` rows, worked out once (a decode step calls it every
+    step: as engine/gpu_linear.py's routes, outside the per-call path)."""
     import mlx.core as mx
 
-    n = logits.shape[0]
-    kern = _kernel("draw", (("T", logits.dtype), *_TEMPLATE, ("ONEPASS", one_pass())))
-    call = one_output_call(kern, (n * THREADS, 1, 1), (THREADS, 1, 1), (n, 4), mx.int32)
-    return call([logits, params])[:, 0]
+    kern = _kernel("draw", (("T", dtype), *_TEMPLATE, ("ONEPASS", onepass)))
+    return one_output_call(kern, (rows * THREADS, 1, 1), (THREADS, 1, 1), (rows, 4), mx.int32)
 
 
 def kernel_specs_for_check() -> list[KernelSpec]:
