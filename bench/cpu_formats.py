@@ -17,10 +17,10 @@ Columns (tok/s = B / step time, median over interleaved rounds):
   ref-BLAS   the mlx[cpu] wheel's vendored reference BLAS (separate process, MARKBASE_BLAS=off;
              float32 and q4g64 only: the other formats' matmuls do not use BLAS)
   sgemm      plain OpenBLAS (every product via its sgemm, OPENBLAS_NUM_THREADS threads)
-  +gemv      engine.cpu_blas's default: the shim sends M == 1 products to sgemv (all
+  +gemv      engine.backends.cpu.blas's default: the shim sends M == 1 products to sgemv (all
              threads) and runs sgemm with 1 < M < 16 on 1 thread
   ... stock  ``model(tokens, cache)`` as mlx-lm runs it
-  ... step   ``engine.cpu_tuning.CpuDecodeStep`` (compiled blocks, fused QKV/gate-up,
+  ... step   ``engine.backends.cpu.tuning.CpuDecodeStep`` (compiled blocks, fused QKV/gate-up,
              grouped attention); "step-nc" the same without mx.compile
   all N thr  +gemv step with every product on N OpenBLAS threads (float32 only)
 
@@ -182,7 +182,7 @@ def profile_ops(model, batch: int, kv: int, reps: int = 5) -> list[tuple[str, fl
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts[1:])
 
-    from engine.attention import grouped_decode_attention
+    from engine.model.attention import grouped_decode_attention
 
     logits = inner.embed_tokens.as_linear(x)
     mx.eval(logits)
@@ -226,12 +226,12 @@ def profile_ops(model, batch: int, kv: int, reps: int = 5) -> list[tuple[str, fl
 
 def worker(args) -> None:
     sys.path.insert(0, str(ROOT))
-    from engine import cpu_blas
+    from engine.backends.cpu import blas as cpu_blas
 
     setup = cpu_blas.ensure_fast_blas()
     import mlx.core as mx
 
-    from engine.cpu_tuning import CpuDecodeStep
+    from engine.backends.cpu.tuning import CpuDecodeStep
 
     fast = setup.method != "none"
     rep = cpu_blas.blas_report()
@@ -246,7 +246,7 @@ def worker(args) -> None:
         nothing = lambda: None  # noqa: E731
 
         ncpu = int(os.environ.get("OPENBLAS_NUM_THREADS", "2"))
-        policy = dict(gemv=0, small_gemm=1, gemm=0)  # engine.cpu_blas's default
+        policy = dict(gemv=0, small_gemm=1, gemm=0)  # engine.backends.cpu.blas's default
         all_n = dict(gemv=ncpu, small_gemm=ncpu, gemm=ncpu)  # plain OpenBLAS
         all_1 = dict(gemv=1, small_gemm=1, gemm=1)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.cpu_blas import ensure_fast_blas  # noqa: E402
+from engine.backends.cpu.blas import ensure_fast_blas  # noqa: E402
 
 ensure_fast_blas()
 

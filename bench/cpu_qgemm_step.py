@@ -9,14 +9,14 @@ Prints ms/step and tokens/s per batch size; ratios matter, absolute times are no
 import sys
 import time
 
-from engine.cpu_blas import ensure_fast_blas
+from engine.backends.cpu.blas import ensure_fast_blas
 
 ensure_fast_blas()
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from engine import cpu_qgemm  # noqa: E402
+from engine.backends.cpu import qgemm as cpu_qgemm  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Decode step of the default model on the CPU, against llama.cpp on the same GGUF, in
-one run: markbase's decode steps (engine/cpu_step.py's lean step and
-engine/decode_step.py's fused step, each with the quantized products of
-engine/cpu_qgemm.py and with float32 OpenBLAS) interleaved in one process, and
+one run: markbase's decode steps (engine/backends/cpu/step.py's lean step and
+engine/model/decode_step.py's fused step, each with the quantized products of
+engine/backends/cpu/qgemm.py and with float32 OpenBLAS) interleaved in one process, and
 llama.cpp (llama-cpp-python's bindings, 2 threads) decoding the same batch sizes.
 
     .venv/bin/python bench/cpu_step_bench.py --batches 1,4,16
@@ -26,16 +26,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.cpu_blas import ensure_fast_blas  # noqa: E402
+from engine.backends.cpu.blas import ensure_fast_blas  # noqa: E402
 
 ensure_fast_blas()
 
 import mlx.core as mx  # noqa: E402
 
-from engine import cpu_qgemm  # noqa: E402
-from engine.cpu_step import CpuDecodeStep  # noqa: E402
-from engine.decode_step import FusedDecodeStep  # noqa: E402
+from engine.backends.cpu import qgemm as cpu_qgemm  # noqa: E402
+from engine.backends.cpu.step import CpuDecodeStep  # noqa: E402
 from engine.loading import load_model  # noqa: E402
+from engine.model.decode_step import FusedDecodeStep  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 
 KV = 256

@@ -96,7 +96,7 @@ def markbase_setup(weight_format: str) -> dict[str, Any]:
         "out = {}\n"
         # as `markbase serve` does: bind the fast BLAS before MLX loads, or "auto"
         # resolves as if there were none (and mlx_lm got the slow 4-bit export)
-        "from engine.cpu_blas import ensure_fast_blas\n"
+        "from engine.backends.cpu.blas import ensure_fast_blas\n"
         "ensure_fast_blas()\n"
         "try:\n"
         "    from engine.loading import resolve_weight_format\n"
@@ -104,7 +104,7 @@ def markbase_setup(weight_format: str) -> dict[str, Any]:
         "except Exception as e:\n"
         "    out['weight_format_error'] = repr(e)\n"
         "try:\n"
-        "    from engine.cpu_blas import find_fast_blas\n"
+        "    from engine.backends.cpu.blas import find_fast_blas\n"
         "    out['fast_blas'] = find_fast_blas()\n"
         "except Exception as e:\n"
         "    out['fast_blas_error'] = repr(e)\n"

@@ -12,7 +12,7 @@ batch, a full sort for top-p), on the same logits in the same process.
 
 Prints ms a step (median of reps) per batch size and setting for markbase's sampler,
 its per-row form before session 24 (``per_row``) and mlx-lm's, with the ratios; on a
-CUDA GPU also markbase's MLX ops without engine/gpu_sampler.py's kernel (``ops``).
+CUDA GPU also markbase's MLX ops without engine/backends/cuda/sampler.py's kernel (``ops``).
 ``--dtype bfloat16``: logits as a bf16 model's output layer gives them.
 Logits are random normal x 3 (at temperature 0.7, top-p 0.9 keeps 1-485 tokens a row,
 median ~145 at B=32).

@@ -6,7 +6,7 @@ bounded time, over loopback; then checks that nothing leaked.
     .venv/bin/python bench/soak.py --duration 60 --clients 32
     .venv/bin/python bench/soak.py --url http://127.0.0.1:8000 --pid 1234   # a running server
 
-Without --url it starts ``markbase serve`` itself (tests/server_fixture.py) with a
+Without --url it starts ``markbase serve`` itself (tests/helpers/server.py) with a
 bounded prefix cache, so the cache's own growth stays small and known. Each client
 loops over a mix of requests: greedy chat and completion streams and plain
 requests from a fixed prompt pool (whose text must equal a reference taken alone
@@ -44,7 +44,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.server_fixture import DEFAULT_MODEL, running_server  # noqa: E402
+from tests.helpers.server import DEFAULT_MODEL, running_server  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?",

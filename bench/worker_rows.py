@@ -75,7 +75,7 @@ def measure(model: str, rows: list[int], steps: int | None, warmup: int, stops: 
     import asyncio
 
     import engine
-    from engine import client as engine_client
+    from engine import events as engine_events
     from engine.config import EngineConfig
     from engine.loading import build_random_model
     from engine.loading.builtin import resolve_builtin
@@ -101,7 +101,7 @@ def measure(model: str, rows: list[int], steps: int | None, warmup: int, stops: 
         pipeline_decode=False,
     )
     loop = asyncio.new_event_loop()  # never run: _accept_rows only queues events
-    loop_emit = getattr(engine_client, "LoopEmit", None)
+    loop_emit = getattr(engine_events, "LoopEmit", None)
 
     def emit_for(_i):
         return loop_emit(loop, lambda e: None) if loop_emit else (lambda e: None)
@@ -185,7 +185,7 @@ def main() -> None:
 
     if args.json:  # one round, here (the parent runs each round in a fresh process)
         sys.path.insert(0, args.engine_root or str(REPO))
-        from engine.cpu_blas import ensure_fast_blas
+        from engine.backends.cpu.blas import ensure_fast_blas
 
         ensure_fast_blas()
         rows = [int(r) for r in args.rows.split(",")]

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
+from engine.events import LoopEmit
 from engine.types import (
     ContextLengthError,
     EngineDeadError,
@@ -35,34 +36,6 @@ _ERROR_KINDS: dict[str, type[EngineError]] = {
 }
 
 
-class LoopEmit:
-    """Hands a request's events to its asyncio queue from the worker thread.
-
-    Called with one event it schedules that event (``call_soon_threadsafe``). The
-    worker batches instead: ``deliver_all`` hands a whole step's events for one event
-    loop over in one call, so a step of B rows wakes the loop once, not B times (each
-    wake-up is a write to the loop's self-pipe, and the loop thread then competes with
-    the worker for the GIL)."""
-
-    __slots__ = ("loop", "put")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, put) -> None:
-        self.loop, self.put = loop, put
-
-    def __call__(self, event: TokenEvent) -> None:
-        self.loop.call_soon_threadsafe(self.put, event)
-
-
-def _put_all(items: list) -> None:
-    for put, event in items:
-        put(event)
-
-
-def deliver_all(loop: asyncio.AbstractEventLoop, items: list) -> None:
-    """``items``: [(put, event)] for queues of ``loop``, in order; one wake-up."""
-    loop.call_soon_threadsafe(_put_all, items)
-
-
 class EngineClient:
     def __init__(self, workers: dict[str, ModelWorker], infos: dict[str, ModelInfo]) -> None:
         self._workers = workers
@@ -71,7 +44,7 @@ class EngineClient:
     @classmethod
     def start(cls, config: EngineConfig) -> EngineClient:
         """Load every configured model and start one worker thread per model."""
-        from engine.cpu_blas import warn_if_slow
+        from engine.backends.cpu.blas import warn_if_slow
         from engine.loading import load_model
 
         warn_if_slow(logger=log)  # a reference BLAS makes the CPU backend 10-40x slower

@@ -96,7 +96,7 @@ def warmup_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 # Prompt chunks of these row counts run below the GPU prefill's dequantize route
-# (engine/gpu_prefill.py): on gpu_mma's kernel by default, whose forms compile per band
+# (engine/backends/cuda/prefill.py): on gpu_mma's kernel by default, whose forms compile per band
 # of rows (~1-6 s each under NVRTC), or with MARKBASE_GPU_PREFILL_SMALL=mlx on MLX's
 # quantized_matmul, which JIT-compiles one qmm_sm80 kernel per tile size (m16 up to 16
 # rows, m32 17-32, m64 33+; 23-28 s each on an H100, bench/gpu/NOTES.md, session 20: a

@@ -162,7 +162,7 @@ class BatchKV:
 
     def reserve(self, n: int = 1, views: bool = True) -> tuple[mx.array, mx.array]:
         """Room for ``n`` more time steps, counted as written, for a kernel that
-        writes them itself (engine/gpu_attention.py's append form: RoPE, the KV
+        writes them itself (engine/backends/cuda/attention/decode.py's append form: RoPE, the KV
         write and the attention in one kernel); returns the views
         ``update_and_fetch`` would, the new slots last, or with ``views=False`` the
         whole buffers (their capacity past ``length`` unused)."""

@@ -11,10 +11,14 @@ import os
 
 import mlx.core as mx
 
-from engine import attention, cpu_qgemm, fast_math, gpu_prefill, prefill_stages, rope_offsets
-from engine.cpu_step import CpuDecodeStep
-from engine.decode_step import make_decode_step, on_gpu
+from engine.backends.cpu import fast_math
+from engine.backends.cpu import qgemm as cpu_qgemm
+from engine.backends.cpu.step import CpuDecodeStep
+from engine.backends.cuda import prefill as gpu_prefill
+from engine.backends.cuda import prefill_stages, rope_offsets
 from engine.kv import BatchKV, PromptBatchKV, SequenceKV
+from engine.model import attention
+from engine.model.decode_step import make_decode_step, on_gpu
 
 
 class ModelRunner:
@@ -45,22 +49,22 @@ class ModelRunner:
         default_async = "1" if on_gpu() else "0"
         self.async_prefill = os.environ.get("MARKBASE_PREFILL_ASYNC", default_async) == "1"
         # Llama-family models decode through a step of their own (CPU: the lean step,
-        # engine/cpu_step.py; GPU: the fused one, engine/decode_step.py); other
+        # engine/backends/cpu/step.py; GPU: the fused one, engine/model/decode_step.py); other
         # families, or fused_decode=False, call the model as is.
         self.decode_step = _make_decode_step(model) if fused_decode else None
         # GPU: a prompt chunk's first layers start while the host builds the rest
-        # (engine/prefill_stages.py; MARKBASE_GPU_PREFILL_STAGES=0 turns it off).
+        # (engine/backends/cuda/prefill_stages.py; MARKBASE_GPU_PREFILL_STAGES=0 turns it off).
         self.stage_every = prefill_stages.every_from_env() if on_gpu() else 0
         # GPU prefill: quantized products of 256+ rows dequantize the weight and run a
-        # float matmul (engine/gpu_prefill.py; MARKBASE_GPU_PREFILL_DEQ_ROWS=0 turns it
+        # float matmul (engine/backends/cuda/prefill.py; MARKBASE_GPU_PREFILL_DEQ_ROWS=0 turns it
         # off); after the decode step took its own copies.
         if on_gpu():
             gpu_prefill.install(model)
             # prompt chunks' RoPE offsets in device memory, not MLX's pool of tiny
-            # arrays (engine/rope_offsets.py)
+            # arrays (engine/backends/cuda/rope_offsets.py)
             rope_offsets.install(model)
         # After the step fused its weights: on the CPU, decode products read the
-        # quantized copies of the float32 weights (engine/cpu_qgemm.py).
+        # quantized copies of the float32 weights (engine/backends/cpu/qgemm.py).
         self.qgemm = cpu_qgemm.register_model(model, cpu_shadows) if cpu_shadows else None
 
     def new_sequence_kv(self) -> list[SequenceKV]:
@@ -138,7 +142,7 @@ class ModelRunner:
 
 
 def _make_decode_step(model):
-    """The lean step on the CPU (engine/cpu_step.py), the fused one elsewhere or when
+    """The lean step on the CPU (engine/backends/cpu/step.py), the fused one elsewhere or when
     the lean one does not fit the model; ``MARKBASE_CPU_STEP=fused`` picks the fused
     one on the CPU too (for A/B measurements)."""
     if not on_gpu() and os.environ.get("MARKBASE_CPU_STEP", "lean") != "fused":

@@ -16,7 +16,7 @@ Top-k/top-p rows sort their logits and draw from the kept ones.
 Two routes run the same draw (``xp``): on a GPU, MLX ops, lazily, every filtered row
 sorted whole (fast there; a host check would stall the worker's pipelined step), and
 on a CUDA GPU the temperature-only and greedy rows in one kernel of our own
-(engine/gpu_sampler.py: the same draw, ~20 MLX kernels fewer); on
+(engine/backends/cuda/sampler.py: the same draw, ~20 MLX kernels fewer); on
 the CPU, numpy on the logits in place, where MLX's CPU exp and argpartition are 3-4x
 slower than numpy's and the decode loop is not pipelined (engine/config.py), so
 reading the logits costs nothing. There a filtered row sorts only its CANDIDATES
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from engine import gpu_sampler
+from engine.backends.cuda import sampler as gpu_sampler
 from engine.types import SamplingParams
 
 BLOCK = gpu_sampler.BLOCK  # tokens a block of the two-level draw (the kernel's too)
@@ -124,7 +124,7 @@ use_kernel_on_gpu = True  # tests switch it off to run the MLX ops on a GPU too
 
 
 def _kernel_params(rows: list[RowSampler], idx, draws: list) -> mx.array:
-    """engine/gpu_sampler.py's float32 [n, 4] settings for rows ``idx`` (in order):
+    """engine/backends/cuda/sampler.py's float32 [n, 4] settings for rows ``idx`` (in order):
     1 / temperature (0: greedy) and the two uniforms of those that sample (``draws``,
     one pair a sampled row, in order)."""
     out, it = [], iter(draws)

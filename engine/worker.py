@@ -19,7 +19,8 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from engine import gpu_sampler, metrics
+from engine import metrics
+from engine.backends.cuda import sampler as gpu_sampler
 from engine.config import (
     EngineConfig,
     pipeline_decode_enabled,
@@ -27,6 +28,7 @@ from engine.config import (
     warmup_enabled,
     warmup_prefill_rows,
 )
+from engine.events import LoopEmit, deliver_all
 from engine.kv import BatchKV, SequenceKV
 from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
@@ -213,7 +215,7 @@ class ModelWorker:
         first = sample_batch(logits[None], [greedy])
         layer_kv = [c.kv() for c in kv]
         mx.eval(first, layer_kv)
-        # temperature-only rows (a GPU's sampling kernel, engine/gpu_sampler.py, from
+        # temperature-only rows (a GPU's sampling kernel, engine/backends/cuda/sampler.py, from
         # MIN_ROWS rows): alone (the logits' dtype) and beside a top-p row (float32)
         n = gpu_sampler.MIN_ROWS + 1
         plain = RowSampler.from_params(SamplingParams(temperature=1.0, seed=0))
@@ -663,7 +665,6 @@ class ModelWorker:
         ``LoopEmit``), other emit callables one by one, in the order they were sent."""
         if not self._outbox:
             return
-        from engine.client import LoopEmit, deliver_all
 
         items, self._outbox = self._outbox, []
         by_loop: dict = {}

@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         # Before anything imports MLX: keep CUDA's compiled kernels in a per-user
         # cache and use MLX's own attention, not cuDNN's (no-ops elsewhere), bind its CPU matmuls to a fast BLAS (no-op on
         # macOS and CUDA builds). The HTTP layer itself never imports MLX.
-        from engine.cpu_blas import ensure_fast_blas
-        from engine.gpu_setup import default_cuda_attention, default_ptx_cache_dir
+        from engine.backends.cpu.blas import ensure_fast_blas
+        from engine.backends.cuda.setup import default_cuda_attention, default_ptx_cache_dir
 
         default_ptx_cache_dir()
         default_cuda_attention()  # no cuDNN graph build per prompt length (CUDA only)

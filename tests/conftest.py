@@ -3,7 +3,7 @@
 Server subprocesses started by tests do the same in ``markbase serve``.
 """
 
-from engine.cpu_blas import ensure_fast_blas
+from engine.backends.cpu.blas import ensure_fast_blas
 
 ensure_fast_blas(allow_reexec=False)
 

@@ -2,7 +2,7 @@
 rate, for the shapes of the engine table (ON the GPU machine, after bench/gpu/env.sh).
 
 Why: a whole-step profile costs ~2 minutes of device time per variant and config;
-this times only engine/gpu_attention.py's append form (what the decode step calls),
+this times only engine/backends/cuda/attention/decode.py's append form (what the decode step calls),
 with CUPTI (torch.profiler in the same process), so a dozen loop shapes take about a
 minute. Each "step" is one call per layer over that layer's own cache buffers (so the
 KV comes from HBM, not L2, as in the engine), each call's q/k/v made from the previous
@@ -17,7 +17,7 @@ flight a lane, v = vector loads, p = fewest positions a block, w = warps a block
 m = the last block merges the splits through shared memory), or
 ``auto`` (gpu_attention.auto_shape's choice per launch, the default; the environment
 must set no MARKBASE_GPU_ATTN_* for it), or ``tcw4k16``: the automatic shapes with the
-unsplit launches on tensor cores (engine/gpu_attention_tc.py; w warps a block, k keys
+unsplit launches on tensor cores (engine/backends/cuda/attention/decode_tc.py; w warps a block, k keys
 a tile, g stages: tiles in flight a warp + 1), ``tcsw8k16``: the split launches too (w,
 g: the split form's), ``tcmw8k16``: the split form over several blocks a (row, KV head)
 (MARKBASE_GPU_ATTN_TC_MULTI; ``p256``: ~256 positions a block), never picked for
@@ -45,7 +45,8 @@ import mlx.nn as nn  # noqa: E402
 from q4_bench import cupti_us  # noqa: E402
 from shapes import CONFIGS  # noqa: E402
 
-from engine import gpu_attention, gpu_attention_tc  # noqa: E402
+from engine.backends.cuda.attention import decode as gpu_attention  # noqa: E402
+from engine.backends.cuda.attention import decode_tc as gpu_attention_tc  # noqa: E402
 
 
 def build(model: str, batch: int, length: int, dtype):

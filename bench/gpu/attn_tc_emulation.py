@@ -1,4 +1,4 @@
-"""engine/gpu_attention_tc.py's kernel, lane by lane in numpy (no GPU).
+"""engine/backends/cuda/attention/decode_tc.py's kernel, lane by lane in numpy (no GPU).
 
 The kernel's index logic (which warp takes which (row, KV head) and which tiles, the
 tiles starting at each row's first valid slot, keys past the end, the new slot taken

@@ -30,7 +30,7 @@ Flags combine with "+": ``ragged+gqa+fused+async``, ``worker+gqa+fused``.
 
 "markbase" here is ``ModelRunner(model, fused_decode=False)``: the runner's path as
 NOTES.md measured it, before the engine decoded llama models through
-``engine.decode_step.FusedDecodeStep`` on the GPU too, so that the variants above
+``engine.model.decode_step.FusedDecodeStep`` on the GPU too, so that the variants above
 keep their meaning. ``worker`` is the real engine (fused step included, no
 warm-up). The engine's fused step against the unfused one, and the warm-up, are
 measured by ``bench_engine.py``.

@@ -7,7 +7,7 @@ Runs ON the GPU machine (after bench/gpu/remote_setup.sh b; ``suite.sh engine-1b
     python3 bench/gpu/bench_engine.py first-request --warmup on --out first-on.json
 
 ``ab``: ``engine.runner.ModelRunner.decode`` with the fused decode step
-(``engine.decode_step``, what the engine uses now: ``ModelRunner(model)``) against
+(``engine.model.decode_step``, what the engine uses now: ``ModelRunner(model)``) against
 the same runner without it (``ModelRunner(model, fused_decode=False)``: the model's
 own modules, as before), on one model in one process, interleaved (the order of
 the two flips every repeat). Each measurement: a fresh ``BatchKV`` of B rows made
@@ -59,8 +59,8 @@ from bench_decode import (  # noqa: E402  (puts the repo root on sys.path)
 )
 from shapes import CONFIGS  # noqa: E402
 
-from engine import gpu_linear  # noqa: E402
-from engine.decode_step import FusedDecodeStep, make_decode_step, on_gpu  # noqa: E402
+from engine.backends.cuda import linear as gpu_linear  # noqa: E402
+from engine.model.decode_step import FusedDecodeStep, make_decode_step, on_gpu  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 
 now = time.perf_counter
@@ -105,7 +105,7 @@ def run_ab(args) -> None:
     step = fused.decode_step
     if step is None:
         raise SystemExit("ModelRunner(model) has no fused decode step for this model")
-    if not isinstance(step, FusedDecodeStep):  # the CPU's lean step (engine/cpu_step.py)
+    if not isinstance(step, FusedDecodeStep):  # the CPU's lean step (engine/backends/cpu/step.py)
         step = make_decode_step(model)  # the fused step, for the copies below
     log(
         f"engine step: {type(fused.decode_step).__name__}; fused step: {step.fused_groups} of "
@@ -122,9 +122,9 @@ def run_ab(args) -> None:
     flat2d.decode_step.flat = True
     known = {"unfused": plain, "fused": fused, "fused3d": flat3d, "fused2d": flat2d}
     names = [v for v in args.variants.split(",") if v]
-    if "lean" in names:  # engine/cpu_step.py's step (written for few graph nodes), here
+    if "lean" in names:  # engine/backends/cpu/step.py's step (written for few graph nodes), here
         try:
-            from engine.cpu_step import CpuDecodeStep
+            from engine.backends.cpu.step import CpuDecodeStep
 
             known["lean"] = ModelRunner(model, fused_decode=False)
             known["lean"].decode_step = CpuDecodeStep.build(model)
@@ -141,7 +141,7 @@ def run_ab(args) -> None:
             model, fuse_quantized=True, compile=True, gpu_plans=on_gpu(), flat=True
         )
     # plan variants: the engine's step following other product plans. Plans are
-    # process-wide (engine/gpu_linear.py reads the environment once), so they are set
+    # process-wide (engine/backends/cuda/linear.py reads the environment once), so they are set
     # before each measurement, not at construction.
     plans = {
         "qk2": (None, "1:qmm,8:qmmk2"),  # split-K quantized products from 8 rows on

@@ -24,7 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx  # noqa: E402
 
-from engine import gpu_gemv, gpu_mma, gpu_qstream  # noqa: E402
+from engine.backends.cuda.products import gemv as gpu_gemv  # noqa: E402
+from engine.backends.cuda.products import mma as gpu_mma  # noqa: E402
+from engine.backends.cuda.products import qstream as gpu_qstream  # noqa: E402
 
 now = time.perf_counter
 CALLS = 200

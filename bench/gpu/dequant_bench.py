@@ -1,5 +1,5 @@
 """Prefill's weight expansion alone: MLX's ``affine_dequantize`` against
-engine/gpu_dequant.py's kernel, per product of the 8b and 1b models (CUPTI kernel
+engine/backends/cuda/products/dequant.py's kernel, per product of the 8b and 1b models (CUPTI kernel
 time, and the bytes moved a second: the 4-bit words, scales and biases read, the
 bf16 weights written).
 
@@ -26,7 +26,7 @@ import mlx.core as mx  # noqa: E402
 from q4_bench import GS, products, weights  # noqa: E402
 from shapes import CONFIGS  # noqa: E402
 
-from engine import gpu_dequant  # noqa: E402
+from engine.backends.cuda.products import dequant as gpu_dequant  # noqa: E402
 
 
 def _rotating(copies):

@@ -8,6 +8,6 @@ export MLX_PTX_CACHE_DIR=/tmp/mlx-ptx
 if [ -f .gpu-cache/ptx.tgz ] && [ ! -d "$MLX_PTX_CACHE_DIR" ]; then
     mkdir -p "$MLX_PTX_CACHE_DIR" && tar xzf .gpu-cache/ptx.tgz -C "$MLX_PTX_CACHE_DIR" --strip-components=1
 fi
-# What `markbase serve` sets (engine/gpu_setup.py): MLX's own attention, not cuDNN's,
+# What `markbase serve` sets (engine/backends/cuda/setup.py): MLX's own attention, not cuDNN's,
 # whose per-shape graph build costs every new prompt length 0.1-0.6 s.
 export MLX_CUDA_USE_CUDNN_SDPA=${MLX_CUDA_USE_CUDNN_SDPA:-0}

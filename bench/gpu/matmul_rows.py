@@ -4,7 +4,7 @@
 
 For the 1b and 8b shapes (bench/gpu/shapes.py) it times one layer's four products
 (fused QKV, O, fused gate/up, down) over enough distinct weight copies that L2 holds
-none of them, at 1-128 rows, in every formulation engine/gpu_linear.py knows (bf16:
+none of them, at 1-128 rows, in every formulation engine/backends/cuda/linear.py knows (bf16:
 ``xwt``, ``wxt``; 4-bit group 64: ``qmm``, ``deq``, ``deqwxt``). Prints ms per layer
 and the weight bandwidth, and writes the plans that pick the fastest formulation
 per row count (geometric mean over both models of its time / the default's) as
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx.core as mx  # noqa: E402
 from shapes import CONFIGS  # noqa: E402
 
-from engine.gpu_linear import (  # noqa: E402
+from engine.backends.cuda.linear import (  # noqa: E402
     FLOAT_FORMS,
     QUANT_FORMS,
     GpuLinear,

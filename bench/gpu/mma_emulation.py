@@ -1,4 +1,4 @@
-"""engine/gpu_mma.py's index logic, lane by lane, in numpy: a CPU check of the layout.
+"""engine/backends/cuda/products/mma.py's index logic, lane by lane, in numpy: a CPU check of the layout.
 
 Each function transcribes the CUDA source's loads, its ``mma.sync.m16n8k16`` fragment
 use (the PTX ISA's layouts for A row-major 16x16, B column-major 16x8, C 16x8) and its

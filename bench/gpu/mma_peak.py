@@ -1,5 +1,5 @@
 """What ``mma.sync`` and the 4-bit dequantization cost on this GPU, alone: the ceiling
-engine/gpu_qgemm.py and engine/gpu_mma.py work under.
+engine/backends/cuda/products/qgemm.py and engine/backends/cuda/products/mma.py work under.
 
 Why: at 128 rows the 4-bit products run at ~130-155 TFLOP/s (H100, session 18), and
 neither a deeper load pipeline nor more warps an SM made them faster
@@ -108,8 +108,8 @@ FORMS = {"mma": 0, "deq": 1, "deqonly": 2, "imma": 3}
 
 
 def kernel(form: str, chains: int):
-    from engine.cuda_kernels import Baked, KernelSpec
-    from engine.gpu_mma import _HEADER
+    from engine.backends.cuda.kernels import Baked, KernelSpec
+    from engine.backends.cuda.products.mma import _HEADER
 
     # FORM 1 makes 2 dequantized pairs an iteration for CH MMAs: 16 pairs per 32 MMAs
     # needs CH = 4; with 8 chains the deq rows have one pair for every four MMAs
@@ -132,7 +132,7 @@ def main() -> None:
         return
     from q4_bench import cupti_us
 
-    from engine.cuda_kernels import one_output_call
+    from engine.backends.cuda.kernels import one_output_call
 
     sms = 132
     n_iters = mx.array([ITERS], dtype=mx.int32)

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from engine.cuda_kernels import CTYPES, minified  # noqa: E402
+from engine.backends.cuda.kernels import CTYPES, minified  # noqa: E402
 
 DEFAULT_HEADER = (
     '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
@@ -118,22 +118,20 @@ def compile_source(
 
 def all_specs() -> list:
     """Every custom kernel's specs, as ``kernel_specs_for_check`` of each module gives
-    them (also tests/test_kernel_sources.py's list)."""
-    from engine import (
-        gpu_attention,
-        gpu_attention_tc,
-        gpu_dequant,
-        gpu_gemv,
-        gpu_mma,
-        gpu_prefetch,
-        gpu_prefill_attention,
-        gpu_qblock,
-        gpu_qgemm,
-        gpu_qlayer,
-        gpu_qstream,
-        gpu_sampler,
-        gpu_wgmma,
-    )
+    them (also tests/backends/cuda/test_kernel_sources.py's list)."""
+    from engine.backends.cuda import prefetch as gpu_prefetch
+    from engine.backends.cuda import sampler as gpu_sampler
+    from engine.backends.cuda.attention import decode as gpu_attention
+    from engine.backends.cuda.attention import decode_tc as gpu_attention_tc
+    from engine.backends.cuda.attention import prefill as gpu_prefill_attention
+    from engine.backends.cuda.products import dequant as gpu_dequant
+    from engine.backends.cuda.products import gemv as gpu_gemv
+    from engine.backends.cuda.products import mma as gpu_mma
+    from engine.backends.cuda.products import qblock as gpu_qblock
+    from engine.backends.cuda.products import qgemm as gpu_qgemm
+    from engine.backends.cuda.products import qlayer as gpu_qlayer
+    from engine.backends.cuda.products import qstream as gpu_qstream
+    from engine.backends.cuda.products import wgmma as gpu_wgmma
 
     return (
         gpu_attention.kernel_specs_for_check()

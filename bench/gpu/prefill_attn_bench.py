@@ -1,4 +1,4 @@
-"""The prefill attention kernel alone (engine/gpu_prefill_attention.py), per form,
+"""The prefill attention kernel alone (engine/backends/cuda/attention/prefill.py), per form,
 against MLX's own attention in the same process.
 
     python3 bench/gpu/prefill_attn_bench.py [--out FILE]
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mlx.core as mx  # noqa: E402
 
-from engine import gpu_prefill_attention as pa  # noqa: E402
+from engine.backends.cuda.attention import prefill as pa  # noqa: E402
 
 FORMS = {"2-ldm": ("2", "1"), "1-ldm": ("1", "1"), "2-lds": ("2", "0"), "1-lds": ("1", "0")}
 

@@ -1,4 +1,4 @@
-"""engine/gpu_prefill_attention.py's kernel, lane by lane in numpy (no GPU).
+"""engine/backends/cuda/attention/prefill.py's kernel, lane by lane in numpy (no GPU).
 
 Device time is scarce, so the kernel's index logic (which lane holds which query row,
 key and head-dim column in each ``mma.sync.m16n8k16`` fragment, the causal limit, the
@@ -6,7 +6,7 @@ reversed block order, the score accumulators reused as the next MMA's A operand)
 transcribed here statement by statement, with each MMA done by gathering the 32
 lanes' registers into the matrices the PTX ISA's fragment layouts say they hold.
 It is checked against plain causal attention for the shapes of
-tests/test_gpu_prefill_attention.py. Rounding to bf16 is left out (float64
+tests/backends/cuda/test_gpu_prefill_attention.py. Rounding to bf16 is left out (float64
 throughout): this checks the indices, the GPU test checks the numbers.
 
     .venv/bin/python bench/gpu/prefill_attn_emulation.py
@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from test_gpu_prefill_attention import causal_attention as reference  # noqa: E402
 
-from engine.gpu_prefill_attention import BLOCK_K as BK  # noqa: E402
-from engine.gpu_prefill_attention import BLOCK_Q as BQ  # noqa: E402
+from engine.backends.cuda.attention.prefill import BLOCK_K as BK  # noqa: E402
+from engine.backends.cuda.attention.prefill import BLOCK_Q as BQ  # noqa: E402
 
 
 def a_regs(lane_val):

@@ -9,10 +9,10 @@ Runs ON the GPU machine (after bench/gpu/remote_setup.sh b and bench/gpu/env.sh)
 
     python3 bench/gpu/profile_prefill.py --models 1b,8b --quants bf16,q4 --out $OUT/pp.json
 
-Variants: ``default`` (as served: engine/gpu_prefill_attention.py's kernel and, for
-4-bit, engine/gpu_prefill.py's route from 256 rows), ``qmm`` (4-bit: MLX's
+Variants: ``default`` (as served: engine/backends/cuda/attention/prefill.py's kernel and, for
+4-bit, engine/backends/cuda/prefill.py's route from 256 rows), ``qmm`` (4-bit: MLX's
 ``quantized_matmul`` at every row count), ``mlxattn`` (MLX's attention for prompts),
-``unstaged`` / ``staged<N>`` (engine/prefill_stages.py off / every N layers; the
+``unstaged`` / ``staged<N>`` (engine/backends/cuda/prefill_stages.py off / every N layers; the
 default stages every 4). A variant may be named more than once, to interleave an A/B.
 Each prints wall ms a chunk (median of ``--reps``, synchronised), then, profiled, the
 kernels a chunk, the summed kernel time, the GPU busy time and the top kernels.
@@ -36,12 +36,14 @@ from bench_decode import build_model  # noqa: E402
 from profile_step import kernel_stats  # noqa: E402
 from shapes import CONFIGS  # noqa: E402
 
-from engine import gpu_prefill, gpu_prefill_attention, prefill_stages  # noqa: E402
+from engine.backends.cuda import prefill as gpu_prefill
+from engine.backends.cuda import prefill_stages  # noqa: E402
+from engine.backends.cuda.attention import prefill as gpu_prefill_attention
 from engine.runner import ModelRunner  # noqa: E402
 
 now = time.perf_counter
 # default as served; staged<N> stages every N layers, unstaged none
-# (engine/prefill_stages.py); a variant may repeat to interleave A/B runs
+# (engine/backends/cuda/prefill_stages.py); a variant may repeat to interleave A/B runs
 VARIANTS = ("default", "qmm", "mlxattn", "unstaged", "staged<N>")
 OFF = 1 << 30  # a row threshold no chunk reaches: the dequantize route off
 

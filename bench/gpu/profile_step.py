@@ -8,9 +8,9 @@ Runs ON the GPU machine (after bench/gpu/remote_setup.sh b and bench/gpu/env.sh)
         --variants kernel,mlx --out $OUT/profile-8b-q4.json
 
 Variants (``VARIANTS``) switch the decode attention of the engine's GPU step
-(``FusedDecodeStep.attention_kernel``: engine/gpu_attention.py's kernel, or MLX's SDPA
-without a mask and grouped matmuls under one, engine/attention.py) and the plans of
-its products (engine/gpu_linear.py: MLX's matmuls, or engine/gpu_gemv.py's kernels up
+(``FusedDecodeStep.attention_kernel``: engine/backends/cuda/attention/decode.py's kernel, or MLX's SDPA
+without a mask and grouped matmuls under one, engine/model/attention.py) and the plans of
+its products (engine/backends/cuda/linear.py: MLX's matmuls, or engine/backends/cuda/products/gemv.py's kernels up
 to some row count). Rows are ragged (different lengths, as the server's batch has)
 except at B=1.
 
@@ -43,7 +43,7 @@ import mlx.core as mx  # noqa: E402
 from bench_decode import build_batch, build_model, prefill_row, ragged_lengths  # noqa: E402
 from shapes import CONFIGS  # noqa: E402
 
-from engine import gpu_attention  # noqa: E402
+from engine.backends.cuda.attention import decode as gpu_attention  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 from engine.sampler import sample_batch  # noqa: E402
 
@@ -51,7 +51,7 @@ now = time.perf_counter
 
 # name -> (attention kernel, float plan, quantized plan)
 # suffixes: "-nojoint" = q and k through two RoPE calls (FusedDecodeStep.joint_rope
-# off); "-mt1"/"-mt2" = engine/gpu_mma.py's blocks capped at 1/2 m-tiles (session 6
+# off); "-mt1"/"-mt2" = engine/backends/cuda/products/mma.py's blocks capped at 1/2 m-tiles (session 6
 # had 1); "-norm" = the RMSNorms inside qkv's and gate_up's products
 # (FusedDecodeStep.fold_norm, off by default until measured); "-noapp" = RoPE and the
 # KV write as separate ops again (FusedDecodeStep.rope off: session 8's append form);
@@ -61,25 +61,25 @@ now = time.perf_counter
 # kernels with PIN (gpu_mma.pin_loads: every load of an iteration before its MMAs);
 # "-qn1" = the RMSNorms inside the 1-row kernels (MARKBASE_GPU_QSTREAM_NORM=1); "-qe" =
 # their first weight loads before x's conversion (MARKBASE_GPU_QSTREAM_EARLY); "-pf<MB>"
-# = engine/gpu_prefetch.py beside each one-row attention (o_proj and MB of gate/up);
+# = engine/backends/cuda/prefetch.py beside each one-row attention (o_proj and MB of gate/up);
 # both the engine's defaults since session 23, but here on only with their suffix (so
 # the engine as served at one row is "default-wc-qe-pf12"); "-ds" = the rows' offsets
 # and starts copied to device memory at 1-2 rows (MARKBASE_GPU_DEVICE_SCALARS=1); "-wc" =
 # the whole step under one mx.compile (FusedDecodeStep.step_compile; the engine's
 # default since session 15, but here only variants with "-wc" compile, so that
 # "default" stays the uncompiled baseline of earlier sessions' profiles); "-ql" = a layer's products after the attention as one
-# kernel at one row (engine/gpu_qlayer.py, FusedDecodeStep.qlayer,
+# kernel at one row (engine/backends/cuda/products/qlayer.py, FusedDecodeStep.qlayer,
 # MARKBASE_GPU_QSTREAM_LAYER=1); "-ql2" = with the next layer's RMSNorm + q/k/v product
 # inside it too (MARKBASE_GPU_QSTREAM_LAYER=2); "-ql3" = the attention too: one kernel a
-# layer (engine/gpu_qblock.py, MARKBASE_GPU_QSTREAM_LAYER=3)
+# layer (engine/backends/cuda/products/qblock.py, MARKBASE_GPU_QSTREAM_LAYER=3)
 VARIANTS = {
-    "default": (True, None, None),  # what the engine does (engine/gpu_linear.py defaults)
+    "default": (True, None, None),  # what the engine does (engine/backends/cuda/linear.py defaults)
     "mlx": (False, "1:xwt", "1:qmm"),
     "kernel": (True, "1:xwt", "1:qmm"),
     "gemv8": (True, "1:xwt,2:gemv,9:xwt", "1:qgemv,9:qmm"),
     "gemv32": (True, "1:xwt,2:gemv,9:xwt", "1:qgemv,33:qmm"),
     "gemvall": (True, "1:gemv,9:xwt", "1:qgemv"),
-    # engine/gpu_mma.py's tensor-core kernels: from 2 rows, up to 32; and from 1 row
+    # engine/backends/cuda/products/mma.py's tensor-core kernels: from 2 rows, up to 32; and from 1 row
     "mma": (True, "1:xwt,2:mma,33:xwt", "1:qmm,2:qmma,33:qmm"),
     "mma16": (True, "1:xwt,2:mma,17:xwt", "1:qmm,2:qmma,33:qmm"),
     "s5": (True, "1:xwt", "1:qmm,2:qgemv,9:qmm"),  # session 5's defaults
@@ -89,7 +89,7 @@ VARIANTS = {
     "qmma128": (True, "1:mma,33:xwt", "1:qmma"),
     # bf16 products of 33-128 rows on the kernel too (one call; the folding at B=128)
     "mma128": (True, "1:xwt,2:mma", None),
-    # session 15: 4-bit products of 33+ rows on engine/gpu_qgemm.py (x in shared memory)
+    # session 15: 4-bit products of 33+ rows on engine/backends/cuda/products/qgemm.py (x in shared memory)
     "qgemm": (True, None, "1:qstream,2:qmma,33:qgemm"),
 }
 
@@ -204,14 +204,14 @@ def main() -> None:
     from bench_decode import greedy_samplers
 
     rows = []
-    from engine import gpu_linear
+    from engine.backends.cuda import linear as gpu_linear
 
     kernel_ok = bool(getattr(step, "attention_kernel", False))
     rope_table = getattr(step, "rope", None)  # the append form, when the step has one
     variants = [v for v in args.variants.split(",") if v]
     if not kernel_ok:  # no CUDA (a CPU dry run) or a shape the kernel does not take
         variants = [v for v in variants if not VARIANTS[v.split("-")[0]][0]] or variants[:1]
-    if os.environ.get("MARKBASE_NO_MMA"):  # suite.sh: engine/gpu_mma.py failed its tests
+    if os.environ.get("MARKBASE_NO_MMA"):  # suite.sh: engine/backends/cuda/products/mma.py failed its tests
         variants = [v for v in variants if not v.startswith(("mma", "s6", "qmma"))] or variants[:1]
     for rep in range(args.repeat):
         for b in [int(x) for x in args.batches.split(",") if x]:
@@ -240,7 +240,7 @@ def main() -> None:
                 # reset_plans below, and read this when they are)
                 os.environ["MARKBASE_GPU_QSTREAM_NORM"] = "1" if "-qn1" in v else "0"
                 os.environ["MARKBASE_GPU_QSTREAM_EARLY"] = "1" if "-qe" in v else "0"
-                pf = re.search(r"-pf(\d*)", v)  # engine/gpu_prefetch.py, its MB of gate/up
+                pf = re.search(r"-pf(\d*)", v)  # engine/backends/cuda/prefetch.py, its MB of gate/up
                 if hasattr(step, "l2_prefetch"):
                     step.l2_prefetch = pf is not None
                 if hasattr(step, "device_scalars"):  # "-ds": offsets/starts in device memory
@@ -254,7 +254,7 @@ def main() -> None:
                 if "-2pass" in v:
                     shape = dataclasses.replace(shape or gpu_attention.LoopShape(), two_pass=True)
                 gpu_attention.set_loop_shape(shape)
-                from engine import gpu_mma
+                from engine.backends.cuda.products import mma as gpu_mma
 
                 gpu_mma.set_max_m_tiles(1 if "-mt1" in v else 2 if "-mt2" in v else None)
                 gpu_mma.set_pin_loads(True if "-pin" in v else None)
@@ -301,7 +301,7 @@ def main() -> None:
                         model=args.model, quant=args.quant, rows=rows), indent=1))  # fmt: skip
     step.attention_kernel = kernel_ok
     gpu_linear.reset_plans()
-    from engine import gpu_mma
+    from engine.backends.cuda.products import mma as gpu_mma
 
     gpu_mma.set_max_m_tiles(None)
 

@@ -1,4 +1,4 @@
-"""4-bit products of one row (the single-stream decode step) on engine/gpu_mma.py's
+"""4-bit products of one row (the single-stream decode step) on engine/backends/cuda/products/mma.py's
 kernel, per launch shape: GPU time a call and the weight read rate (ON the GPU
 machine, after bench/gpu/env.sh).
 
@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx.core as mx  # noqa: E402
 from shapes import CONFIGS  # noqa: E402
 
-from engine import gpu_mma, gpu_qstream  # noqa: E402
+from engine.backends.cuda.products import mma as gpu_mma  # noqa: E402
+from engine.backends.cuda.products import qstream as gpu_qstream  # noqa: E402
 
 GS = 64
 
@@ -63,7 +64,7 @@ def weights(n: int, k: int, copies: int):
 
 def run(x, ws, n: int, k: int, residual: bool, glu: bool, stream: bool = False, norm=None):
     """One call per weight copy, each fed by the one before (``stream``: on
-    engine/gpu_qstream.py's kernel, else engine/gpu_mma.py's; ``norm``: the RMSNorm's
+    engine/backends/cuda/products/qstream.py's kernel, else engine/backends/cuda/products/mma.py's; ``norm``: the RMSNorm's
     weight and epsilon inside the call)."""
     outs = []
     for wq, s, b in ws:
@@ -82,10 +83,10 @@ def run(x, ws, n: int, k: int, residual: bool, glu: bool, stream: bool = False, 
 def layer_tail(cfg: dict, copies: int, steps: int) -> list[dict]:
     """A layer's tail after the attention (o_proj + residual, RMSNorm, gate_up + SwiGLU,
     down_proj + residual) over ``copies`` layers' weights, each fed by the one before:
-    as the step runs it now (three engine/gpu_qstream.py kernels and MLX's RMSNorm; and
-    with the norm inside gate_up's kernel) against engine/gpu_qlayer.py's one kernel.
+    as the step runs it now (three engine/backends/cuda/products/qstream.py kernels and MLX's RMSNorm; and
+    with the norm inside gate_up's kernel) against engine/backends/cuda/products/qlayer.py's one kernel.
     GPU time a layer: the sum of every kernel's, and first start to last end."""
-    from engine import gpu_qlayer
+    from engine.backends.cuda.products import qlayer as gpu_qlayer
 
     class Q:
         def __init__(self, n, k):
@@ -180,12 +181,12 @@ def cupti_us(fn, steps: int, name_part: str) -> list[float]:
 
 
 def parse_stream(name: str) -> dict | None:
-    """``"mma"``/``"qs"``/``"qi"``: engine/gpu_qstream.py's tensor-core / float CUDA-core
+    """``"mma"``/``"qs"``/``"qi"``: engine/backends/cuda/products/qstream.py's tensor-core / float CUDA-core
     / integer CUDA-core form with its defaults; ``"mma3w8"``: 3 slots a lane, 8 warps a
     block; ``"qi8c1"``: 8 slots of 1 chunk each; a trailing ``n`` (``"qin"``): qkv and
     gate_up with their RMSNorm inside; then ``e`` (``"qie"``): the first loads before x's
     conversion (``early``); then ``a`` (``"qia"``, ``"qiea"``): the stream without the
-    math (``abl``: is the kernel issue-bound?); None for a name of engine/gpu_mma.py's
+    math (``abl``: is the kernel issue-bound?); None for a name of engine/backends/cuda/products/mma.py's
     kernel."""
     m = re.fullmatch(r"(qs|qi|mma)(\d*)(?:w(\d+))?(?:c(\d+))?(n?)(e?)(a?)", name)
     if not m:

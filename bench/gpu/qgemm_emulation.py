@@ -1,4 +1,4 @@
-"""engine/gpu_qgemm.py's index logic, lane by lane, in numpy: a CPU check of its layout.
+"""engine/backends/cuda/products/qgemm.py's index logic, lane by lane, in numpy: a CPU check of its layout.
 
 It transcribes the kernel for every block of a launch (and for the stream-K form,
 each block's passes over parts of tiles, the partial sums, the tile counters and the
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mma_emulation import mma  # noqa: E402
 
-from engine.gpu_qgemm import geometry  # noqa: E402
+from engine.backends.cuda.products.qgemm import geometry  # noqa: E402
 
 
 def pack(q: np.ndarray) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""engine/gpu_qgemm.py's launch geometry and pipeline depth, product by product, against
-engine/gpu_mma.py's kernel (qmma): which knob moves a 4-bit product of 64-256 rows.
+"""engine/backends/cuda/products/qgemm.py's launch geometry and pipeline depth, product by product, against
+engine/backends/cuda/products/mma.py's kernel (qmma): which knob moves a 4-bit product of 64-256 rows.
 
 Why: session 16 measured qgemm's 3-stage form at 0.82-0.90x qmma's time a layer, but
 its gate/up product at 128 rows still ran ~5,000 cycles a k-step a block where shared
@@ -36,7 +36,7 @@ import mlx.core as mx  # noqa: E402
 from q4_bench import cupti_us, products  # noqa: E402  (the layer's products, as the step has them)
 from shapes import CONFIGS  # noqa: E402
 
-from engine import gpu_qgemm  # noqa: E402
+from engine.backends.cuda.products import qgemm as gpu_qgemm  # noqa: E402
 
 GS = 64
 # (x rows a block, warps a block, m-tiles a warp); 128 rows with 2 m-tiles a warp spills
@@ -110,7 +110,7 @@ def main() -> None:
                         f"(default {gpu_qgemm.geometry(rows, n // 16)}) | | | |"
                     )
                     continue
-                from engine import gpu_mma
+                from engine.backends.cuda.products import mma as gpu_mma
 
                 x = mx.random.normal((rows, k)).astype(mx.bfloat16) * 0.1
                 extra = [mx.zeros((rows, n), dtype=mx.bfloat16)] if residual else []

@@ -1,4 +1,4 @@
-"""engine/gpu_qstream.py's tensor-core form, lane by lane, in numpy: a CPU check of
+"""engine/backends/cuda/products/qstream.py's tensor-core form, lane by lane, in numpy: a CPU check of
 its index logic (which k of which group each lane's A and B pairs hold, the x pair
 layout, the per-group scale and bias on C's columns, the quad sum and the epilogue).
 

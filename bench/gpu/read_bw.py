@@ -4,7 +4,7 @@ array a GPU op made) and managed memory (an array made from host data, as weight
 loaded from disk are), against PyTorch's sum over the same bytes in the same process
 (ON the GPU machine, after bench/gpu/env.sh).
 
-Why: every 1-row 4-bit product kernel tried (engine/gpu_mma.py, engine/gpu_qstream.py's
+Why: every 1-row 4-bit product kernel tried (engine/backends/cuda/products/mma.py, engine/backends/cuda/products/qstream.py's
 two forms) tops out at 1.6-2.1 TB/s however its loads are kept in flight (NOTES.md,
 session 10), where PyTorch's copy measures 4.3 TB/s. This says whether that is the
 kernels or what an MLX kernel can read here at all.

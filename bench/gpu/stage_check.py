@@ -1,9 +1,9 @@
-"""Are staged prompt chunks (engine/prefill_stages.py) exact on the GPU?
+"""Are staged prompt chunks (engine/backends/cuda/prefill_stages.py) exact on the GPU?
 
 Prints, for random llama models of a few shapes and dtypes, the largest difference
 between two unstaged prefills of the same prompt (is the GPU path itself
 deterministic?) and between a staged and an unstaged one (logits, and every layer's
-keys and values). Written when tests/test_prefill_stages.py failed on an H100 (session
+keys and values). Written when tests/backends/cuda/test_prefill_stages.py failed on an H100 (session
 26): every difference here was 0 there; the failing assertion was the test's
 prefill-together comparison, which MLX's TF32 float32 matmuls put 7e-4 apart.
 

@@ -83,7 +83,7 @@ for stage in "$@"; do
     echo "=== $stage ($(date +%T))"
     case "$stage" in
     test)
-        timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log"
+        timeout 240 python3 -m pytest -q -p no:cacheprovider tests/backends/cuda/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log"
         ;;
     1b-bf16)
         timeout 200 $B --models 1b --quants bf16 --variants async,fused,fused_async,worker \
@@ -127,7 +127,7 @@ for stage in "$@"; do
             --variants async,fused,fused+async,ragged,ragged+gqa,ragged+gqa+fused+async \
             --prefill 0 --budget-s 170 --out "$OUT/ab.json"
         ;;
-    plans)  # which formulation of the decode products wins per row count (engine/gpu_linear.py);
+    plans)  # which formulation of the decode products wins per row count (engine/backends/cuda/linear.py);
         # later stages of this call run with the winners (exported)
         timeout ${PLANS_TIMEOUT:-200} python3 bench/gpu/matmul_rows.py --rows ${PLAN_ROWS:-1,8,32,128} \
             --out "$OUT/matmul_rows.json" --plans "$OUT/plans.env"
@@ -184,13 +184,13 @@ for stage in "$@"; do
         ;;
     kernel-test)  # session 5: the attention kernel against grouped attention, then the
         # end-to-end GPU test; if they fail, the later stages run MLX's attention
-        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py \
-            tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log"
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/backends/cuda/test_gpu_attention.py \
+            tests/backends/cuda/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log"
         if [ "${PIPESTATUS[0]}" -ne 0 ]; then
             echo "kernel tests FAILED: MARKBASE_GPU_ATTENTION=mlx for the later stages"
             export MARKBASE_GPU_ATTENTION=mlx
         fi
-        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemv.py tests/test_gpu_mma.py 2>&1 \
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/backends/cuda/test_gpu_gemv.py tests/backends/cuda/test_gpu_mma.py 2>&1 \
             | tee "$OUT/test_gpu_gemv.log"
         if [ "${PIPESTATUS[0]}" -ne 0 ]; then
             echo "product kernel tests FAILED: MLX's products (plans 1:xwt, 1:qmm) for the later stages"
@@ -200,7 +200,7 @@ for stage in "$@"; do
     mma-test)  # session 6: the tensor-core product kernels against float32 products, and
         # the host time per call of each product formulation; if the tests fail, the
         # later stages keep the products off the new kernels
-        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_mma.py 2>&1 \
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/backends/cuda/test_gpu_mma.py 2>&1 \
             | tee "$OUT/test_gpu_mma.log"
         if [ "${PIPESTATUS[0]}" -ne 0 ]; then
             echo "mma tests FAILED: the later stages leave them out"
@@ -209,7 +209,7 @@ for stage in "$@"; do
         timeout 120 python3 bench/gpu/call_cost.py --out "$OUT/call_cost.json" 2>&1 | tee "$OUT/call_cost.log"
         ;;
     attn-test)  # session 9: the attention kernel's tests, every loop shape (before attn-bench)
-        timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py 2>&1 \
+        timeout 400 python3 -m pytest -q -p no:cacheprovider tests/backends/cuda/test_gpu_attention.py 2>&1 \
             | tee "$OUT/test_attn.log"
         ;;
     attn-bench)  # session 9: the attention kernel alone per loop shape (CUPTI); the best
@@ -225,19 +225,19 @@ for stage in "$@"; do
         ;;
     qs-test)  # session 10: the streamed 1-row 4-bit kernels' tests
         timeout ${QS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/test_gpu_qstream.py 2>&1 | tee "$OUT/test_qs.log"
+            tests/backends/cuda/test_gpu_qstream.py 2>&1 | tee "$OUT/test_qs.log"
         ;;
     s13-test)  # session 13: the compiled step and the one-kernel layer tail
         timeout ${S13_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/test_gpu_qlayer.py "tests/test_gpu_attention.py::test_compiled_step_equals_model_across_splits_and_growth" \
-            "tests/test_gpu_attention.py::test_decode_step_append_form_equals_model" 2>&1 | tee "$OUT/test_s13.log"
+            tests/backends/cuda/test_gpu_qlayer.py "tests/backends/cuda/test_gpu_attention.py::test_compiled_step_equals_model_across_splits_and_growth" \
+            "tests/backends/cuda/test_gpu_attention.py::test_decode_step_append_form_equals_model" 2>&1 | tee "$OUT/test_s13.log"
         ;;
     prefill-test)  # session 14: the prefill attention kernel and the dequantize route
         timeout ${PT_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/test_gpu_prefill_attention.py tests/test_gpu_prefill.py 2>&1 | tee "$OUT/test_prefill.log"
+            tests/backends/cuda/test_gpu_prefill_attention.py tests/backends/cuda/test_gpu_prefill.py 2>&1 | tee "$OUT/test_prefill.log"
         ;;
     prefill-ab)  # session 14: the prefill attention kernel's forms alone against MLX's; then
-        # 2048-token prefill with engine/gpu_prefill_attention.py and engine/gpu_prefill.py
+        # 2048-token prefill with engine/backends/cuda/attention/prefill.py and engine/backends/cuda/prefill.py
         # on and off (both on by default since session 15); then qmm vs deq by row count
         timeout ${PK_TIMEOUT:-90} python3 bench/gpu/prefill_attn_bench.py --out "$OUT/prefill_attn.json" \
             2>&1 | tee "$OUT/prefill_attn.log"
@@ -251,17 +251,17 @@ for stage in "$@"; do
         timeout ${PR_TIMEOUT:-120} python3 bench/gpu/matmul_rows.py --models 8b,1b \
             --rows ${PR_ROWS:-64,128,256,512,2048} --forms xwt,qmm,deq --reps 3 --out "$OUT/prefill_rows.json"
         ;;
-    qgemm-test)  # session 15: engine/gpu_qgemm.py's tests, then its products per layer
+    qgemm-test)  # session 15: engine/backends/cuda/products/qgemm.py's tests, then its products per layer
         # against gpu_mma's (qmma) at 33-128 rows
         timeout ${QG_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/test_gpu_qgemm.py 2>&1 | tee "$OUT/test_qgemm.log"
+            tests/backends/cuda/test_gpu_qgemm.py 2>&1 | tee "$OUT/test_qgemm.log"
         timeout ${QR_TIMEOUT:-120} python3 bench/gpu/matmul_rows.py --models 8b,1b \
             --rows 33,64,128 --forms qmma,qgemm --reps 3 --out "$OUT/qgemm_rows.json"
         ;;
     qgemm-sweep)  # session 16: gpu_qgemm's geometry, stages and m-tiles a warp per product
         # (bench/gpu/qgemm_sweep.py), after the two-m-tile form's tests
         timeout ${QS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/test_gpu_qgemm.py -k "two_m_tiles or exact" 2>&1 | tee "$OUT/test_qgemm_mt.log"
+            tests/backends/cuda/test_gpu_qgemm.py -k "two_m_tiles or exact" 2>&1 | tee "$OUT/test_qgemm_mt.log"
         timeout ${QW_TIMEOUT:-150} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-150} - 20 )) \
             --out "$OUT/qgemm_sweep.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_sweep.log"
         ;;
@@ -272,16 +272,16 @@ for stage in "$@"; do
     qgemm-ws)  # session 18: gpu_qgemm with the weights in shared memory (MARKBASE_GPU_QGEMM_WS)
         # and launch bounds (MARKBASE_GPU_QGEMM_LB): its tests, then the forms against qmma
         timeout ${QT_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/test_gpu_qgemm.py -k "weights_in_shared" 2>&1 | tail -15 | tee "$OUT/test_qgemm_ws.log"
+            tests/backends/cuda/test_gpu_qgemm.py -k "weights_in_shared" 2>&1 | tail -15 | tee "$OUT/test_qgemm_ws.log"
         timeout ${QW_TIMEOUT:-200} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-200} - 20 )) \
             --rows ${QW_ROWS:-128} --forms ${QW_FORMS:-r:2:0,r:2:3,w:3:0,w:4:0,w:3:3,w:2:4} \
             --out "$OUT/qgemm_ws.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_ws.log"
         ;;
-    dequant)  # session 20 (prepared): engine/gpu_dequant.py (MARKBASE_GPU_DEQUANT=1): its tests
+    dequant)  # session 20 (prepared): engine/backends/cuda/products/dequant.py (MARKBASE_GPU_DEQUANT=1): its tests
         # (mx.dequantize's weights bit for bit), the kernel alone against MLX's per product,
         # then 2048-token 4-bit prefill (one chunk and chunks of 512) with it on and off
         timeout ${DQ_TEST_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/test_gpu_dequant.py 2>&1 | tail -8 | tee "$OUT/test_dequant.log"
+            tests/backends/cuda/test_gpu_dequant.py 2>&1 | tail -8 | tee "$OUT/test_dequant.log"
         timeout ${DQ_TIMEOUT:-120} python3 bench/gpu/dequant_bench.py --out "$OUT/dequant.json" 2>&1 \
             | grep -v -i warn | tee "$OUT/dequant.log"
         for v in 1 0; do
@@ -294,7 +294,7 @@ for stage in "$@"; do
         # or gpu_mma's kernel (MARKBASE_GPU_PREFILL_SMALL=qmma): its tests, then one-chunk
         # prefill of 24 / 100 / 200 tokens each way (tok/s, and the first call's compile)
         timeout ${PS_TEST_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/test_gpu_prefill.py 2>&1 | tail -6 | tee "$OUT/test_prefill_small.log"
+            tests/backends/cuda/test_gpu_prefill.py 2>&1 | tail -6 | tee "$OUT/test_prefill_small.log"
         for v in mlx qmma; do
             for n in ${PS_TOKENS:-24 100 200}; do
                 MARKBASE_GPU_PREFILL_SMALL=$v timeout ${PS_TIMEOUT:-90} $B --models ${PS_MODELS:-8b,1b} \
@@ -308,7 +308,7 @@ for stage in "$@"; do
         # (ModelRunner.prefill_together): its GPU tests, then the first-request run's bursts
         # (8 and 48 requests of 256-token prompts) with it on and off
         timeout ${PG_TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/test_gpu_prefill.py tests/test_runner_prefill.py tests/test_prefill_groups.py 2>&1 \
+            tests/backends/cuda/test_gpu_prefill.py tests/engine/test_runner_prefill.py tests/engine/test_prefill_groups.py 2>&1 \
             | tail -6 | tee "$OUT/test_prefill_together.log"
         for v in 1 0; do
             MARKBASE_PREFILL_TOGETHER=$v timeout ${PG_TIMEOUT:-150} $E first-request --warmup on $EM \
@@ -328,7 +328,7 @@ for stage in "$@"; do
         # tests (exact, deterministic, counters left at zero, the decode step), then every
         # product of the 8b and 1b models at 64 and 128 rows, one tile a block vs stream-K
         timeout ${QT_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/test_gpu_qgemm.py -k "stream_k or decode_step or warm" 2>&1 | tail -15 \
+            tests/backends/cuda/test_gpu_qgemm.py -k "stream_k or decode_step or warm" 2>&1 | tail -15 \
             | tee "$OUT/test_qgemm_sk.log"
         timeout ${QW_TIMEOUT:-280} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-280} - 20 )) \
             --rows ${QW_ROWS:-128,64} --forms ${QW_FORMS:-r:2:0,s:2:0,r:2:0:0:w8,s:2:0:0:w8} \
@@ -337,7 +337,7 @@ for stage in "$@"; do
         ;;
     b1-test)  # session 23 (prepared): the 1-row products' early loads, the L2 prefetch
         timeout ${B1_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/test_gpu_prefetch.py tests/test_gpu_qstream.py -k "prefetch or early or decode_step" \
+            tests/backends/cuda/test_gpu_prefetch.py tests/backends/cuda/test_gpu_qstream.py -k "prefetch or early or decode_step" \
             2>&1 | tail -25 | tee "$OUT/test_b1.log"
         ;;
     b1-read)  # session 23 (prepared): the fastest one read kernel gets through each 8b product
@@ -378,23 +378,23 @@ for stage in "$@"; do
         timeout ${POOL_TIMEOUT:-60} python3 bench/gpu/pool_cost.py --out "$OUT/pool_cost.json" \
             2>&1 | grep -v -i warn | tee "$OUT/pool_cost.log"
         ;;
-    b1-ql)  # session 24 (prepared): session 13's layer kernels (engine/gpu_qlayer.py,
+    b1-ql)  # session 24 (prepared): session 13's layer kernels (engine/backends/cuda/products/qlayer.py,
         # gpu_qblock.py: o_proj..down_proj as one launch with grid barriers; -ql2 with the
         # next layer's norm + q/k/v; -ql3 the attention too) against the served default, now
         # that their epsilon is no longer in MLX's pool of tiny arrays (session 14 measured
         # them slower while every block read it across PCIe). Each phase now meets its grid
         # barrier after its first weight loads are issued (session 24). Their GPU tests first.
         timeout ${QL_TEST_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/test_gpu_qlayer.py -k "equals or matches" 2>&1 | tail -8 | tee "$OUT/test_ql.log"
+            tests/backends/cuda/test_gpu_qlayer.py -k "equals or matches" 2>&1 | tail -8 | tee "$OUT/test_ql.log"
         B1_VARIANTS=${B1_QL_VARIANTS:-default-wc-qe-pf12-qn1,default-wc-qe-qn1-ql,default-wc-qe-qn1-ql2,default-wc-qe-qn1-ql3} \
             bash "$0" b1-profile
         ;;
     prefill-stages)  # session 25 (prepared): a prompt chunk's forward queued at some layers
-        # (engine/prefill_stages.py) so the GPU starts while the host builds the rest,
+        # (engine/backends/cuda/prefill_stages.py) so the GPU starts while the host builds the rest,
         # against none (the profile showed the GPU idle ~3.3 ms of an 11 ms 1b chunk),
         # interleaved in one process; then the 1b 4-bit default with the RoPE offset as
         # MLX's pool scalar (MARKBASE_GPU_ROPE_DEVICE_OFFSET=0): compare its rope kernel
-        timeout 60 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_prefill_stages.py \
+        timeout 60 python3 -m pytest -q -p no:cacheprovider --tb=short tests/backends/cuda/test_prefill_stages.py \
             2>&1 | grep -v -i warn | tail -4 | tee "$OUT/test_stages.log"  # staged = unstaged, on the GPU
         timeout ${PS_TIMEOUT:-150} python3 bench/gpu/profile_prefill.py --models ${PS_MODELS:-1b,8b} \
             --quants ${PS_QUANTS:-bf16,q4} --variants ${PS_VARIANTS:-unstaged,default,unstaged,default} \
@@ -408,15 +408,15 @@ for stage in "$@"; do
         # twice and staged vs unstaged (all 0 on an H100), then the stages' test in full
         timeout ${SC_TIMEOUT:-120} python3 bench/gpu/stage_check.py 2>&1 | grep -v -i warn \
             | tee "$OUT/stage_check.log"
-        timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=long -x tests/test_prefill_stages.py \
+        timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=long -x tests/backends/cuda/test_prefill_stages.py \
             2>&1 | grep -v -i warn | tail -60 > "$OUT/test_stages_long.log"
         ;;
     sampler)  # session 24: engine/sampler.py's batched draw on the GPU against its
         # per-row form before and mlx-lm's make_sampler, llama-3 vocabulary, B=1..128
-        # (session 25: engine/gpu_sampler.py's kernel for the plain rows, its tests first,
+        # (session 25: engine/backends/cuda/sampler.py's kernel for the plain rows, its tests first,
         # then the bench with bf16 logits as the output layer gives them, the MLX ops beside)
         timeout ${SAMPLER_TEST_TIMEOUT:-90} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/test_sampler.py 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/test_sampler.log"
+            tests/engine/test_sampler.py 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/test_sampler.log"
         # (the kernel at every B, MIN_ROWS 1; its two-pass form, then the one-pass form)
         for one in ${SAMPLER_ONEPASS:-0 1}; do
             MARKBASE_GPU_SAMPLER_MIN_ROWS=1 MARKBASE_GPU_SAMPLER_ONEPASS=$one \
@@ -426,7 +426,7 @@ for stage in "$@"; do
         done
         ;;
     rope-ab)  # session 24 (prepared): prompt chunks' RoPE offsets in device memory
-        # (engine/rope_offsets.py) or as mx.fast.rope's pool scalar: 2k prefill and B=1,
+        # (engine/backends/cuda/rope_offsets.py) or as mx.fast.rope's pool scalar: 2k prefill and B=1,
         # off/on twice, one process each
         for v in 0 1 0 1; do
             MARKBASE_GPU_ROPE_DEVICE_OFFSET=$v TABLE_CONFIGS="${ROPE_CONFIGS:-1b:q4}" TABLE_BATCHES=1 \
@@ -446,22 +446,22 @@ for stage in "$@"; do
                 bash "$0" engine-table
         done
         ;;
-    wgmma)  # session 22 (prepared): engine/gpu_wgmma.py (Hopper warpgroup MMA for the 4-bit
+    wgmma)  # session 22 (prepared): engine/backends/cuda/products/wgmma.py (Hopper warpgroup MMA for the 4-bit
         # products of 33-128 rows): the exactness table of every form (both descriptor
         # readings, both x pipelines), its tests, then each 8b/1b product at 128 and 64 rows
         # against the kernel the step uses now
         timeout ${WG_CHECK_TIMEOUT:-120} python3 bench/gpu/wgmma_bench.py --check-only \
             --out "$OUT/wgmma_check.json" 2>&1 | grep -v -i warn | tee "$OUT/wgmma_check.log"
         [ "${WG_TEST:-1}" = 1 ] && timeout ${WG_TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider \
-            --tb=short -x tests/test_gpu_wgmma.py 2>&1 | tail -15 | tee "$OUT/test_wgmma.log"
+            --tb=short -x tests/backends/cuda/test_gpu_wgmma.py 2>&1 | tail -15 | tee "$OUT/test_wgmma.log"
         timeout ${WG_TIMEOUT:-200} python3 bench/gpu/wgmma_bench.py --budget-s $(( ${WG_TIMEOUT:-200} - 40 )) \
             --rows ${WG_ROWS:-128,64} --forms ${WG_FORMS:-3:2,4:2,3:4} --models ${WG_MODELS:-8b,1b} \
             --skip-check --out "$OUT/wgmma.json" 2>&1 | grep -v -i warn | tee "$OUT/wgmma.log"
         ;;
-    attn-tc)  # session 17: engine/gpu_attention_tc.py's tests, then the kernel alone against
+    attn-tc)  # session 17: engine/backends/cuda/attention/decode_tc.py's tests, then the kernel alone against
         # the CUDA-core shapes at the batch sizes it would take (unsplit launches)
         timeout ${TC_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/test_gpu_attention.py -k "tensor_core or cp100000 or cs" 2>&1 | tail -15 | tee "$OUT/test_attn_tc.log"
+            tests/backends/cuda/test_gpu_attention.py -k "tensor_core or cp100000 or cs" 2>&1 | tail -15 | tee "$OUT/test_attn_tc.log"
         to=${TC_TIMEOUT:-150}
         timeout $to python3 bench/gpu/attn_bench.py --budget-s $(( to - 30 )) \
             --variants ${TC_VARIANTS:-auto,tcw4k16,tcw2k32,tcw8k16,tcw4k32,tcsw8k16,tcsw4k32,tcsw4k16} \

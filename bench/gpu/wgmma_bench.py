@@ -1,4 +1,4 @@
-"""engine/gpu_wgmma.py against the kernels the decode step uses now (gpu_qgemm where
+"""engine/backends/cuda/products/wgmma.py against the kernels the decode step uses now (gpu_qgemm where
 ``gpu_qgemm.takes``, else gpu_mma): exactness of each form, then each product's time.
 
 Why: the 8b 4-bit B=128 cell is level with compiled PyTorch (bench/gpu/NOTES.md,
@@ -32,7 +32,8 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from qgemm_emulation import pack  # noqa: E402  (MLX's 4-bit packing)
 
-from engine import gpu_qgemm, gpu_wgmma  # noqa: E402
+from engine.backends.cuda.products import qgemm as gpu_qgemm
+from engine.backends.cuda.products import wgmma as gpu_wgmma  # noqa: E402
 
 GS = 64
 
@@ -131,7 +132,7 @@ def probes() -> dict:
 
 def current(rows: int, n: int, k: int, residual: bool, glu: bool):
     """The launch the decode step makes now for this product (qgemm or qmma)."""
-    from engine import gpu_mma
+    from engine.backends.cuda.products import mma as gpu_mma
 
     if gpu_qgemm.takes(rows, n // 16, glu, k, residual):
         return "qgemm", gpu_qgemm.launcher(mx.bfloat16, rows, n, k, GS, residual, glu)

@@ -1,4 +1,4 @@
-"""engine/gpu_wgmma.py's addressing, transcribed to numpy: where each thread writes the
+"""engine/backends/cuda/products/wgmma.py's addressing, transcribed to numpy: where each thread writes the
 dequantized weights and copies x in shared memory, where ``wgmma`` reads its operands
 from by descriptor (start address, leading offset between 8-input core-matrix
 columns, stride offset between 8-row groups: the canonical K-major layout without
@@ -8,7 +8,7 @@ outputs land where they belong; what it cannot check is the hardware's reading o
 descriptor, which bench/gpu/wgmma_bench.py's exactness table does on the GPU (both
 readings, ``MARKBASE_GPU_WGMMA_SWAP``).
 
-    .venv/bin/python bench/gpu/wgmma_emulation.py   (also run by tests/test_gpu_wgmma.py)
+    .venv/bin/python bench/gpu/wgmma_emulation.py   (also run by tests/backends/cuda/test_gpu_wgmma.py)
 """
 
 from __future__ import annotations

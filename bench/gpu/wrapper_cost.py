@@ -2,8 +2,8 @@
 
 On the H200 a 1b decode step is host-bound: ~1.1-1.7 ms of Python graph building and
 ~1.2-1.5 ms of MLX encoding for 182 kernels (bench/gpu/NOTES.md, session 7). Four of
-a layer's ~11 kernels are engine/gpu_mma.py products reached through
-engine/gpu_linear.py (plan lookup, support check, template, launch geometry). This
+a layer's ~11 kernels are engine/backends/cuda/products/mma.py products reached through
+engine/backends/cuda/linear.py (plan lookup, support check, template, launch geometry). This
 measures that wrapper cost on any machine: the CUDA kernel launch is replaced by a
 stand-in that returns its first input, so what is left is markbase's Python per call,
 next to one real MLX op (an add of the same shape) for scale.
@@ -33,7 +33,8 @@ ROWS = (1, 8, 32)
 def measure(calls: int) -> dict:
     import mlx.core as mx
 
-    from engine import gpu_linear, gpu_mma
+    from engine.backends.cuda import linear as gpu_linear
+    from engine.backends.cuda.products import mma as gpu_mma
 
     class StandIn:  # gpu_mma's kernel objects: the launch returns x, no CUDA needed
         def __call__(self, kind, template):

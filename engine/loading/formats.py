@@ -32,14 +32,14 @@ def resolve_weight_format(requested: str) -> str:
     """The one place that decides what ``"auto"`` means, by backend (measured):
 
     - Linux CPU: float32 with a fast BLAS (every other format runs through MLX's scalar
-      single-threaded kernels, 3-20x slower); "native" without one (engine.cpu_tuning).
+      single-threaded kernels, 3-20x slower); "native" without one (engine.backends.cpu.tuning).
     - CUDA: bfloat16. MLX's CUDA 4-bit matmul streams only 0.09-0.15 TB/s from 8 rows
       up: 1B model at batch 128 decoded 22k tok/s in bf16 vs 2.1k in 4-bit (bench/gpu).
     - Metal: native (4-bit kernels are MLX's strength there).
     """
     if requested == "auto":
         if mx.default_device() == mx.cpu:
-            from engine.cpu_tuning import best_cpu_weight_format
+            from engine.backends.cpu.tuning import best_cpu_weight_format
 
             return best_cpu_weight_format()
         if mx.cuda.is_available():
@@ -138,7 +138,7 @@ def apply_format(
     """Convert ``ws`` in place to ``weight_format``; float tensors end up in ``compute_dtype``.
 
     With ``shadows`` (a dict) and a float32 format, each dequantized module's quantized
-    form is kept there as an ``engine.cpu_qgemm.QuantShadow`` (CPU decode reads it)."""
+    form is kept there as an ``engine.backends.cpu.qgemm.QuantShadow`` (CPU decode reads it)."""
     if weight_format in FLOAT_FORMATS:
         keep = shadows is not None and compute_dtype == mx.float32
         for module in list(ws.quant):
@@ -165,7 +165,7 @@ def apply_format(
 
 
 def _shadow(ws: WeightSet, module: str):
-    from engine.cpu_qgemm import shadow_of
+    from engine.backends.cpu.qgemm import shadow_of
 
     q = ws.quant[module]
     if q.get("mode", "affine") != "affine":

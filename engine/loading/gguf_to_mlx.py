@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from engine.cpu_qgemm import shadow_of
+from engine.backends.cpu.qgemm import shadow_of
 from engine.loading import gguf_quants as gq
 from engine.loading.formats import WeightSet
 from engine.loading.gguf_reader import GGUFFile, GGUFTensor
@@ -307,7 +307,7 @@ def gguf_weights(
 
     With ``shadows`` (a dict) and a float format, every matrix dequantized from a type
     that transcodes losslessly also leaves its MLX-quantized form there, by module path
-    (``engine.cpu_qgemm.QuantShadow``: the CPU's decode products read it)."""
+    (``engine.backends.cpu.qgemm.QuantShadow``: the CPU's decode products read it)."""
     ws = WeightSet(arrays={}, hint=_inverse_hint(arch))
     src = str(gf.path)
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]

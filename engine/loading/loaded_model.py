@@ -26,5 +26,5 @@ class LoadedModel:
     quantization: dict | None = None  # mlx-lm "quantization" entry (None: unquantized)
     load_seconds: float = 0.0
     # Quantized forms of dequantized float32 weights, by module path: CPU decode
-    # products read them (engine.cpu_qgemm). Empty when not used.
+    # products read them (engine.backends.cpu.qgemm). Empty when not used.
     cpu_shadows: dict = field(default_factory=dict, repr=False)

@@ -112,8 +112,8 @@ def load_model(
 
 def _shadow_dict(fmt: str) -> dict | None:
     """A dict to collect quantized shadows of float32 weights in, when the CPU's
-    quantized decode products can use them (engine.cpu_qgemm), else None."""
-    from engine.cpu_qgemm import available as qgemm_available
+    quantized decode products can use them (engine.backends.cpu.qgemm), else None."""
+    from engine.backends.cpu.qgemm import available as qgemm_available
 
     return {} if fmt == "float32" and qgemm_available() is None else None
 
@@ -128,7 +128,7 @@ def _finish(
 ) -> dict:
     """``ws`` already went through ``model.sanitize`` (which may also change the model,
     e.g. gemma3_text drops its lm_head when the weights have none). Returns the
-    quantized shadows of dequantized weights (see engine.cpu_qgemm), maybe empty."""
+    quantized shadows of dequantized weights (see engine.backends.cpu.qgemm), maybe empty."""
     quantizable = quantizable_modules(model, Q4_GROUP_SIZE) if fmt == "q4" else set()
     apply_format(ws, fmt, dtype, quantizable, shadows)
     try:

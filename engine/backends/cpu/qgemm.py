@@ -1,0 +1,275 @@
+"""Quantized decode matmuls on the CPU, behind MLX's float32 ones.
+
+Why: decode on a CPU is bound by the bytes of weights read per token. MLX's CPU
+backend has two choices, both poor: its quantized matmul does not use BLAS or SIMD
+well (8 tok/s for SmolLM2-135M here), and float32 weights through OpenBLAS read
+4 bytes per weight (540 MB per token for the same model). So on the CPU markbase
+loads float32 weights (fast prefill through BLAS GEMM) *and* keeps the MLX
+affine-quantized form they were dequantized from (4 or 8 bits, the GGUF's own
+values). The sgemm shim (engine/backends/cpu/native/blas_shim.c) that MLX's matmuls already
+call looks each weight pointer up in a table; for products with few rows (decode
+steps, up to ``MARKBASE_QGEMM_MAX_M`` rows) it reads the quantized copy with an
+AVX-512 kernel on all cores instead. The weight values are exactly the float32
+ones (``w = scale * q + bias``); only the order of the float sums differs.
+
+The MLX graph does not change: the same model, the same compiled step. A product
+whose weight is not registered (attention, or any model without shadows) takes
+the float path as before.
+
+Safety of the pointer table: a ``Registration`` holds references to the float32
+arrays it registered (so their memory cannot be reused while a key points at it)
+and to the quantized copies; it removes its keys when closed or collected.
+
+``MARKBASE_QGEMM_INT8=1`` quantizes the inputs to int8 blocks as llama.cpp does
+(faster, less exact: off by default). ``MARKBASE_QGEMM=0`` turns it all off; ``MARKBASE_QGEMM_MAX_M`` (default 16) and
+``MARKBASE_QGEMM_THREADS`` (default: all CPUs of the process) tune it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger("markbase.cpu_qgemm")
+
+ENV_ON = "MARKBASE_QGEMM"
+ENV_MAX_M = "MARKBASE_QGEMM_MAX_M"
+ENV_THREADS = "MARKBASE_QGEMM_THREADS"
+ENV_SPIN = "MARKBASE_QGEMM_SPIN_US"
+# "1": inputs as int8 blocks (llama.cpp's Q8 activations, AVX512-VNNI): 1.5x faster
+# products, but the default model then answered the Paris question wrongly: opt-in.
+ENV_INT8 = "MARKBASE_QGEMM_INT8"
+
+
+@dataclass
+class QuantShadow:
+    """The MLX affine-quantized form of one float32 weight [N, K]."""
+
+    bits: int
+    group_size: int
+    q: np.ndarray  # uint8 [N, K * bits / 8], MLX's packing
+    scales: np.ndarray  # float32 [N, K / group_size]
+    biases: np.ndarray  # float32 [N, K / group_size]
+
+    @property
+    def rows(self) -> int:
+        return int(self.q.shape[0])
+
+    @property
+    def cols(self) -> int:
+        return int(self.q.shape[1] * 8 // self.bits)
+
+
+def shadow_of(wq, scales, biases, bits: int, group_size: int) -> QuantShadow | None:
+    """A ``QuantShadow`` from MLX quantized arrays, or None when the kernel cannot
+    use that format (it takes affine 4/8-bit, groups of 32, 64 or 128, 2-D)."""
+    if bits not in (4, 8) or group_size % 32 or biases is None or wq.ndim != 2:
+        return None
+    q = np.ascontiguousarray(_numpy(wq))
+    q = q.view(np.uint8).reshape(q.shape[0], -1)
+    s = np.ascontiguousarray(_numpy(scales), dtype=np.float32)
+    b = np.ascontiguousarray(_numpy(biases), dtype=np.float32)
+    if group_size > 32:  # the kernel reads one scale and bias per 32 weights
+        s = np.ascontiguousarray(np.repeat(s, group_size // 32, axis=1))
+        b = np.ascontiguousarray(np.repeat(b, group_size // 32, axis=1))
+        group_size = 32
+    return QuantShadow(bits, group_size, q, s, b)
+
+
+def _numpy(a) -> np.ndarray:
+    if isinstance(a, np.ndarray):
+        return a
+    import mlx.core as mx
+
+    if a.dtype == mx.bfloat16:
+        a = a.astype(mx.float32)
+    mx.eval(a)
+    return np.array(memoryview(a), copy=True)
+
+
+def _data_pointer(a) -> int:
+    """Address of an evaluated, row-contiguous MLX array's first element: the pointer
+    MLX hands to cblas_sgemm for it (memoryview is zero-copy for such arrays)."""
+    view = np.asarray(memoryview(a))
+    if not view.flags["C_CONTIGUOUS"]:
+        raise ValueError("not row-contiguous")
+    return int(view.ctypes.data)
+
+
+def _lib():
+    from engine.backends.cpu.blas import shim_library
+
+    lib = shim_library()
+    if lib is None or not hasattr(lib, "markbase_qw_add"):
+        return None
+    if not getattr(lib, "_markbase_qw_typed", False):
+        vp, i = ctypes.c_void_p, ctypes.c_int
+        lib.markbase_qw_add.argtypes = [vp, i, i, i, i, i, i, vp, vp, vp]
+        lib.markbase_qw_remove.argtypes = [vp, i]
+        lib.markbase_qw_config.argtypes = [i, i, i, i]
+        lib.markbase_qw_hits.restype = ctypes.c_long
+        lib.markbase_qw_matmul.argtypes = [vp, i, i, i, vp, vp]
+        lib.markbase_qw_set_int8.argtypes = [i]
+        lib._markbase_qw_typed = True
+    return lib
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def available() -> str | None:
+    """None when quantized decode matmuls can run here, else why not."""
+    if os.environ.get(ENV_ON, "1").lower() in ("0", "off", "no"):
+        return f"{ENV_ON}=0"
+    try:
+        import mlx.core as mx
+
+        if mx.default_device() != mx.cpu:
+            return "MLX runs on a GPU"
+    except ImportError:
+        return "MLX is not installed"
+    lib = _lib()
+    if lib is None:
+        return "the sgemm shim is not loaded (no fast BLAS or no C compiler)"
+    if lib.markbase_qw_simd() not in (256, 512) and os.environ.get(ENV_ON) != "force":
+        return "the CPU has neither AVX2+FMA nor AVX-512 (the portable kernel is slower than float32 BLAS)"
+    lib.markbase_qw_set_int8(1 if os.environ.get(ENV_INT8, "0") == "1" else 0)
+    lib.markbase_qw_config(
+        1, _env_int(ENV_MAX_M, 16), _env_int(ENV_THREADS, 0), _env_int(ENV_SPIN, 30)
+    )
+    return None
+
+
+def hits() -> int:
+    """Products served from quantized weights so far (all models)."""
+    lib = _lib()
+    return int(lib.markbase_qw_hits()) if lib is not None else 0
+
+
+class Registration:
+    """Float32 weights of one model whose decode products read quantized copies."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple[int, int]] = []
+        self._keep: list = []  # float32 arrays and shadows: alive while keys point at them
+        self._finalizer = weakref.finalize(self, _remove_keys, self._keys)
+
+    @property
+    def count(self) -> int:
+        return len(self._keys)
+
+    def add(self, weight, parts: list[QuantShadow]) -> bool:
+        """Register float32 ``weight`` [N, K] as the rows of ``parts`` stacked in order.
+        False (nothing registered) when a part does not match or the table is full."""
+        import mlx.core as mx
+
+        lib = _lib()
+        if lib is None or weight.dtype != mx.float32 or weight.ndim != 2:
+            return False
+        n_total, k = (int(d) for d in weight.shape)
+        if sum(p.rows for p in parts) != n_total or any(p.cols != k for p in parts):
+            return False
+        mx.eval(weight)
+        try:
+            ptr = _data_pointer(weight)
+        except (ValueError, TypeError, BufferError):
+            return False
+        return self.add_address(ptr, n_total, k, parts, [weight])
+
+    def add_address(self, ptr: int, n_total: int, k: int, parts: list[QuantShadow], keep) -> bool:
+        """Register the float32 matrix [n_total, k] at ``ptr``; ``keep`` must hold the
+        arrays that own that memory."""
+        lib = _lib()
+        if lib is None or sum(p.rows for p in parts) != n_total or any(p.cols != k for p in parts):
+            return False
+        n0 = 0
+        for p in parts:
+            rc = lib.markbase_qw_add(
+                ptr,
+                n_total,
+                k,
+                n0,
+                p.rows,
+                p.bits,
+                p.group_size,
+                p.q.ctypes.data,
+                p.scales.ctypes.data,
+                p.biases.ctypes.data,
+            )
+            if rc == -4:  # already registered (another runner of the same model)
+                return False
+            if rc != 0:
+                lib.markbase_qw_remove(ptr, n_total)
+                log.debug("quantized weight not registered (code %d)", rc)
+                return False
+            n0 += p.rows
+        self._keys.append((ptr, n_total))
+        self._keep.append((keep, parts))
+        return True
+
+    def close(self) -> None:
+        self._finalizer()
+        self._keep.clear()
+
+
+def _remove_keys(keys: list[tuple[int, int]]) -> None:
+    lib = _lib()
+    if lib is not None:
+        for ptr, n in keys:
+            lib.markbase_qw_remove(ptr, n)
+    keys.clear()
+
+
+def register_model(model, shadows: dict[str, QuantShadow]) -> Registration | None:
+    """Register every float32 weight of ``model`` that has a shadow (by module path),
+    as the model holds it now, and every run of such weights that lie back to back in
+    one buffer (fused projections: Q/K/V or gate/up concatenated, the modules' weights
+    being views into it). None when the quantized route is unavailable.
+
+    A run is found by addresses alone, so it is right whatever made it contiguous: a
+    product whose B is N rows from that address reads exactly those weights' bytes."""
+    why = available()
+    if why or not shadows:
+        if why:
+            log.info("quantized CPU decode matmuls not used: %s", why)
+        return None
+    reg = Registration()
+    placed = []  # (address, rows, cols, weight, shadow)
+    for path, module in model.named_modules():
+        shadow = shadows.get(path)
+        weight = getattr(module, "weight", None) if shadow is not None else None
+        if weight is None or not reg.add(weight, [shadow]):
+            continue
+        placed.append((_data_pointer(weight), shadow.rows, shadow.cols, weight, shadow))
+    placed.sort(key=lambda p: p[0])
+    by_start = {p[0]: i for i, p in enumerate(placed)}
+    for i, (_, _, cols, _, _) in enumerate(placed):
+        run = [placed[i]]
+        while len(run) < MAX_RUN:
+            last = run[-1]
+            j = by_start.get(last[0] + last[1] * last[2] * 4)
+            if j is None or placed[j][2] != cols:
+                break
+            run.append(placed[j])
+            _add_run(reg, run)
+    log.info("quantized CPU decode matmuls: %d weight matrices registered", reg.count)
+    return reg
+
+
+MAX_RUN = 4  # segments per key in the shim (QSEG_MAX)
+
+
+def _add_run(reg: Registration, run: list) -> None:
+    """Register the concatenation of ``run``'s weights as one matrix. Holding the
+    weights (views into one buffer) keeps that buffer alive."""
+    total = sum(p[1] for p in run)
+    reg.add_address(run[0][0], total, run[0][2], [p[4] for p in run], [p[3] for p in run])

@@ -1,0 +1,257 @@
+"""The decode step on MLX's CPU backend, written for few graph nodes.
+
+Why: on a CPU every MLX primitive costs ~5 µs of dispatch whatever its size
+(measured: 700 chained adds on a [1, 576] array take 3.8 ms), and a decode step of
+a small model is mostly such overhead. ``FusedDecodeStep`` (engine/model/decode_step.py)
+still built ~2,170 nodes per SmolLM2-135M step, 72 per layer: MLX's CPU RoPE is a
+fallback of ~15 ops (arange, cos, sin, concatenate ...) run for Q and for K in every
+layer, and transposes/astype that a one-token step does not need.
+
+This step builds ~30 nodes per layer:
+
+- RoPE tables once per step, not per layer: the layer's own rope module is applied
+  to two probe vectors at every row's position, which gives, for each element, the
+  factors of ``rope(x) = x * C + swap(x) * S`` (``swap`` exchanges the two members
+  of each rotated pair: neighbours for "traditional" RoPE, the two halves of a head
+  otherwise). Any rope variant mlx-lm builds (scaled, Llama 3, YaRN, SuScaled) is
+  linear per pair, so this is exact; the tables are checked against the module at
+  construction and the step is not used when they disagree.
+- One table covers the fused Q|K|V output: C = scale * cos over the query part (the
+  attention scale folded in), cos over the keys, 1 over the values (S = 0), so RoPE
+  for the whole layer is one fused elementwise kernel after the QKV matmul.
+- Reshapes instead of transposes (one query position per row), and the MLP of
+  layer i compiled together with the norm, QKV product and RoPE of layer i + 1.
+- SiLU from engine/backends/cpu/fast_math.py (MLX's CPU exp is ~15x slower than its multiplies:
+  ~14 ms of a batch-16 step). The attention's softmax keeps MLX's: its shape changes
+  every step, and a compiled one would be traced anew each time.
+
+The KV update and the attention stay outside ``mx.compile`` (they touch the cache
+object); the attention is the grouped-query form of engine/model/attention.py. Values
+equal ``FusedDecodeStep``'s to float32 rounding (tests/backends/cpu/test_cpu_step.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.backends.cpu import fast_math
+from engine.model.decode_step import fuse_linears, supported
+
+log = logging.getLogger("markbase.cpu_step")
+
+
+class CpuDecodeStep:
+    """``step(tokens [B, 1] int32, cache) -> logits [B, V]`` (lazy) for llama-family
+    models on the CPU; ``build`` returns None when the model does not fit it."""
+
+    @classmethod
+    def build(cls, model) -> CpuDecodeStep | None:
+        why = supported(model)
+        if why:
+            log.info("lean CPU decode step not used: %s", why)
+            return None
+        try:
+            step = cls(model)
+        except _Unsupported as exc:
+            log.info("lean CPU decode step not used: %s", exc)
+            return None
+        return step
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.inner = inner = model.model
+        layers = inner.layers
+        attn = layers[0].self_attn
+        self.n_heads, self.n_kv, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        self.nq = self.n_heads * self.head_dim
+        self.nk = self.n_kv * self.head_dim
+        self.scale = float(attn.scale)
+        self.rope = attn.rope
+        self.traditional = bool(getattr(self.rope, "traditional", False))
+        dims = getattr(self.rope, "dims", self.head_dim)
+        if dims != self.head_dim and not self.traditional:
+            raise _Unsupported(f"partial RoPE ({dims} of {self.head_dim} dims)")
+        if self.head_dim % 2:
+            raise _Unsupported("odd head_dim")
+        for layer in layers:
+            a = layer.self_attn
+            if (a.n_heads, a.n_kv_heads, a.head_dim, a.scale) != (
+                self.n_heads,
+                self.n_kv,
+                self.head_dim,
+                attn.scale,
+            ):
+                raise _Unsupported("layers differ in attention shape")
+            if any("bias" in lin for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)):
+                raise _Unsupported("projection biases")
+
+        # Every weight as its transposed view [K, N], made once: inside mx.compile a
+        # ``w.T`` would be a Transpose node in every step. The views share the weights'
+        # memory, so the sgemm shim still finds them by address (engine/backends/cpu/qgemm.py).
+        self._wt: list[dict[str, mx.array]] = []
+        for layer in layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qkv = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
+            gu = fuse_linears([mlp.gate_proj, mlp.up_proj])
+            if (
+                qkv is None
+                or gu is None
+                or any(type(m) is not nn.Linear or "bias" in m for m in (a.o_proj, mlp.down_proj))
+            ):
+                raise _Unsupported("projections are not plain float nn.Linear layers")
+            self._wt.append(
+                {
+                    "qkv": qkv.weight.T,
+                    "o": a.o_proj.weight.T,
+                    "gate_up": gu.weight.T,
+                    "down": mlp.down_proj.weight.T,
+                }
+            )
+        tied = getattr(getattr(model, "args", None), "tie_word_embeddings", True)
+        lm_head = getattr(model, "lm_head", None)
+        if tied or lm_head is None:
+            head_w = inner.embed_tokens.weight  # the tied embedding as the output layer
+        elif type(lm_head) is nn.Linear and "bias" not in lm_head:
+            head_w = lm_head.weight
+        else:
+            raise _Unsupported("the output layer is not a plain float nn.Linear")
+        if head_w.dtype != self._wt[0]["qkv"].dtype:
+            raise _Unsupported("the output layer's dtype differs from the layers'")
+        self._head_wt = head_w.T
+        mx.eval(self._head_wt, [list(w.values()) for w in self._wt])
+        # which element of a rotated pair each dim is, and the two probe vectors
+        # (constants: made once, not in every step's graph)
+        idx = mx.arange(self.head_dim)
+        self._first_member = (idx % 2 == 0) if self.traditional else (idx < self.head_dim // 2)
+        first = self._first_member.astype(mx.float32)
+        self._probe = mx.stack([first, 1 - first])[:, None, :]  # [2, 1, D]
+        mx.eval(self._first_member, self._probe)
+        self._check_rope(layers)
+
+        n = len(layers)
+        # layer 0's input part; then "MLP of i + input part of i + 1"; the last MLP + head
+        self._first = mx.compile(lambda x, c, s: self._pre(0, x, c, s))
+        self._between = [
+            mx.compile(lambda x, o, c, s, i=i: self._pre(i + 1, self._post(i, x, o), c, s))
+            for i in range(n - 1)
+        ]
+        self._last = mx.compile(lambda x, o: self._head(self._post(n - 1, x, o)))
+
+    # ---------------------------------------------------------------- the pieces
+    # The hidden state is 2-D [B, D] throughout (one token per row): a 3-D operand
+    # costs every matmul a Flatten and an Unflatten node.
+    def _pre(self, i: int, x, c, s):
+        """Norm, fused QKV product and RoPE (with the attention scale) of layer i."""
+        layer = self.inner.layers[i]
+        b = x.shape[0]
+        qkv = self._pairs(layer.input_layernorm(x) @ self._wt[i]["qkv"])  # [B, Nq + 2 Nk]
+        qkv = (qkv * c + self._swap(qkv) * s).reshape(b, -1)
+        q, k, v = mx.split(qkv, [self.nq, self.nq + self.nk], axis=-1)
+        q = q.reshape(b, self.n_kv, -1, self.head_dim)
+        k = k.reshape(b, self.n_kv, 1, self.head_dim)
+        v = v.reshape(b, self.n_kv, 1, self.head_dim)
+        return x, q, k, v
+
+    def _post(self, i: int, x, o):
+        """Output projection, residual, norm, SwiGLU MLP, residual of layer i."""
+        layer, w = self.inner.layers[i], self._wt[i]
+        h = mx.addmm(x, o, w["o"])  # x + o @ w: one BLAS call with beta = 1
+        g, u = mx.split(layer.post_attention_layernorm(h) @ w["gate_up"], 2, axis=-1)
+        return mx.addmm(h, fast_math.silu_mul(g, u), w["down"])
+
+    def _head(self, x):
+        return self.inner.norm(x) @ self._head_wt
+
+    def _pairs(self, v):
+        """[B, N] -> the shape in which ``_swap`` is one reversed axis."""
+        b = v.shape[0]
+        if self.traditional:
+            return v.reshape(b, -1, 2)
+        return v.reshape(b, -1, 2, self.head_dim // 2)
+
+    def _swap(self, v):
+        return v[..., ::-1] if self.traditional else v[..., ::-1, :]
+
+    # ---------------------------------------------------------------- RoPE tables
+    def _tables(self, offset, b: int):
+        """C and S over Q|K|V for rows at positions ``offset`` [B], in ``_pairs`` shape:
+        the rope module applied to a unit pattern on the first member of every pair,
+        then on the second, gives each element's C and S."""
+        d = self.head_dim
+        probe = mx.broadcast_to(self._probe, (b, 2, 1, d))
+        r = self.rope(probe, offset=offset)  # [B, 2, 1, D]: the probes rotated
+        first, second = r[:, 0, 0, :], r[:, 1, 0, :]
+        cos = mx.where(self._first_member, first, second)  # [B, D]
+        sin = mx.where(self._first_member, second, first)
+        heads = self.n_heads + 2 * self.n_kv
+        c = mx.concatenate(
+            [
+                mx.tile(cos * self.scale, (1, self.n_heads)),
+                mx.tile(cos, (1, self.n_kv)),
+                mx.ones((b, self.nk), dtype=cos.dtype),
+            ],
+            axis=-1,
+        )
+        s = mx.concatenate(
+            [
+                mx.tile(sin * self.scale, (1, self.n_heads)),
+                mx.tile(sin, (1, self.n_kv)),
+                mx.zeros((b, self.nk), dtype=sin.dtype),
+            ],
+            axis=-1,
+        )
+        assert c.shape[-1] == heads * d
+        return self._pairs(c), self._pairs(s)
+
+    def _check_rope(self, layers) -> None:
+        """The tables must reproduce every layer's rope module exactly."""
+        offsets = mx.array([0, 5, 301], dtype=mx.int32)
+        x = mx.random.normal((3, self.n_heads, 1, self.head_dim), key=mx.random.key(7))
+        c, s = self._tables(offsets, 3)
+        for layer in layers:
+            ref = layer.self_attn.rope(x, offset=offsets)
+            # ours, applied to the query part of a Q|K|V vector (scale divided back out)
+            v = mx.concatenate(
+                [x.reshape(3, -1), mx.zeros((3, 2 * self.nk), dtype=x.dtype)], axis=-1
+            )
+            v = self._pairs(v)
+            ours = (v * c + self._swap(v) * s).reshape(3, -1)[:, : self.nq] / self.scale
+            err = mx.abs(ours.reshape(ref.shape) - ref).max().item()
+            if not err < 1e-4:
+                raise _Unsupported(f"RoPE tables differ from the model's rope by {err:.2e}")
+
+    # ---------------------------------------------------------------- the step
+    def __call__(self, tokens, cache):
+        b = tokens.shape[0]
+        x = self.inner.embed_tokens(tokens.reshape(b))  # [B, D]
+        off = cache[0].offset
+        offset = off if isinstance(off, mx.array) else mx.full((b,), off, dtype=mx.int32)
+        c, s = self._tables(offset, b)
+        mask = cache[0].make_mask(1)  # None or bool [B, 1, 1, T]
+        if mask is not None:
+            # additive and already broadcast to the scores' shape: one Add per layer
+            g = self.n_heads // self.n_kv
+            mask = mx.where(mask, 0.0, -mx.inf).astype(x.dtype)
+            mask = mx.broadcast_to(mask, (b, self.n_kv, g, mask.shape[-1])) + 0
+        x, q, k, v = self._first(x, c, s)
+        last = len(cache) - 1
+        for i, layer_kv in enumerate(cache):
+            keys, values = layer_kv.update_and_fetch(k, v)
+            # grouped-query attention (engine/model/attention.py's form); q is pre-scaled and
+            # already grouped [B, Hkv, G, D]
+            scores = q @ keys.swapaxes(-1, -2)
+            if mask is not None:
+                scores = scores + mask
+            o = (mx.softmax(scores, axis=-1, precise=True) @ values).reshape(b, -1)
+            if i < last:
+                x, q, k, v = self._between[i](x, o, c, s)
+            else:
+                return self._last(x, o)
+        raise AssertionError("no layers")
+
+
+class _Unsupported(Exception):
+    pass

@@ -1,0 +1,159 @@
+"""4-bit weights expanded to bf16/fp16 at the memory's rate, for prefill's products.
+
+Why: a prompt chunk of 256+ rows dequantizes each weight and runs cuBLAS's float
+product (engine/backends/cuda/prefill.py). MLX 0.32's ``affine_dequantize`` kernel gives each
+thread one byte (two outputs), and ran at ~1.0 TB/s on an H100: in a 2048-token 1b
+4-bit chunk, 108 calls took 2.46 of its 12.96 ms for ~2.5 GB moved (bench/gpu/NOTES.md,
+session 16's prefill profile). The 4-bit 8b prefill was level with compiled PyTorch's
+bf16 (30,354 against 30,199 tok/s, session 18), 12 ms a chunk behind markbase's bf16.
+
+Here a warp takes 128 words (1,024 weights): each lane loads 4 words, one per 32-lane
+stride so every load and every 16-byte store of the warp is contiguous, with each
+word's scale and bias (a word's 8 weights share a group, group sizes 32-128). The
+arithmetic is written as MLX's (``scale * q + bias`` in the weight's dtype, its
+``__hmul``/``__hadd`` as ``__hmul2``/``__hadd2``), and the compiler treats it the same
+way: NVRTC contracts the two into one ``HFMA2`` (sm_90a SASS, session 20), as nvcc's
+default does with MLX's. So the weights should be ``mx.dequantize``'s bit for bit; the
+GPU test compares them.
+
+Measured on an H100 (session 20, CUPTI): 0.42-0.55x MLX's kernel time on every product
+of the 8b and 1b models (2.4-2.9 TB/s against 1.1-1.2), equal to ``mx.dequantize`` bit
+for bit (26 GPU tests); a 2048-token 4-bit prefill 31,007 -> 34,477 tok/s at 8b
+(chunks of 512: 17,548 -> 23,756), 155,759 -> 160,114 at 1b. On by default;
+``MARKBASE_GPU_DEQUANT=0`` turns it off. Elsewhere, and for other bit widths, modes
+and dtypes, ``mx.dequantize``.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from engine.backends.cuda.kernels import Baked, KernelSpec, for_dtype, one_output_call
+from engine.config import env_choice
+
+ENV = "MARKBASE_GPU_DEQUANT"
+WORDS_A_WARP = 128
+THREADS = 256
+
+_HEADER = r"""
+// two 4-bit values (bits 0-3 and 4-7 of v) as the pair (q0 * s + b, q1 * s + b), written
+// as MLX's affine_dequantize writes it (scale * q + bias; contracted into one fma)
+__device__ __forceinline__ uint32_t mb_dq2(uint32_t v, uint32_t s2, uint32_t b2, __nv_bfloat16) {
+  const uint32_t bits = (v & 0xFu) | ((v & 0xF0u) << 12) | 0x43004300u;
+  __nv_bfloat162 q = *reinterpret_cast<const __nv_bfloat162*>(&bits);
+  q = __hsub2(q, __floats2bfloat162_rn(128.f, 128.f));  // 128 + q - 128: exact
+  const __nv_bfloat162 r = __hadd2(__hmul2(q, *reinterpret_cast<const __nv_bfloat162*>(&s2)),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&b2));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t mb_dq2(uint32_t v, uint32_t s2, uint32_t b2, __half) {
+  const uint32_t bits = (v & 0xFu) | ((v & 0xF0u) << 12) | 0x64006400u;
+  __half2 q = *reinterpret_cast<const __half2*>(&bits);
+  q = __hsub2(q, __floats2half2_rn(1024.f, 1024.f));
+  const __half2 r = __hadd2(__hmul2(q, *reinterpret_cast<const __half2*>(&s2)),
+                            *reinterpret_cast<const __half2*>(&b2));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+// a 16-bit scale or bias as the pair (h, h)
+template <typename TT>
+__device__ __forceinline__ uint32_t mb_dup(TT v) {
+  return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&v)) * 0x10001u;
+}
+"""
+
+_SOURCE = r"""
+  const int64_t nw = static_cast<int64_t>(w_shape[0]) * w_shape[1];  // words
+  const int lane = threadIdx.x & 31;
+  const int64_t base = ((static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5) * 128;
+  uint32_t v[4], s2[4], b2[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int64_t c = base + j * 32 + lane;  // word c: weights 8c..8c+7 of the flat [N, K]
+    v[j] = 0;
+    s2[j] = 0;
+    b2[j] = 0;
+    if (c < nw) {
+      const int64_t gi = c * 8 / GS;  // scales [N, K / GS] flat: the same index
+      v[j] = w[c];
+      s2[j] = mb_dup(scales[gi]);
+      b2[j] = mb_dup(biases[gi]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int64_t c = base + j * 32 + lane;
+    if (c < nw) {
+      uint4 o;
+      o.x = mb_dq2(v[j], s2[j], b2[j], T{});
+      o.y = mb_dq2(v[j] >> 8, s2[j], b2[j], T{});
+      o.z = mb_dq2(v[j] >> 16, s2[j], b2[j], T{});
+      o.w = mb_dq2(v[j] >> 24, s2[j], b2[j], T{});
+      reinterpret_cast<uint4*>(y)[c] = o;
+    }
+  }
+"""
+
+
+@cache
+def _spec() -> KernelSpec:
+    return KernelSpec(
+        "mb_dequant4",
+        [("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)],
+        [("y", "T")],
+        _SOURCE,
+        _HEADER,
+    )
+
+
+_kernel = Baked(lambda: {"q4": _spec()}, ensure_row_contiguous=True)
+
+
+def enabled() -> bool:
+    """``MARKBASE_GPU_DEQUANT``: 1 (default) this kernel, 0 MLX's ``mx.dequantize``."""
+    return env_choice(ENV, "1", ("0", "1")) == "1"
+
+
+def supported(w, scales, biases, group_size: int, bits: int, mode: str) -> bool:
+    """CUDA, 4-bit affine with biases, bf16/fp16 scales, groups of 32/64/128, a 2-D
+    uint32 weight (MLX's packing: weight 8i + j in bits 4j..4j+3 of word i)."""
+    import mlx.core as mx
+
+    from engine.backends.cuda.products import gemv as gpu_gemv
+
+    n, k = w.shape[0], w.shape[-1] * 8
+    return (
+        gpu_gemv.quant_supported(scales.dtype, n, k, bits, group_size, mode, biases)
+        and group_size in (32, 64, 128)
+        and w.ndim == 2
+        and w.dtype == mx.uint32
+        and biases.dtype == scales.dtype
+        and scales.shape == (n, k // group_size)
+    )
+
+
+@cache
+def _launcher(dtype, group_size: int, n: int, words: int):
+    fn = _kernel("q4", (("T", dtype), ("GS", group_size)))
+    warps = -(-n * words // WORDS_A_WARP)
+    threads = -(-warps * 32 // THREADS) * THREADS
+    return one_output_call(fn, (threads, 1, 1), (THREADS, 1, 1), (n, words * 8), dtype)
+
+
+def dequantize(w, scales, biases, group_size: int = 64, bits: int = 4, mode: str = "affine"):
+    """``mx.dequantize``'s result: through the kernel where ``enabled`` and ``supported``."""
+    import mlx.core as mx
+
+    if enabled() and supported(w, scales, biases, group_size, bits, mode):
+        run = _launcher(scales.dtype, group_size, w.shape[0], w.shape[1])
+        return run([w, scales, biases])
+    return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode)
+
+
+def kernel_specs_for_check() -> list[KernelSpec]:
+    """The kernel per dtype and group size (bench/gpu/nvrtc_check.py)."""
+    out = []
+    for dtype in ("bfloat16", "float16"):
+        for gs in (32, 64, 128):
+            name = f"mb_dequant4_{dtype}_{gs}"
+            out.append(for_dtype(_spec(), dtype, name, [("T", dtype), ("GS", gs)]))
+    return out

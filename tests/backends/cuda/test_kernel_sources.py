@@ -1,0 +1,43 @@
+"""Every custom CUDA kernel's source, as MLX would hand it to NVRTC, defines each
+compile-time switch it branches on (CPU: no compiler needed).
+
+Why: the kernels share bodies (engine/backends/cuda/products/qlayer.py and gpu_qblock.py reuse
+gpu_qstream.py's integer body as a device function), and a switch added to a body
+for one kernel (session 23's ``ABL``) left the others' sources failing to compile, which
+only NVRTC or a GPU would have shown (bench/gpu/NOTES.md, session 24). Each name in
+``if constexpr (NAME)`` must be a template constant, a ``constexpr`` of the body, a
+template parameter or a macro of the source."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "gpu"))
+
+from nvrtc_check import all_specs, build_source  # noqa: E402
+
+SWITCH = re.compile(r"if\s+constexpr\s*\(\s*!?\s*([A-Za-z_]\w*)\s*\)")
+
+
+def defined(name: str, src: str) -> bool:
+    pats = (
+        rf"constexpr\s+(?:bool|int|unsigned|uint32_t|size_t)\s+{name}\b",
+        rf"template\s*<[^>]*\b(?:bool|int)\s+{name}\b",
+        rf"#define\s+{name}\b",
+        rf"\b(?:bool|int)\s+{name}\s*=",
+    )
+    return any(re.search(p, src, re.S) for p in pats)
+
+
+def test_every_switch_a_kernel_branches_on_is_defined():
+    specs = all_specs()
+    assert len(specs) > 50
+    missing = []
+    for spec in specs:
+        src = build_source(spec)
+        for name in sorted(set(SWITCH.findall(src))):
+            if not defined(name, src):
+                missing.append(f"{spec.name}: {name}")
+    assert not missing, missing
