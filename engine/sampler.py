@@ -41,6 +41,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.backends.cuda import sampler as gpu_sampler
+from engine.structured.masks import TokenMasks, apply_token_masks
 from engine.types import SamplingParams
 
 BLOCK = gpu_sampler.BLOCK  # tokens a block of the two-level draw (the kernel's too)
@@ -80,11 +81,16 @@ class RowSampler:
         return 1.0 - float(u[0]), 1.0 - float(u[1])
 
 
-def sample_batch(logits: mx.array, rows: list[RowSampler]) -> mx.array:
+def sample_batch(
+    logits: mx.array, rows: list[RowSampler], masks: TokenMasks | None = None
+) -> mx.array:
     """Next token for each row of ``logits`` ([B, V]); returns int32 [B]: lazily on a
-    GPU, computed here on the CPU (the numpy route) when any row samples."""
+    GPU, computed here on the CPU (the numpy route) when any row samples. ``masks``:
+    the grammar masks of the constrained rows (engine/structured), applied first."""
     raw = logits  # the kernel route reads the logits in their own dtype
     logits = logits.astype(mx.float32)
+    if masks is not None:
+        raw = logits = apply_token_masks(logits, masks, on_host=numpy_route())
     live = [i for i, r in enumerate(rows) if not r.greedy]
     if not live:
         return mx.argmax(logits, axis=-1).astype(mx.int32)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.kv import SequenceKV
 from engine.sampler import RowSampler
+from engine.structured import SequenceGrammar
 from engine.types import FinishReason, GenerationRequest
 
 
@@ -104,6 +105,7 @@ class Sequence:
     last_token_at: float | None = None
     finish_reason: FinishReason | None = None
     reserved_tokens: int = 0  # KV budget held for this sequence
+    grammar: SequenceGrammar | None = None  # constrained decoding, set at admission
     # Derived once (the worker reads them for every token):
     end_ids: frozenset[int] = field(init=False)  # eos_ids and params.stop_token_ids
     output_limit: int = field(init=False)  # max output tokens: max_tokens and max_len

@@ -41,12 +41,14 @@ from engine.scheduler import (
     prompt_groups,
 )
 from engine.sequence import SeqState, Sequence, StopMatcher
+from engine.structured import GrammarCompiler, MaskFiller, TokenMasks
 from engine.tokenizer import StreamingDetokenizer
 from engine.types import (
     ContextLengthError,
     EngineDeadError,
     FinishReason,
     GenerationRequest,
+    GrammarError,
     OverloadedError,
     SamplingParams,
     TokenEvent,
@@ -71,6 +73,10 @@ class ModelWorker:
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens)
         self.metrics = metrics.ModelMetrics(self.name)
         self.batch: list[BatchKV] = self.runner.new_batch_kv()
+        # Constrained decoding (engine/structured): grammars compiled for this model's
+        # vocabulary, and the filler of each step's masks.
+        self.grammars = GrammarCompiler(self.tokenizer, model_vocab_size(loaded))
+        self.masks = MaskFiller(self.grammars.vocab_size, self.tokenizer.eos_token_ids)
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         # events of this iteration, handed over together at its end (_flush_outbox)
@@ -122,7 +128,11 @@ class ModelWorker:
         seq = Sequence(
             request=request,
             sampler=None,  # made on the worker thread at admission: no MLX call here
-            detokenizer=StreamingDetokenizer(self.tokenizer, context=request.prompt_tokens[-4:]),
+            detokenizer=StreamingDetokenizer(
+                self.tokenizer,
+                context=request.prompt_tokens[-4:],
+                skip_special_tokens=request.skip_special_tokens,
+            ),
             stop=StopMatcher(request.params.stop),
             eos_ids=frozenset() if request.params.ignore_eos else self.tokenizer.eos_token_ids,
             max_len=self.context_length,
@@ -153,6 +163,7 @@ class ModelWorker:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.error("engine worker for %s did not stop within %.0f s", self.name, timeout)
+        self.masks.close()
 
     # -- the loop (worker thread only) ------------------------------------------------
     def _loop(self) -> None:
@@ -335,8 +346,26 @@ class ModelWorker:
                     error_kind="internal",
                 )
                 continue
+            if seq.request.grammar is not None and not self._start_grammar(seq):
+                continue
             self.metrics.prompt_tokens.inc(len(seq.prompt))
             self.prefilling.append(seq)
+
+    def _start_grammar(self, seq: Sequence) -> bool:
+        """Give a constrained sequence its own matcher (a copy of the compiled grammar,
+        compiled here only if the HTTP layer did not); False if it failed and ended."""
+        try:
+            seq.grammar = self.grammars.matcher(seq.request.grammar)
+        except GrammarError as exc:
+            self._finish(seq, FinishReason.ERROR, error=str(exc), error_kind="internal")
+            return False
+        except Exception as exc:
+            log.exception("grammar compilation failed for %s", seq.request_id)
+            self._finish(
+                seq, FinishReason.ERROR, error=f"Grammar failed: {exc!r}", error_kind="internal"
+            )
+            return False
+        return True
 
     def _start_prefill(self, seq: Sequence, found=None) -> None:
         """Take the longest cached prefix (``found``: a lookup already made). Done at
@@ -396,7 +425,7 @@ class ModelWorker:
             logits = self.runner.prefill_together(
                 [s.kv for s in group], [s.prompt[s.prefilled :] for s in group]
             )
-            tokens = sample_batch(logits, [s.sampler for s in group])
+            tokens = sample_batch(logits, [s.sampler for s in group], self._masks_now(group))
             mx.eval(tokens, *([c.keys, c.values] for s in group for c in s.kv))
             firsts = tokens.tolist()
         except Exception:  # run them one by one instead: a failure there is theirs alone
@@ -420,7 +449,7 @@ class ModelWorker:
             seq.prefilled += len(chunk)
             if not last:
                 return
-            token = sample_batch(logits[None], [seq.sampler])
+            token = sample_batch(logits[None], [seq.sampler], self._masks_now([seq]))
             mx.eval(token, [c.keys for c in seq.kv], [c.values for c in seq.kv])
         except Exception as exc:  # this sequence fails; the batch goes on
             log.exception("prefill failed for %s", seq.request_id)
@@ -462,6 +491,9 @@ class ModelWorker:
             self._fail_batch(f"Decode failed: {exc!r}")
             return
         self.metrics.step_batch_size.observe(len(seqs))
+        if self.pipeline and any(s.grammar is not None for s in seqs):
+            self._decode_constrained_pipelined(logits, seqs, prev)
+            return
         if self.pipeline:
             try:
                 sampled = sample_batch(logits, [s.sampler for s in seqs])
@@ -475,13 +507,80 @@ class ModelWorker:
                 return
         if prev is not None:
             self._deliver(*prev)
+        # the constrained rows' masks are filled on the host while the forward runs
+        pending = self.masks.start(self._grammar_rows(seqs))
         try:
             mx.eval(logits)
         except Exception as exc:
             log.exception("decode step failed")
+            if pending is not None:
+                pending.exception()  # the filler is done with the matchers before they go
             self._fail_batch(f"Decode failed: {exc!r}")
             return
-        self._accept_rows(seqs, self._sample_rows(logits, seqs))
+        masks = self._mask_result(pending, seqs)
+        self._accept_rows(seqs, self._sample_rows(logits, seqs, masks))
+
+    def _decode_constrained_pipelined(
+        self, logits: mx.array, seqs: list[Sequence], prev: tuple[mx.array, list[Sequence]] | None
+    ) -> None:
+        """A pipelined step with constrained rows: their masks need the previous step's
+        tokens on the host. The forward is queued first; while the device runs it, the
+        previous step's tokens are read back and fed to the grammars and this step's
+        masks are filled; then the masked draw is queued behind the forward."""
+        mx.async_eval(logits)
+        if prev is not None:
+            self._deliver(*prev)
+        if not any(s.state is SeqState.RUNNING for s in seqs):
+            return
+        masks = self._mask_result(self.masks.start(self._grammar_rows(seqs)), seqs)
+        try:
+            sampled = sample_batch(logits, [s.sampler for s in seqs], masks)
+            mx.async_eval(sampled)
+        except Exception:
+            log.exception("batched sampling failed; retrying row by row")
+            try:
+                mx.eval(logits)
+            except Exception as exc:
+                log.exception("decode step failed")
+                self._fail_batch(f"Decode failed: {exc!r}")
+                return
+            self._accept_rows(seqs, self._sample_rows(logits, seqs, masks))
+            return
+        self._inflight = (sampled, seqs)
+
+    @staticmethod
+    def _grammar_rows(seqs: list[Sequence]) -> list:
+        """(batch row, grammar) of the constrained rows still running."""
+        return [
+            (i, s.grammar)
+            for i, s in enumerate(seqs)
+            if s.grammar is not None and s.state is not SeqState.FINISHED
+        ]
+
+    def _masks_now(self, seqs: list[Sequence]) -> TokenMasks | None:
+        """The masks of ``seqs``' constrained rows, filled now (a prefill's first token)."""
+        rows = self._grammar_rows(seqs)
+        return self.masks.fill(rows) if rows else None
+
+    def _mask_result(self, pending, seqs: list[Sequence]) -> TokenMasks | None:
+        """A started fill's masks. If the filler failed, the constrained rows end with an
+        error (an unmasked token could break their format) and the rest go on."""
+        if pending is None:
+            return None
+        try:
+            return pending.result()
+        except Exception as exc:
+            log.exception("grammar masks failed")
+            for seq in seqs:
+                if seq.grammar is None or seq.state is SeqState.FINISHED:
+                    continue
+                self._finish(
+                    seq,
+                    FinishReason.ERROR,
+                    error=f"Grammar mask failed: {exc!r}",
+                    error_kind="internal",
+                )
+            return None
 
     def _decode_inputs(
         self, seqs: list[Sequence], prev: tuple[mx.array, list[Sequence]] | None
@@ -562,11 +661,13 @@ class ModelWorker:
             self._finish(seq, FinishReason.ERROR, error=message, error_kind="internal")
         self._drop_finished_rows()
 
-    def _sample_rows(self, logits: mx.array, seqs: list[Sequence]) -> list[int | None]:
+    def _sample_rows(
+        self, logits: mx.array, seqs: list[Sequence], masks: TokenMasks | None = None
+    ) -> list[int | None]:
         """Sample the whole batch at once; if that fails, row by row, so only the
         rows that fail end (with an error) and the rest of the batch goes on."""
         try:
-            sampled = sample_batch(logits, [s.sampler for s in seqs])
+            sampled = sample_batch(logits, [s.sampler for s in seqs], masks)
             mx.eval(sampled)
             return sampled.tolist()
         except Exception:
@@ -574,7 +675,8 @@ class ModelWorker:
         out: list[int | None] = []
         for i, seq in enumerate(seqs):
             try:
-                tok = sample_batch(logits[i : i + 1], [seq.sampler])
+                row_mask = masks.row(i) if masks is not None else None
+                tok = sample_batch(logits[i : i + 1], [seq.sampler], row_mask)
                 out.append(int(tok.item()))
             except Exception as exc:
                 self._finish(
@@ -608,6 +710,17 @@ class ModelWorker:
         True if the sequence ended. Timestamps and metrics are the caller's."""
         seq.output_ids.append(token)
         stop = seq.stop
+        grammar_done = False
+        if seq.grammar is not None and token not in seq.end_ids:
+            if not seq.grammar.accept(token):  # not in practice: the mask allowed it
+                self._finish(
+                    seq,
+                    FinishReason.ERROR,
+                    error=f"The output left its grammar: {seq.grammar.error}",
+                    error_kind="internal",
+                )
+                return True
+            grammar_done = seq.grammar.done
         if token in seq.end_ids:  # EOS or one of the request's stop_token_ids
             text, matched = stop.feed(seq.detokenizer.flush())
             finish = FinishReason.STOP
@@ -618,8 +731,9 @@ class ModelWorker:
                 text, matched = stop.feed(text)
             if matched:
                 finish = FinishReason.STOP
-            elif len(seq.output_ids) >= seq.output_limit:  # max_tokens or the context
-                finish = FinishReason.LENGTH
+            elif grammar_done or len(seq.output_ids) >= seq.output_limit:
+                # the grammar is complete, or max_tokens / the context is reached
+                finish = FinishReason.STOP if grammar_done else FinishReason.LENGTH
                 tail, matched = stop.feed(seq.detokenizer.flush())
                 text += tail
                 if matched:
@@ -779,3 +893,10 @@ def release_mlx_thread_state() -> None:
     clear = getattr(mx, "clear_streams", None)
     if clear is not None:
         clear()
+
+
+def model_vocab_size(loaded) -> int:
+    """The width of the model's logits (its config's vocab_size), or the tokenizer's."""
+    cfg = loaded.config or {}
+    v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return int(v or loaded.tokenizer.vocab_size)

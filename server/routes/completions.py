@@ -26,6 +26,7 @@ from server.generation import (
 )
 from server.routes.models import lookup
 from server.schemas import Completion, CompletionChoice, CompletionRequest, Usage
+from server.structured import check_grammar, requested_grammar
 
 router = APIRouter()
 
@@ -53,11 +54,11 @@ class CompletionFormat:
     def start(self, index: int) -> None:
         return None
 
-    def content(self, index: int, text: str) -> dict:
-        return self._chunk(index, text, None)
+    def content(self, index: int, text: str) -> list[dict]:
+        return [self._chunk(index, text, None)]
 
-    def finish(self, index: int, reason: str) -> dict:
-        return self._chunk(index, "", reason)
+    def finish(self, index: int, reason: str) -> list[dict]:
+        return [self._chunk(index, "", reason)]
 
     def usage(self, usage: Usage) -> dict:
         return {**self.base, "choices": [], "usage": usage.model_dump()}
@@ -130,6 +131,10 @@ async def completions(request: Request) -> Response:
         for p in prompts
     ]
 
+    grammar = requested_grammar(body)
+    if grammar is not None:
+        await check_grammar(engine, model.name, *grammar)
+
     response_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     choices = make_choices(
@@ -138,6 +143,7 @@ async def completions(request: Request) -> Response:
         prompts,
         n,
         lambda i: sampling_params(body, budgets[i // n], i),
+        grammar=grammar[0] if grammar else None,
     )
 
     def build(results: dict[int, ChoiceResult], usage: Usage) -> Completion:
