@@ -126,8 +126,9 @@ def partial_suffix(text: str, marker: str | None) -> int:
     return 0
 
 
-def call_from_object(obj, args_key: str) -> tuple[str, str] | None:
-    """(name, arguments JSON) of a parsed call object, or None if it is not one."""
+def call_from_object(obj, args_key: str, need_args: bool = False) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a parsed call object, or None if it is not one
+    (``need_args``: without an arguments key it is not, as for a bare JSON answer)."""
     if not isinstance(obj, dict):
         return None
     fn = obj.get("function")
@@ -142,7 +143,7 @@ def call_from_object(obj, args_key: str) -> tuple[str, str] | None:
             if isinstance(args, str):  # arguments already as JSON text
                 return name, args
             return name, json.dumps(args, ensure_ascii=False)
-    return name, "{}"
+    return None if need_args else (name, "{}")
 
 
 class ToolCallParser:
@@ -295,7 +296,7 @@ class ToolCallParser:
             obj = json.loads(buf[start:end] if end >= 0 else buf[start:])
         except ValueError:
             obj = None
-        call = call_from_object(obj, self.fmt.args_key)
+        call = call_from_object(obj, self.fmt.args_key, need_args=not self._tagged)
         if call is None:
             self._not_a_call(out, end if end >= 0 else len(buf))
             return True
