@@ -39,7 +39,7 @@ from server.schemas import (
     Usage,
 )
 from server.structured import check_grammar, requested_grammar
-from server.tools import ToolPlan, delta_of, plan_tools, tool_format_for
+from server.tools import ToolPlan, check_tools, delta_of, plan_tools, tool_format_for
 from server.tools.parser import ToolCallParser
 from server.tools.prompt import assistant_turn, tool_list, tool_turn, with_tools_prompt
 
@@ -245,30 +245,35 @@ async def prepare_chat(request: Request, body: ChatCompletionRequest, response_i
             param="messages",
             code="invalid_value",
         )
-    model = lookup(request, body.model)
-    info.model = model.name
-    tokenizer = engine.tokenizer(model.name)
-    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer)
-    native = tool_format_for(tokenizer).native
-    messages = template_messages(body.messages, native)
+    # Everything that needs no model is checked before the engine is asked anything.
+    messages = template_messages(body.messages, native_tools=False)
     check_prompt_chars(
         sum(len(m["content"]) for m in messages), limits.max_prompt_chars, "messages"
     )
-    template_kwargs = {}
-    if tools is not None and tools.calls_possible:
-        if native:
-            template_kwargs["tools"] = tool_list(tools.tools)
-        else:
-            messages = with_tools_prompt(messages, tools.tools)
-
+    checked_tools = check_tools(body.tools, body.tool_choice)
+    calls_possible = checked_tools is not None and checked_tools[0] != "none"
     grammar = requested_grammar(body)
-    if grammar is not None and tools is not None and tools.calls_possible:
+    if grammar is not None and calls_possible:
         raise bad_request(
             f"'{grammar[1]}' cannot be combined with tool calling; send tool_choice 'none' "
             "or leave one of them out.",
             param=grammar[1],
         )
-    if grammar is None and tools is not None and tools.grammar is not None:
+
+    model = lookup(request, body.model)
+    info.model = model.name
+    tokenizer = engine.tokenizer(model.name)
+    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer)
+    native = tool_format_for(tokenizer).native
+    if native:  # tool turns in the shape a tool-aware template expects
+        messages = template_messages(body.messages, native_tools=True)
+    template_kwargs = {}
+    if calls_possible:
+        if native:
+            template_kwargs["tools"] = tool_list(tools.tools)
+        else:
+            messages = with_tools_prompt(messages, tools.tools)
+    if grammar is None and calls_possible and tools.grammar is not None:
         grammar = (tools.grammar, "tools")
     if grammar is not None:
         await check_grammar(engine, model.name, *grammar)
@@ -296,7 +301,7 @@ async def prepare_chat(request: Request, body: ChatCompletionRequest, response_i
     # A model without its own chat template is served with the tokenizer's documented
     # fallback transcript format, which needs its stop strings (e.g. "\nUser:").
     extra_stops = tuple(getattr(tokenizer, "fallback_stop_strings", ()) or ())
-    keep_special = tools is not None and tools.calls_possible and tools.fmt.keep_special_tokens
+    keep_special = calls_possible and tools.fmt.keep_special_tokens
     choices = make_choices(
         response_id,
         model.name,

@@ -105,6 +105,8 @@ async def completions(request: Request) -> Response:
     chars = sum(len(p) for p in raw_prompts if isinstance(p, str))
     check_prompt_chars(chars, limits.max_prompt_chars, "prompt")
 
+    grammar = requested_grammar(body)
+
     model = lookup(request, body.model)
     info.model = model.name
     tokenizer = engine.tokenizer(model.name)
@@ -131,7 +133,6 @@ async def completions(request: Request) -> Response:
         for p in prompts
     ]
 
-    grammar = requested_grammar(body)
     if grammar is not None:
         await check_grammar(engine, model.name, *grammar)
 

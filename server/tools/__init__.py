@@ -18,7 +18,7 @@ from server.tools.formats import ToolFormat, tool_format_for
 from server.tools.grammar import tool_grammar
 from server.tools.parser import ArgsDelta, CallStart, Content, ToolCallParser
 
-__all__ = ["ToolPlan", "plan_tools", "tool_format_for", "delta_of"]
+__all__ = ["ToolPlan", "check_tools", "plan_tools", "tool_format_for", "delta_of"]
 
 
 @dataclass
@@ -38,13 +38,14 @@ class ToolPlan:
         return ToolCallParser(self.fmt)
 
 
-def plan_tools(tools, tool_choice, parallel: bool | None, tokenizer) -> ToolPlan | None:
-    """The plan for a request's tools (None: no tools). ``tool_choice``: "none",
-    "auto", "required", a server.schemas.NamedToolChoice, or None (OpenAI's default:
-    "auto" with tools, "none" without)."""
+def check_tools(tools, tool_choice) -> tuple[str, list[tuple[str, dict | None]]] | None:
+    """The request's tool choice checked on its own (no model needed): None without
+    tools, else the mode ("auto", "required", "named" or "none") and the functions a
+    call may name [(name, parameters)]. ``tool_choice``: "none", "auto", "required", a
+    server.schemas.NamedToolChoice, or None (OpenAI's default: "auto" with tools)."""
     named = None if tool_choice is None or isinstance(tool_choice, str) else tool_choice
     if not tools:
-        if tool_choice in ("required",) or named is not None:
+        if tool_choice == "required" or named is not None:
             raise bad_request(
                 "Invalid 'tool_choice': it asks for a tool call but 'tools' is empty or absent.",
                 param="tool_choice",
@@ -64,24 +65,26 @@ def plan_tools(tools, tool_choice, parallel: bool | None, tokenizer) -> ToolPlan
                 "a JSON schema of type 'object'.",
                 param=f"tools[{i}].function.parameters",
             )
+    functions = [(t.function.name, t.function.parameters) for t in tools]
+    if named is None:
+        return tool_choice or "auto", functions
+    if named.function.name not in names:
+        raise bad_request(
+            f"Invalid 'tool_choice': no function named '{named.function.name}' in 'tools' "
+            f"(have: {', '.join(names)}).",
+            param="tool_choice",
+        )
+    return "named", [f for f in functions if f[0] == named.function.name]
+
+
+def plan_tools(tools, tool_choice, parallel: bool | None, tokenizer) -> ToolPlan | None:
+    """The plan for a request's tools on a model (None: no tools); see ``check_tools``."""
+    checked = check_tools(tools, tool_choice)
+    if checked is None:
+        return None
+    mode, functions = checked
     fmt = tool_format_for(tokenizer)
     parallel = True if parallel is None else parallel
-    if named is not None:
-        if named.function.name not in names:
-            raise bad_request(
-                f"Invalid 'tool_choice': no function named '{named.function.name}' in 'tools' "
-                f"(have: {', '.join(names)}).",
-                param="tool_choice",
-            )
-        mode = "named"
-        functions = [
-            (t.function.name, t.function.parameters)
-            for t in tools
-            if t.function.name == named.function.name
-        ]
-    else:
-        mode = tool_choice or "auto"
-        functions = [(t.function.name, t.function.parameters) for t in tools]
     grammar = None
     if mode != "none":
         lark = tool_grammar(fmt, functions, mode, parallel)

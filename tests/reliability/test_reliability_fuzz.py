@@ -124,6 +124,8 @@ def _check_stream(text: str) -> None:
 
 
 UNSUPPORTED = {  # accepted only at their neutral value (server.schemas ... unsupported())
+    # and, last five, structured output and tools: a generated grammar or tool list is
+    # mostly one the model cannot satisfy in the few tokens a fuzzed request gets
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
@@ -137,6 +139,11 @@ UNSUPPORTED = {  # accepted only at their neutral value (server.schemas ... unsu
     "tool_choice",
     "function_call",
     "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "parallel_tool_calls",
 }
 INTEGERS = {"max_tokens", "max_completion_tokens", "n", "seed", "top_k"}
 
@@ -170,7 +177,7 @@ def _make_servable(body: dict) -> None:
 def _servable_message(m):
     if not isinstance(m, dict):
         return m
-    if m.get("role") in ("tool", "function"):  # no tool calling yet
+    if m.get("role") in ("tool", "function"):  # a tool turn needs a call id it cannot have
         m["role"] = "user"
     m.pop("tool_calls", None)
     content = m.get("content")
