@@ -3,7 +3,7 @@
 
 Starts each server itself on 127.0.0.1 (a free port), sends every server the same
 deterministic streaming chat workload at each concurrency level, kills the server, and
-prints one markdown table plus ratios; the full results go to bench/results/.
+prints one markdown table plus ratios; the full results go to bench/results/serve/.
 
     .venv/bin/python bench/serve/serve_bench.py --quick --servers markbase
     .venv/bin/python bench/serve/serve_bench.py            # all servers, concurrency 1,2,4,16,64
