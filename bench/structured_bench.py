@@ -103,13 +103,13 @@ def parse_args() -> argparse.Namespace:
 class MaskClock:
     """Sums, per step with constrained rows, the host time of llguidance's fill
     (``MaskFiller.fill``: in a thread of its own on the CPU, overlapping the forward)
-    and the time the worker waited for the masks (``ModelWorker._mask_result``: what
-    the fill added to the step)."""
+    and the time the worker spent getting a step's masks (``ModelWorker._step_masks``:
+    waiting for the CPU's background fill, or on a GPU the fill itself)."""
 
     def __init__(self, worker) -> None:
         self.fill_s = self.wait_s = 0.0
         self.fills = self.waits = 0
-        fill, wait = worker.masks.fill, worker._mask_result
+        fill, wait = worker.masks.fill, worker._step_masks
 
         def timed_fill(rows):
             t = time.perf_counter()
@@ -119,17 +119,16 @@ class MaskClock:
                 self.fill_s += time.perf_counter() - t
                 self.fills += 1
 
-        def timed_wait(pending, seqs):
+        def timed_wait(seqs, pending=None):
             t = time.perf_counter()
             try:
-                return wait(pending, seqs)
+                return wait(seqs, pending)
             finally:
-                if pending is not None:
-                    self.wait_s += time.perf_counter() - t
-                    self.waits += 1
+                self.wait_s += time.perf_counter() - t
+                self.waits += 1
 
         worker.masks.fill = timed_fill
-        worker._mask_result = timed_wait
+        worker._step_masks = timed_wait
 
     def take(self) -> tuple[float, float]:
         """(fill ms, wait ms) per step since the last call."""

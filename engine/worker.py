@@ -542,7 +542,7 @@ class ModelWorker:
                 pending.exception()  # the filler is done with the matchers before they go
             self._fail_batch(f"Decode failed: {exc!r}")
             return
-        masks = self._mask_result(pending, seqs)
+        masks = self._step_masks(seqs, pending)
         self._accept_rows(seqs, self._sample_rows(logits, seqs, masks))
 
     def _decode_constrained_pipelined(
@@ -557,7 +557,7 @@ class ModelWorker:
             self._deliver(*prev)
         if not any(s.state is SeqState.RUNNING for s in seqs):
             return
-        masks = self._mask_result(self.masks.start(self._grammar_rows(seqs)), seqs)
+        masks = self._step_masks(seqs)  # filled here: the device is busy with the forward
         try:
             sampled = sample_batch(logits, [s.sampler for s in seqs], masks)
             mx.async_eval(sampled)
@@ -587,13 +587,12 @@ class ModelWorker:
         rows = self._grammar_rows(seqs)
         return self.masks.fill(rows) if rows else None
 
-    def _mask_result(self, pending, seqs: list[Sequence]) -> TokenMasks | None:
-        """A started fill's masks. If the filler failed, the constrained rows end with an
-        error (an unmasked token could break their format) and the rest go on."""
-        if pending is None:
-            return None
+    def _step_masks(self, seqs: list[Sequence], pending=None) -> TokenMasks | None:
+        """This step's masks: a started fill's (``pending``), or filled now. If filling
+        failed, the constrained rows end with an error (an unmasked token could break
+        their format) and the rest go on."""
         try:
-            return pending.result()
+            return pending.result() if pending is not None else self._masks_now(seqs)
         except Exception as exc:
             log.exception("grammar masks failed")
             for seq in seqs:
