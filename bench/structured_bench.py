@@ -104,12 +104,25 @@ class MaskClock:
     """Sums, per step with constrained rows, the host time of llguidance's fill
     (``MaskFiller.fill``: in a thread of its own on the CPU, overlapping the forward)
     and the time the worker spent getting a step's masks (``ModelWorker._step_masks``:
-    waiting for the CPU's background fill, or on a GPU the fill itself)."""
+    waiting for the CPU's background fill, or on a GPU the fill itself), and the host
+    time of applying them (``apply_token_masks``: on the CPU the masking itself, on a
+    GPU building its lazy ops)."""
 
     def __init__(self, worker) -> None:
-        self.fill_s = self.wait_s = 0.0
-        self.fills = self.waits = 0
+        import engine.sampler
+
+        self.fill_s = self.wait_s = self.apply_s = 0.0
+        self.fills = self.waits = self.applies = 0
         fill, wait = worker.masks.fill, worker._step_masks
+        apply = engine.sampler.apply_token_masks
+
+        def timed_apply(logits, masks, on_host):
+            t = time.perf_counter()
+            try:
+                return apply(logits, masks, on_host)
+            finally:
+                self.apply_s += time.perf_counter() - t
+                self.applies += 1
 
         def timed_fill(rows):
             t = time.perf_counter()
@@ -129,15 +142,17 @@ class MaskClock:
 
         worker.masks.fill = timed_fill
         worker._step_masks = timed_wait
+        engine.sampler.apply_token_masks = timed_apply
 
-    def take(self) -> tuple[float, float]:
-        """(fill ms, wait ms) per step since the last call."""
+    def take(self) -> tuple[float, float, float]:
+        """(fill, wait, apply) ms per step since the last call."""
         out = (
             1e3 * self.fill_s / self.fills if self.fills else 0.0,
             1e3 * self.wait_s / self.waits if self.waits else 0.0,
+            1e3 * self.apply_s / self.applies if self.applies else 0.0,
         )
-        self.fill_s = self.wait_s = 0.0
-        self.fills = self.waits = 0
+        self.fill_s = self.wait_s = self.apply_s = 0.0
+        self.fills = self.waits = self.applies = 0
         return out
 
 
@@ -225,6 +240,12 @@ def main() -> None:
 
     batches = [int(x) for x in args.batches.split(",")]
     fractions = [float(x) for x in args.fractions.split(",")]
+
+    def counts(b: int) -> list[int]:
+        """Constrained rows per run at batch size b (a share that rounds to a count
+        already run is not run twice)."""
+        return sorted({round(b * f) for f in fractions})
+
     t = time.perf_counter()
     lm = (
         random_model(args.model, args.tokenizer)
@@ -257,21 +278,23 @@ def main() -> None:
         for b in batches:
             await run_batch(client, lm.name, prompt, b, b, 8, spec, f"warm{b}")
         clock.take()
-        best: dict[tuple[int, float], dict] = {}
+        best: dict[tuple[int, int], dict] = {}
         for r in range(args.rounds):
             for b in batches:
-                for f in fractions:
-                    n_c = round(b * f)
+                for n_c in counts(b):
                     res = await run_batch(
-                        client, lm.name, prompt, b, n_c, args.tokens, spec, f"r{r}-{b}-{f}"
+                        client, lm.name, prompt, b, n_c, args.tokens, spec, f"r{r}-{b}-{n_c}"
                     )
-                    res["fill_ms_per_step"], res["wait_ms_per_step"] = clock.take()
+                    fill, wait, apply = clock.take()
+                    res.update(
+                        fill_ms_per_step=fill, wait_ms_per_step=wait, apply_ms_per_step=apply
+                    )
                     res["constrained_rows"] = n_c
                     print(
                         f"# round {r} B={b} constrained={n_c}: {res['tok_s']:.1f} tok/s",
                         file=sys.stderr,
                     )
-                    key = (b, f)
+                    key = (b, n_c)
                     if key not in best or res["tok_s"] > best[key]["tok_s"]:
                         best[key] = res
         return best
@@ -288,20 +311,23 @@ def main() -> None:
         f"model: {args.model}, {args.tokens} tokens a row, best of {args.rounds} rounds, "
         "temperature 0.8",
         "",
-        "| B | constrained rows | decode tok/s | vs 0% | mask fill ms/step | wait ms/step |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| B | constrained rows | decode tok/s | step ms | vs 0% | fill ms | wait ms | apply ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for b in batches:
-        base = best[(b, fractions[0])]["tok_s"] if fractions[0] == 0 else None
-        for f in fractions:
-            res = best[(b, f)]
+        base = best[(b, 0)]["tok_s"] if (b, 0) in best else None
+        for n_c in counts(b):
+            res = best[(b, n_c)]
             ratio = f"{res['tok_s'] / base:.2f}" if base else "-"
-            masked = res["constrained_rows"] > 0
-            fill = f"{res['fill_ms_per_step']:.2f}" if masked else "-"
-            wait = f"{res['wait_ms_per_step']:.2f}" if masked else "-"
+            step = 1e3 * b / res["tok_s"] if res["tok_s"] else 0.0
+            ms = [
+                f"{res[k]:.2f}" if n_c else "-"
+                for k in ("fill_ms_per_step", "wait_ms_per_step", "apply_ms_per_step")
+            ]
             lines.append(
-                f"| {b} | {res['constrained_rows']} ({f:.0%}) | {res['tok_s']:.1f} | "
-                f"{ratio} | {fill} | {wait} |"
+                f"| {b} | {n_c} ({n_c / b:.0%}) | {res['tok_s']:.1f} | {step:.1f} | {ratio} | "
+                + " | ".join(ms)
+                + " |"
             )
     print("\n".join(lines))
     out = Path(os.environ.get("OUT", args.out))
@@ -315,7 +341,7 @@ def main() -> None:
                 "device": device,
                 "model": args.model,
                 "tokens": args.tokens,
-                "rows": [{"batch": b, "fraction": f, **best[(b, f)]} for (b, f) in sorted(best)],
+                "rows": [{"batch": b, **best[(b, n)]} for (b, n) in sorted(best)],
                 "table": lines,
             },
             indent=1,
