@@ -82,9 +82,15 @@ class ModelWorker:
         self.metrics = metrics.ModelMetrics(self.name)
         self.batch: list[BatchKV] = self.runner.new_batch_kv()
         # Constrained decoding (engine/structured): grammars compiled for this model's
-        # vocabulary, and the filler of each step's masks.
+        # vocabulary, and the filler of each step's masks. On the CPU one thread fills
+        # them row after row: llguidance's pool of spinning threads, beside OpenBLAS's
+        # on the same cores, made a B=32 step 3x slower (bench/structured_bench.py).
         self.grammars = GrammarCompiler(self.tokenizer, model_vocab_size(loaded))
-        self.masks = MaskFiller(self.grammars.vocab_size, self.tokenizer.eos_token_ids)
+        self.masks = MaskFiller(
+            self.grammars.vocab_size,
+            self.tokenizer.eos_token_ids,
+            parallel=mx.default_device().type != mx.DeviceType.cpu,
+        )
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         # events of this iteration, handed over together at its end (_flush_outbox)

@@ -47,20 +47,26 @@ class TokenMasks:
 class MaskFiller:
     """Fills the masks of a step's constrained rows; one per model worker."""
 
-    def __init__(self, vocab_size: int, eos_ids=()) -> None:
+    def __init__(self, vocab_size: int, eos_ids=(), parallel: bool = True) -> None:
         self.n_words = (int(vocab_size) + 31) // 32
         self._eos = [int(i) for i in eos_ids if 0 <= int(i) < self.n_words * 32]
+        self.parallel = parallel
         self._executor: llguidance.LLExecutor | None = None
         self._pool: ThreadPoolExecutor | None = None
 
     def fill(self, rows: list[tuple[int, SequenceGrammar]]) -> TokenMasks:
-        """Masks for ``rows`` ((batch row, its grammar), in any order), computed now."""
+        """Masks for ``rows`` ((batch row, its grammar), in any order), computed now:
+        with llguidance's thread pool (``parallel``), or row after row in this thread."""
         words = np.empty((len(rows), self.n_words), dtype=np.int32)
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        llguidance.numpy.fill_next_token_bitmask_par(
-            self._executor, [(g.matcher, k) for k, (_, g) in enumerate(rows)], words
-        )
+        if self.parallel:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llguidance.numpy.fill_next_token_bitmask_par(
+                self._executor, [(g.matcher, k) for k, (_, g) in enumerate(rows)], words
+            )
+        else:
+            for k, (_, g) in enumerate(rows):
+                llguidance.numpy.fill_next_token_bitmask(g.matcher, words, k)
         empty = ~words.any(axis=1)
         if empty.any():  # a grammar in error allows nothing: let the row end instead
             words[empty] = 0
