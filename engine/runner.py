@@ -17,7 +17,7 @@ from engine.backends.cpu.step import CpuDecodeStep
 from engine.backends.cuda import prefill as gpu_prefill
 from engine.backends.cuda import prefill_stages, rope_offsets
 from engine.kv import BatchKV, PromptBatchKV, SequenceKV
-from engine.model import attention
+from engine.model import attention, moe
 from engine.model.decode_step import make_decode_step, on_gpu
 
 
@@ -27,6 +27,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         attention.install(model)
+        moe.install(model)  # expert products grouped per expert (engine/model/moe.py)
         fast_math.install(model)  # CPU: prefill's SwiGLU without MLX's slow exp
         self.num_layers = len(model.layers)
         # The inner transformer (no lm_head): prompt positions whose logits nobody

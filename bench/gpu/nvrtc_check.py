@@ -127,6 +127,7 @@ def all_specs() -> list:
     from engine.backends.cuda.products import dequant as gpu_dequant
     from engine.backends.cuda.products import gemv as gpu_gemv
     from engine.backends.cuda.products import mma as gpu_mma
+    from engine.backends.cuda.products import moe as gpu_moe
     from engine.backends.cuda.products import qblock as gpu_qblock
     from engine.backends.cuda.products import qgemm as gpu_qgemm
     from engine.backends.cuda.products import qlayer as gpu_qlayer
@@ -147,6 +148,7 @@ def all_specs() -> list:
         + gpu_wgmma.kernel_specs_for_check()
         + gpu_prefetch.kernel_specs_for_check()
         + gpu_sampler.kernel_specs_for_check()
+        + gpu_moe.kernel_specs_for_check()
     )
 
 

@@ -6,6 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.loading.loaded_model import LoadedModel
+from engine.loading.materialize import materialize
 from engine.loading.safetensors_folder import context_length_of, model_quantization
 from engine.tokenizer import Tokenizer
 
@@ -37,7 +38,7 @@ def build_random_model(
 
         nn.quantize(model, group_size=group_size, bits=quantize_bits, class_predicate=predicate)
     model.eval()
-    mx.eval(model.parameters())
+    materialize(model)
     vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or 256
     tokenizer = Tokenizer.byte_level(vocab)
     return LoadedModel(
