@@ -29,6 +29,7 @@ in prefill and decode alike, by the route the backend does best:
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import mlx.core as mx
@@ -36,6 +37,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 
 from engine import envs
+from engine.backends.cuda.products import moe as gpu_moe
 
 log = logging.getLogger("markbase.moe")
 
@@ -54,8 +56,13 @@ def activation_kind(activation) -> str | None:
     return None
 
 
+@functools.cache
+def _cuda_available() -> bool:
+    return mx.cuda.is_available()
+
+
 def _on_cuda() -> bool:
-    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+    return _cuda_available() and mx.default_device().type == mx.DeviceType.gpu
 
 
 class GroupedSwitchGLU(SwitchGLU):
@@ -78,40 +85,39 @@ class GroupedSwitchGLU(SwitchGLU):
 
     def route(self, xf: mx.array, pairs: int) -> str:
         """``kernel``, ``dequant``, ``sorted`` or ``mlx`` for ``xf`` [T, D] and ``pairs``
-        (token, expert) pairs (module docstring)."""
+        (token, expert) pairs (module docstring). What does not depend on the call's
+        size is worked out at the first call and kept: the decode step calls this
+        once a layer, and its host time counts."""
         if not _on_cuda():
             # mlx-lm's own call below its sorting threshold: a few pairs gain nothing
             # from sorting on the CPU, and BLAS rounds a float product of other shapes
             # differently (float32 experts: last-bit differences)
             return "sorted" if pairs >= SORT_MIN_PAIRS else "mlx"
+        fits = getattr(self, "_moe_fits", None)
+        if fits is None:
+            fits = self._moe_fits = self._static_route(xf.dtype)
         tokens = xf.shape[0]
-        quantized = all(
-            isinstance(p, QuantizedSwitchLinear)
-            for p in (self.gate_proj, self.up_proj, self.down_proj)
-        )
-        if not quantized:
-            return "sorted"  # float experts: gather_mm over sorted pairs is MLX's grouped GEMM
-        from engine.backends.cuda.products import moe as gpu_moe
+        if fits == "kernel" and tokens <= min(envs.MOE_KERNEL_TOKENS.get(), gpu_moe.MAX_TOKENS):
+            return "kernel"
+        return "sorted" if fits == "sorted" else "dequant"
 
-        if (
-            tokens <= envs.MOE_KERNEL_TOKENS.get()
-            and activation_kind(self.activation) is not None
-            and all(
-                gpu_moe.supported(xf.dtype, p, tokens)
-                for p in (self.gate_proj, self.up_proj, self.down_proj)
-            )
+    def _static_route(self, dtype) -> str:
+        """``kernel`` (the kernels take these experts up to their token limit),
+        ``dequant`` (4-bit affine without biases: the dequantized grouped GEMM) or
+        ``sorted`` (the rest: float experts, which ``gather_mm`` over sorted pairs
+        already runs as MLX's grouped GEMM, biases, other modes)."""
+        projs = (self.gate_proj, self.up_proj, self.down_proj)
+        if not all(isinstance(p, QuantizedSwitchLinear) for p in projs):
+            return "sorted"
+        if any("bias" in p or p.mode != "affine" for p in projs):
+            return "sorted"
+        if activation_kind(self.activation) is not None and all(
+            gpu_moe.supported(dtype, p, 1) for p in projs
         ):
             return "kernel"
-        if any(
-            "bias" in p or p.mode != "affine"
-            for p in (self.gate_proj, self.up_proj, self.down_proj)
-        ):
-            return "sorted"
         return "dequant"
 
     def _kernel(self, xf: mx.array, idx: mx.array, k: int) -> mx.array:
-        from engine.backends.cuda.products import moe as gpu_moe
-
         if idx.dtype != mx.uint32:
             idx = idx.astype(mx.uint32)
         act = activation_kind(self.activation)

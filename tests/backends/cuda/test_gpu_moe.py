@@ -92,6 +92,10 @@ def test_route_choice():
     x = mx.zeros((1, 256), dtype=mx.bfloat16)
     assert glu.route(x, 4) == "kernel"
     assert glu.route(mx.zeros((2048, 256), dtype=mx.bfloat16), 8192) == "dequant"
+    glu.gate_proj.group_size = 16  # not a group size the kernels take (probe only)
+    glu._moe_fits = None
+    assert glu.route(x, 4) == "dequant"
+    glu.gate_proj.group_size = 64
 
 
 def test_tiny_qwen3_moe_engine_greedy_equal():
