@@ -48,7 +48,44 @@ def held_arrays(model: nn.Module) -> list[mx.array]:
 
 
 def materialize(model: nn.Module) -> int:
-    """``mx.eval`` of every array ``model`` holds; returns how many there were."""
+    """``fix_families``, then ``mx.eval`` of every array ``model`` holds; returns how
+    many arrays there were."""
+    fix_families(model)
     arrays = held_arrays(model)
     mx.eval(arrays)
     return len(arrays)
+
+
+class _FixedCoefs(nn.Linear):
+    """Gemma 3n's AltUp coefficients, cast to float32 and clipped once at load.
+
+    mlx-lm's ``Gemma3nAltUp.predict``/``correct`` assign
+    ``coefs.weight = clip(coefs.weight.astype(float32))`` on every forward pass: a new
+    lazy array in the model after each call, made on the calling thread's stream. The
+    next call from another thread (a second engine thread, a test) then fails with
+    ``There is no Stream(cpu, N) in current thread``. The values after the first call
+    never change (clipping is idempotent), so they are computed here once and the
+    per-call assignment is dropped."""
+
+    def __setattr__(self, key, value):
+        if key == "weight" and "weight" in self:
+            return  # already float32 and clipped
+        super().__setattr__(key, value)
+
+
+def fix_families(model: nn.Module) -> int:
+    """Load-time fixes of mlx-lm modules that change their own parameters while they
+    run (see ``_FixedCoefs``); returns how many modules were fixed."""
+    n = 0
+    for _, module in model.named_modules():
+        if type(module).__name__ != "Gemma3nAltUp":
+            continue
+        clip = module.config.altup_coef_clip
+        for coefs in (module.prediction_coefs, module.correction_coefs):
+            w = coefs.weight.astype(mx.float32)
+            if clip is not None:
+                w = mx.clip(w, -clip, clip)
+            coefs.update({"weight": w})
+            coefs.__class__ = _FixedCoefs
+            n += 1
+    return n
