@@ -113,6 +113,9 @@ MODELS = {
 }  # fmt: skip
 
 
+_TOKENS: dict[str, list[int]] = {}  # request id -> its greedy tokens (last run)
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -301,11 +304,14 @@ async def _stream(engine, model, prompt, max_tokens, rid):
     t0 = now()
     events = []
     n = 0
+    ids: list[int] = []
     async for ev in engine.generate(GenerationRequest(rid, model, prompt, params)):
         if ev.error:
             raise RuntimeError(ev.error)
         n += len(ev.token_ids)
+        ids.extend(ev.token_ids)
         events.append((now(), n))
+    _TOKENS[rid] = ids
     return t0, events
 
 
@@ -370,7 +376,7 @@ def bench_mode(lm, mode: str, batches, steps: int, prompt_len: int, prefill: boo
             )
             rate, first = decode_rate(res)
             rows.append(dict(metric="decode_tok_s", batch=b, value=rate, slowest_ttft_s=first,
-                             wall_s=now() - t, steps=steps))  # fmt: skip
+                             wall_s=now() - t, steps=steps, tokens=_TOKENS.get(f"b{b}-0", [])[:16]))  # fmt: skip
             log(f"  [{mode}] B={b}: {rate:,.1f} tok/s, slowest first token {first:.2f} s")
         if prefill and now() < deadline:
             ttft(engine, lm.name, 2048, vocab, seed=300, repeat=1)
@@ -435,6 +441,8 @@ def layer_bench(lm, tokens_list, reps: int = 10) -> list[dict]:
         touched = len(set(np.array(idx).reshape(-1).tolist()))
         glu.__class__ = moe.SwitchGLU
         stock = timed(lambda x=x, idx=idx: glu(x, idx))
+        want = glu(x, idx).astype(mx.float32)
+        scale = mx.abs(want).max()
         row = dict(tokens=tokens, experts_touched=touched, stock_ms=stock * 1e3)
         glu.__class__ = Pinned
         for route in ("kernel", "dequant", "sorted"):
@@ -442,6 +450,8 @@ def layer_bench(lm, tokens_list, reps: int = 10) -> list[dict]:
                 continue
             glu.pinned = route
             try:
+                got = glu(x, idx).astype(mx.float32)
+                row[f"{route}_err"] = (mx.abs(got - want).max() / scale).item()
                 row[f"{route}_ms"] = timed(lambda x=x, idx=idx: glu(x, idx)) * 1e3
             except Exception as e:  # a route that does not take this shape
                 row[f"{route}_ms"] = float("nan")
@@ -451,7 +461,8 @@ def layer_bench(lm, tokens_list, reps: int = 10) -> list[dict]:
         rows.append(row)
         best = min(v for kk, v in row.items() if kk.endswith("_ms") and kk != "stock_ms" and v == v)
         log(f"  layer T={tokens}: stock {stock * 1e3:.3f} ms, " + ", ".join(
-            f"{r} {row.get(r + '_ms', float('nan')):.3f}" for r in ("kernel", "dequant", "sorted")
+            f"{r} {row.get(r + '_ms', float('nan')):.3f} (err {row.get(r + '_err', float('nan')):.1e})"
+            for r in ("kernel", "dequant", "sorted")
         ) + f" ms; best {touched * per_expert / best / 1e6:,.0f} GB/s of expert weights")  # fmt: skip
     return rows
 
@@ -564,6 +575,16 @@ def print_table(report: dict) -> None:
             cells.append(f"{tt * 1e3:.1f}" if tt is not None else "-")
             cells.append(f"{pf:,.0f}" if pf is not None else "-")
             log(f"| {name} | {mode} | " + " | ".join(cells) + " |")
+        toks = {
+            mode: next((r.get("tokens") for r in e.get(mode) or [] if r.get("batch") == 1), None)
+            for mode in ("grouped", "mlx")
+        }
+        if toks["grouped"] and toks["mlx"]:
+            a, b = toks["grouped"], toks["mlx"]
+            same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            log(
+                f"| {name} | B=1 greedy | first {same} of {min(len(a), len(b))} tokens equal (grouped vs mlx) |"
+            )
         if e.get("floor"):
             cells = {f["batch"]: f["tok_s"] for f in e["floor"]}
             floor = [f"{cells[b]:,.0f}" if b in cells else "-" for b in (1, 8, 32, 128)]
