@@ -150,7 +150,9 @@ def run(models: dict, positions: list[int], steps: int, repeat: int) -> list[dic
         engine = engine_for(lm, max(positions) + steps + 64)
         try:
             vocab = lm.config.get("vocab_size", 256)
+            t = time.perf_counter()
             measure_positions(engine, lm.name, vocab, [0, max(positions)], 4)  # warm-up
+            print(f"{name}: warm-up {time.perf_counter() - t:.1f} s", flush=True)
             got = measure_positions(engine, lm.name, vocab, positions, steps, repeat)
         finally:
             engine.shutdown()
