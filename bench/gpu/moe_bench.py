@@ -366,7 +366,7 @@ def bench_mode(lm, mode: str, batches, steps: int, prompt_len: int, prefill: boo
         log(f"  [{mode}] TTFT {prompt_len} tokens alone: {[round(x * 1e3, 1) for x in ttfts]} ms")
         for b in batches:
             if now() > deadline:
-                log(f"  [{mode}] B={b}: skipped (time budget)")
+                log(f"  [{mode}] B={b}: skipped (time limit)")
                 continue
             warm = prompts_for(b, prompt_len, vocab, seed=100 + b)
             run_requests(engine, lm.name, warm, 4, f"warm{b}")
@@ -481,7 +481,7 @@ def main(argv=None) -> None:
     )
     p.add_argument("--layer-tokens", default="1,8,32,128,2048")
     p.add_argument(
-        "--budget-s", type=float, default=480.0, help="per model, then later parts are skipped"
+        "--time-limit-s", type=float, default=480.0, help="per model, then later parts are skipped"
     )
     p.add_argument(
         "--long-context",
@@ -513,7 +513,7 @@ def main(argv=None) -> None:
 
     for name in [m for m in args.models.split(",") if m]:
         t0 = now()
-        deadline = t0 + args.budget_s
+        deadline = t0 + args.time_limit_s
         entry = report["models"].setdefault(name, {})
         try:
             lm = build(name)
