@@ -48,7 +48,9 @@ def _complete(srv, model: str, prompt: str, stream: bool = False) -> str:
 
 
 def test_both_models_listed(server):
-    ids = {m["id"] for m in httpx.get(server.v1 + "/models").json()["data"]}
+    r = httpx.get(server.v1 + "/models", headers=server.headers())
+    assert r.status_code == 200, r.text
+    ids = {m["id"] for m in r.json()["data"]}
     assert ids == {"alpha", "beta"}
 
 
