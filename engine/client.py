@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from engine.backends import cpu
 from engine.config import EngineConfig
 from engine.events import LoopEmit
 from engine.types import (
@@ -44,10 +45,9 @@ class EngineClient:
     @classmethod
     def start(cls, config: EngineConfig) -> EngineClient:
         """Load every configured model and start one worker thread per model."""
-        from engine.backends.cpu.blas import warn_if_slow
         from engine.loading import load_model
 
-        warn_if_slow(logger=log)  # a reference BLAS makes the CPU backend 10-40x slower
+        cpu.warn_if_slow(logger=log)  # a reference BLAS makes the CPU backend 10-40x slower
         loaded = []
         for mc in config.models:
             t0 = time.monotonic()

@@ -30,8 +30,7 @@ measured on an H200.
 
 from __future__ import annotations
 
-import os
-
+from engine import envs, platform
 from engine.backends.cuda.kernels import SMS, Baked, KernelSpec, for_dtype, one_output_call
 
 THREADS = 256
@@ -98,13 +97,13 @@ _kernel = Baked(_specs, ensure_row_contiguous=True)
 
 
 def enabled() -> bool:
-    return os.environ.get("MARKBASE_GPU_L2_PREFETCH", "1") != "0"
+    return envs.MARKBASE_GPU_L2_PREFETCH
 
 
 def gate_up_rows(gate_up) -> int:
     """Rows of each half of gate/up to prefetch: ``MARKBASE_GPU_L2_PREFETCH_MB``
     (default ``DEFAULT_MB``) of weights, scales and biases, split over the two halves."""
-    mb = float(os.environ.get("MARKBASE_GPU_L2_PREFETCH_MB", DEFAULT_MB))
+    mb = envs.MARKBASE_GPU_L2_PREFETCH_MB
     row_bytes = gate_up.weight.shape[1] * 4 + 2 * gate_up.scales.shape[1] * 2
     return max(0, int(mb * (1 << 20) / (2 * row_bytes)))
 
@@ -113,7 +112,7 @@ def takes(x, o_proj, gate_up) -> bool:
     """One row, and both products 4-bit with scales and biases in x's dtype."""
     import mlx.core as mx
 
-    if x.ndim != 2 or x.shape[0] != 1 or not mx.cuda.is_available():
+    if x.ndim != 2 or x.shape[0] != 1 or not platform.cuda_available():
         return False
     for lin in (o_proj, gate_up):
         if not all(hasattr(lin, a) for a in ("weight", "scales", "biases")):

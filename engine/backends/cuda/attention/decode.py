@@ -13,8 +13,7 @@ Layout: one block per (time split, KV head, row); each warp walks its share of t
 positions four at a time (loads first, so several are in flight), keeping an online
 softmax per query head; the block's warps are merged in shared memory. When rows are
 few, the time axis is split over several blocks (``splits``) so that enough blocks
-run, and the last block of each (row, KV head) to finish merges the splits (before
-session 8 a second small kernel did; ``MARKBASE_GPU_ATTN_TWO_PASS=1`` brings it back).
+run, and the last block of each (row, KV head) to finish merges the splits.
 
 The append form (``decode_attention_append``) takes the fused q/k/v product before
 RoPE, applies RoPE itself and writes the new position's k and v into the cache: RoPE
@@ -29,10 +28,12 @@ one.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from functools import cache
 
+from engine import envs
+from engine.backends.cuda.attention import decode_tc as tc
+from engine.backends.cuda.attention.common import APPEND_INPUTS, CACHE_INPUTS
 from engine.backends.cuda.kernels import SMS, Baked, KernelSpec, for_dtype
 
 _SETUP = r"""
@@ -378,98 +379,12 @@ _MERGE_LAST = r"""
   if (!mb_last_of(const_cast<int*>(counter) + b * n_kv + hkv, nsplit)) {
     return;
   }
-  if constexpr (PM) {
-    // the splits' partials WARPS at a time into the block's merge buffers, every load
-    // of a round issued before any is used (one L2 latency a round, not one a split),
-    // then merged from shared memory into a running softmax per (query head, dim)
-    constexpr int NTH = WARPS * 32;
-    constexpr int PER_T = (G * HD + NTH - 1) / NTH;  // outputs a thread
-    constexpr int LD = (WARPS * G * HD + NTH - 1) / NTH;  // partial values a thread loads
-    const int64_t row_b = static_cast<int64_t>(b) * n_kv * G + hkv * G;
-    float rM[PER_T], rL[PER_T], rA[PER_T];
-#pragma unroll
-    for (int o = 0; o < PER_T; ++o) {
-      rM[o] = -INFINITY;
-      rL[o] = 0.f;
-      rA[o] = 0.f;
-    }
-    for (int s0 = 0; s0 < nsplit; s0 += WARPS) {
-      const int ns = min(WARPS, nsplit - s0);
-      float va[LD];
-#pragma unroll
-      for (int k = 0; k < LD; ++k) {
-        const int e = threadIdx.x + k * NTH;  // (split s, head g, dim d) of this round
-        const int s = e / (G * HD), g = (e / HD) % G, d = e % HD;
-        va[k] = s < ns ? __ldcg(pacc + ((row_b + g) * nsplit + s0 + s) * HD + d) : 0.f;
-      }
-      float vm = -INFINITY, vl = 0.f;
-      const int sg = threadIdx.x;  // (split, head) of this round: one a thread
-      if (sg < ns * G) {
-        const int64_t r = (row_b + sg % G) * nsplit + s0 + sg / G;
-        vm = __ldcg(pm + r);
-        vl = __ldcg(pl + r);
-      }
-      __syncthreads();  // the buffers' last round is merged
-#pragma unroll
-      for (int k = 0; k < LD; ++k) {
-        const int e = threadIdx.x + k * NTH;
-        if (e < WARPS * G * HD) {
-          sm_acc[e / (G * HD)][(e / HD) % G][e % HD] = va[k];
-        }
-      }
-      if (sg < ns * G) {
-        sm_m[sg / G][sg % G] = vm;
-        sm_l[sg / G][sg % G] = vl;
-      }
-      __syncthreads();
-#pragma unroll
-      for (int o = 0; o < PER_T; ++o) {
-        const int idx = threadIdx.x + o * NTH;
-        if (idx < G * HD) {
-          const int g = idx / HD, d = idx % HD;
-          float M = rM[o];
-          for (int s = 0; s < ns; ++s) {
-            M = fmaxf(M, sm_m[s][g]);
-          }
-          if (M != -INFINITY) {
-            const float c = rM[o] == -INFINITY ? 0.f : expf(rM[o] - M);
-            float L = rL[o] * c, A = rA[o] * c;
-            for (int s = 0; s < ns; ++s) {
-              const float mw = sm_m[s][g];
-              if (mw != -INFINITY) {
-                const float e = expf(mw - M);
-                L += sm_l[s][g] * e;
-                A += sm_acc[s][g][d] * e;
-              }
-            }
-            rM[o] = M;
-            rL[o] = L;
-            rA[o] = A;
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int o = 0; o < PER_T; ++o) {
-      const int idx = threadIdx.x + o * NTH;
-      if (idx < G * HD) {
-        out[(row_b + idx / HD) * HD + idx % HD] = static_cast<T>(rA[o] / rL[o]);
-      }
-    }
-  } else {
-    for (int idx = threadIdx.x; idx < G * HD; idx += WARPS * 32) {
-      const int g = idx / HD;
-      const int d = idx % HD;
-      const int64_t row = static_cast<int64_t>(b) * n_kv * G + hkv * G + g;
-      out[row * HD + d] = static_cast<T>(mb_merge_splits<HD>(pm, pl, pacc, row, nsplit, d));
-    }
+  for (int idx = threadIdx.x; idx < G * HD; idx += WARPS * 32) {
+    const int g = idx / HD;
+    const int d = idx % HD;
+    const int64_t row = static_cast<int64_t>(b) * n_kv * G + hkv * G + g;
+    out[row * HD + d] = static_cast<T>(mb_merge_splits<HD>(pm, pl, pacc, row, nsplit, d));
   }
-"""
-
-_COMBINE_BODY = r"""
-  const int64_t bh = blockIdx.x;
-  const int d = threadIdx.x;
-  out[bh * HD + d] = static_cast<T>(mb_merge_splits<HD>(pm, pl, pacc, bh, pm_shape[2], d));
 """
 
 POSITIONS_PER_BLOCK = 128  # each of 8 warps walks ~16 positions (4 rounds of 4 loads)
@@ -585,10 +500,6 @@ class LoopShape:
     vec: bool = False  # a lane's values of a position as one vector load
     ppb: int = POSITIONS_PER_BLOCK  # fewest positions a block when rows split over time
     warps: int = 8  # warps a block (fewer where the merge buffer needs it: warps_for)
-    two_pass: bool = False  # split rows merged by a second kernel (before session 8)
-    # the last block of a split merges the partials loaded WARPS splits at a time into
-    # shared memory, not one split at a time from L2 (session 16, not yet measured)
-    pmerge: bool = False
     # the append form's unsplit launches on tensor cores (engine/backends/cuda/attention/decode_tc.py;
     # without a fixed shape on unless MARKBASE_GPU_ATTN_TC=0: session 18)
     tc: bool = False
@@ -609,7 +520,7 @@ class LoopShape:
     @classmethod
     def parse(cls, text: str) -> LoopShape:
         """``"l16u2vp64w4"``: lanes 16, u 2, vector loads, 64 positions a block, 4 warps
-        (letters l/u/p/w with a number, v, t, m (pmerge), c and s (tensor cores,
+        (letters l/u/p/w with a number, v, c and s (tensor cores,
         unsplit and split launches) alone; what is left out, the default)."""
         import re
 
@@ -620,10 +531,6 @@ class LoopShape:
                 kw[fields[key]] = int(num)
             elif key == "v" and not num:
                 kw["vec"] = True
-            elif key == "t" and not num:
-                kw["two_pass"] = True
-            elif key == "m" and not num:
-                kw["pmerge"] = True
             elif key == "c" and not num:
                 kw["tc"] = True
             elif key == "s" and not num:
@@ -634,28 +541,28 @@ class LoopShape:
 
     @classmethod
     def from_env(cls) -> LoopShape | None:
-        """``MARKBASE_GPU_ATTN_LANES``/``_U``/``_VEC``/``_PPB``/``_WARPS``/``_TWO_PASS``/
-        ``_PMERGE`` (unset ones: the class defaults); None when none is set. The
+        """``MARKBASE_GPU_ATTN_LANES``/``_U``/``_VEC``/``_PPB``/``_WARPS`` (unset ones:
+        the class defaults); None when none is set. The
         tensor-core forms stay as their own switches say (on unless set to 0): a
         CUDA-core loop shape from the environment (bench/gpu/attn_bench.py's ``--env``
         exports) must not turn them off."""
-        from engine.backends.cuda.attention import decode_tc as tc
-
-        env = os.environ.get
-        names = ("LANES", "U", "VEC", "PPB", "WARPS", "TWO_PASS", "PMERGE")
-        if not any(f"MARKBASE_GPU_ATTN_{n}" in os.environ for n in names):
+        names = ("LANES", "U", "VEC", "PPB", "WARPS")
+        if not any(envs.is_set(f"MARKBASE_GPU_ATTN_{n}") for n in names):
             return None
         d = cls()
+
+        def get(name, default):
+            v = envs.value(name)
+            return default if v is None else v
+
         return cls(
             tc=tc.enabled(),
             tc_split=tc.split_enabled(),
-            lanes=int(env("MARKBASE_GPU_ATTN_LANES", d.lanes)),
-            u=int(env("MARKBASE_GPU_ATTN_U", d.u)),
-            vec=env("MARKBASE_GPU_ATTN_VEC", "1" if d.vec else "0") == "1",
-            ppb=int(env("MARKBASE_GPU_ATTN_PPB", d.ppb)),
-            warps=int(env("MARKBASE_GPU_ATTN_WARPS", d.warps)),
-            two_pass=env("MARKBASE_GPU_ATTN_TWO_PASS", "0") == "1",
-            pmerge=env("MARKBASE_GPU_ATTN_PMERGE", "0") == "1",
+            lanes=get("MARKBASE_GPU_ATTN_LANES", d.lanes),
+            u=get("MARKBASE_GPU_ATTN_U", d.u),
+            vec=get("MARKBASE_GPU_ATTN_VEC", int(d.vec)) == 1,
+            ppb=get("MARKBASE_GPU_ATTN_PPB", d.ppb),
+            warps=get("MARKBASE_GPU_ATTN_WARPS", d.warps),
         )
 
 
@@ -717,25 +624,16 @@ _SPLIT_BODY = _WRITE_PARTS + _MERGE_LAST
 _COUNTER = ("counter", "int32", 1)
 
 
-_CACHE_INPUTS = [("keys", "T", 4), ("values", "T", 4), ("start", "int32", 1)]
-# the append form's inputs (also engine/backends/cuda/products/qblock.py's attention phase)
-APPEND_INPUTS = [("qkv", "T", 2), *_CACHE_INPUTS, ("pos", "int32", 1), ("inv_freq", "float32", 1)]
 
 
 def _specs(scale: float, rope_scale: float = 1.0) -> dict[str, KernelSpec]:
     header = _header(scale, rope_scale)
-    inputs = [("q", "T", 4), *_CACHE_INPUTS]
+    inputs = [("q", "T", 4), *CACHE_INPUTS]
     append = APPEND_INPUTS
     return {
         "single": KernelSpec("mb_decode_attn", inputs, [("out", "T")], _READ + _WRITE_OUT, header),
-        "parts": KernelSpec(
-            "mb_decode_attn_parts", inputs, _PARTS_OUT, _READ + _WRITE_PARTS, header
-        ),
         "append": KernelSpec(
             "mb_decode_attn_app", append, [("out", "T")], _APPEND + _WRITE_OUT, header
-        ),
-        "append_parts": KernelSpec(
-            "mb_decode_attn_app_parts", append, _PARTS_OUT, _APPEND + _WRITE_PARTS, header
         ),
         "split": KernelSpec(
             "mb_decode_attn_split", [*inputs, _COUNTER], _SPLIT_OUT, _READ + _SPLIT_BODY, header
@@ -746,13 +644,6 @@ def _specs(scale: float, rope_scale: float = 1.0) -> dict[str, KernelSpec]:
             _SPLIT_OUT,
             _APPEND + _SPLIT_BODY,
             header,
-        ),
-        "combine": KernelSpec(
-            "mb_decode_attn_combine",
-            [("pm", "float32", 3), ("pl", "float32", 3), ("pacc", "float32", 4)],
-            [("out", "T")],
-            _COMBINE_BODY,
-            _MERGE_SPLITS,
         ),
     }
 
@@ -798,7 +689,7 @@ def decode_attention(q, keys, values, start, scale: float, slot: int = 0, shape=
     a ``LoopShape`` for this call (else the fixed or automatic one)."""
     b, hq, _, d = q.shape
     kern = _kernels(float(scale))
-    forms = ("single", "split", "parts")
+    forms = ("single", "split")
     ins = [q, keys, values, start]
     return _launch(kern, forms, ins, b, hq, d, keys, q.dtype, slot=slot, shape=shape)
 
@@ -881,7 +772,7 @@ def decode_attention_append(
     d = keys.shape[3]
     kern = _kernels(float(scale), float(rope.scale))
     inputs = [qkv, keys, values, start, pos, rope.inv_freq]
-    forms = ("append", "append_split", "append_parts")
+    forms = ("append", "append_split")
     args = (b, n_heads, d, keys, qkv.dtype, rope.traditional, slot, shape, nsplit)
     return _launch(kern, forms, inputs, *args, scales=(float(scale), float(rope.scale)))
 
@@ -929,7 +820,7 @@ def _launch(
     scales=None,
 ):  # fmt: skip
     """Run a form unsplit, or split over time (merged in the kernel's last block per
-    row and KV head, or by the merge kernel). ``nsplit``: the append form over whole
+    row and KV head). ``nsplit``: the append form over whole
     buffers (``decode_attention_append``). ``scales``: the append form's (softmax,
     RoPE position) scales, for its tensor-core kernels (engine/backends/cuda/attention/decode_tc.py)."""
     import mlx.core as mx
@@ -939,28 +830,24 @@ def _launch(
     shape = shape or fixed_shape()
     n = nsplit or splits(b, hkv, t, shape.ppb if shape else POSITIONS_PER_BLOCK)
     if traditional is not None:
-        from engine.backends.cuda.attention import decode_tc as tc
-
-        multi = n > 1 and tc.multi_enabled()
         if n == 1:
             on = shape.tc if shape else tc.enabled()
         else:
-            on = (shape.tc_split if shape else tc.split_enabled()) and (n <= tc.MAX_SPLITS or multi)
+            on = (shape.tc_split if shape else tc.split_enabled()) and n <= tc.MAX_SPLITS
         if on and tc.supported(g, d, dtype):
             return tc.launch(inputs, b, hkv, g, d, dtype, *scales, traditional,
-                             nsplit is not None, split=n > 1, nblocks=n if multi else 1,
-                             counter=_counters(b * hkv, slot) if multi else None)  # fmt: skip
+                             nsplit is not None, split=n > 1)  # fmt: skip
     shape = shape or auto_shape(n * hkv * b, d)
     warps = min(shape.warps, warps_for(g, d))
     lanes = max(shape.lanes, d // 16)  # at most 16 values a lane
     vec = shape.vec and d // lanes * dtype.size >= 4
     template = (("T", dtype), ("HD", d), ("G", g), ("WARPS", warps), ("LP", lanes))
-    template += (("U", shape.u), ("VEC", vec), ("PM", shape.pmerge))
+    template += (("U", shape.u), ("VEC", vec))
     if traditional is not None:
         template += (("TRAD", traditional), ("TPOS", nsplit is not None))
     grid = (n * warps * 32, hkv, b)
     block = (warps * 32, 1, 1)
-    single, split, parts = forms
+    single, split = forms
     if n == 1:
         return kern(single, template)(
             inputs=inputs,
@@ -970,27 +857,12 @@ def _launch(
             output_dtypes=[dtype],
         )[0]
     part_shapes = [(b, hq, n), (b, hq, n), (b, hq, n, d)]
-    if not shape.two_pass:
-        return kern(split, template)(
-            inputs=[*inputs, _counters(b * hkv, slot)],
-            grid=grid,
-            threadgroup=block,
-            output_shapes=[(b, hq, 1, d), *part_shapes],
-            output_dtypes=[dtype, mx.float32, mx.float32, mx.float32],
-        )[0]
-    pm, pl, pacc = kern(parts, template)(
-        inputs=inputs,
+    return kern(split, template)(
+        inputs=[*inputs, _counters(b * hkv, slot)],
         grid=grid,
         threadgroup=block,
-        output_shapes=part_shapes,
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
-    )
-    return kern("combine", template[:2])(
-        inputs=[pm, pl, pacc],
-        grid=(b * hq * d, 1, 1),
-        threadgroup=(d, 1, 1),
-        output_shapes=[(b, hq, 1, d)],
-        output_dtypes=[dtype],
+        output_shapes=[(b, hq, 1, d), *part_shapes],
+        output_dtypes=[dtype, mx.float32, mx.float32, mx.float32],
     )[0]
 
 
@@ -1048,11 +920,7 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                 vec = vec and hd // lanes * size >= 4
                 for kind, spec in _specs(0.125).items():
                     tmpl = [("T", dtype), ("HD", hd)]
-                    if kind == "combine" and (lanes, u) != (32, 4):
-                        continue
-                    if kind != "combine":
-                        tmpl += [("G", g), ("WARPS", w), ("LP", lanes), ("U", u), ("VEC", vec)]
-                        tmpl += [("PM", u == 8)]  # both merges of the split forms
+                    tmpl += [("G", g), ("WARPS", w), ("LP", lanes), ("U", u), ("VEC", vec)]
                     if kind.startswith("append"):
                         tmpl += [("TRAD", hd >= 64 and g == 4), ("TPOS", u == 8)]
                     name = f"{spec.name}_{dtype}_{hd}_{g}_{w}_{lanes}_{u}_{int(vec)}"

@@ -33,9 +33,10 @@ Only on a CUDA GPU; ``bench/gpu/nvrtc_check.py`` compiles it without one.
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
+from engine import envs
+from engine.backends.cuda.attention.common import APPEND_INPUTS
 from engine.backends.cuda.kernels import Baked, KernelSpec, for_dtype
 
 ENV = "MARKBASE_GPU_ATTN_TC"
@@ -67,18 +68,10 @@ _SOURCE = r"""
   const int g = lane / 4;
   const int tg = lane % 4;
   const int n_kv = keys_shape[1];
-  // (row, KV head) of this warp; SPLIT: of the block, whose warps share its tiles;
-  // MB_TC_MULTI (the split form over nb blocks a (row, KV head), nb from the grid):
-  // block = unit * nb + part, part taking a contiguous share of the unit's tiles
-#if MB_TC_MULTI
-  const int nb = gridDim.x / (qkv_shape[0] * n_kv);
-  const int unit = blockIdx.x / nb;
-  const int part = blockIdx.x % nb;
-#else
+  // (row, KV head) of this warp; SPLIT: of the block, whose warps share its tiles
   constexpr int nb = 1;
   constexpr int part = 0;
   const int unit = SPLIT ? blockIdx.x : blockIdx.x * WARPS + warp;
-#endif
   if (unit >= qkv_shape[0] * n_kv) {
     return;  // the whole warp (never with SPLIT: the grid is exact there)
   }
@@ -153,9 +146,6 @@ _SOURCE = r"""
     }
     mb_commit();
   }
-  if constexpr (ABL & 1) {
-    return;  // ablation (timing only, see ablation()): the launch and the first copies
-  }
 
   // RoPE as engine/backends/cuda/attention/decode.py's append form: angle = scale * position * inv_freq,
   // pairs (d, d + HD/2), or (2i, 2i + 1) when TRAD; the result rounded to T
@@ -192,9 +182,6 @@ _SOURCE = r"""
     }
   }
   __syncwarp();
-  if constexpr (ABL & 2) {
-    return;  // ablation: up to the RoPE and the cache write
-  }
 
   // the query heads as A fragments of every k-step: rows g < G, rows g + 8 zero
   uint32_t qf[KS][2];
@@ -213,7 +200,7 @@ _SOURCE = r"""
     o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
   }
 
-  for (int it = 0; kt < kt_hi && !(ABL & 4); kt += kstep, ++it) {
+  for (int it = 0; kt < kt_hi; kt += kstep, ++it) {
     const int k0 = row0 + kt * BK;
     const int st = it % STG;
     if (kt + (STG - 1) * kstep < kt_hi) {
@@ -299,13 +286,9 @@ _SOURCE = r"""
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   T* const ob = out + (static_cast<int64_t>(b) * n_kv + hkv) * G * HD;
-  if constexpr (ABL & 8) {
-    return;  // ablation: no merge, no output
-  }
   if constexpr (SPLIT) {
     // the warps' softmaxes merged through shared memory (the stages are free now); a
-    // warp without tiles has m -inf and adds nothing; warp 0 always has tile 0 (of the
-    // block's share: with MB_TC_MULTI a part may have none, then its partial is -inf)
+    // warp without tiles has m -inf and adds nothing; warp 0 always has tile 0
     __syncthreads();
     float* const sm_m = reinterpret_cast<float*>(mb_smem);  // [WARPS][8]
     float* const sm_l = sm_m + WARPS * 8;                   // [WARPS][8]
@@ -340,54 +323,8 @@ _SOURCE = r"""
           A += sm_o[w * G * HD + i] * e;
         }
       }
-#if MB_TC_MULTI
-      if (nb > 1) {  // this block's partial, for the unit's last block to merge
-        const int64_t pr = static_cast<int64_t>(unit) * nb + part;
-        pacc[pr * G * HD + i] = A;
-        if (i % HD == 0) {
-          pm[pr * G + gg] = M;
-          pl[pr * G + gg] = L;
-        }
-        continue;
-      }
-#endif
       ob[i] = static_cast<T>(A / L);
     }
-#if MB_TC_MULTI
-    if (nb > 1) {
-      // the last of the unit's blocks to finish merges the parts (the counter, an
-      // input that stays zero between launches, set back to 0 by it); other blocks'
-      // partials are read through L2, made visible by their fences
-      if (!mb_last_of(const_cast<int*>(counter) + unit, nb)) {
-        return;
-      }
-      float* const pmm = reinterpret_cast<float*>(mb_smem);  // [nb][G] the parts' m
-      float* const pll = pmm + nb * G;                       // [nb][G] and l
-      for (int e = threadIdx.x; e < nb * G; e += WARPS * 32) {
-        pmm[e] = __ldcg(pm + static_cast<int64_t>(unit) * nb * G + e);
-        pll[e] = __ldcg(pl + static_cast<int64_t>(unit) * nb * G + e);
-      }
-      __syncthreads();
-      const float* pa = pacc + static_cast<int64_t>(unit) * nb * G * HD;
-      for (int i = threadIdx.x; i < G * HD; i += WARPS * 32) {
-        const int gg = i / HD;
-        float M = -INFINITY;
-        for (int p = 0; p < nb; ++p) {
-          M = fmaxf(M, pmm[p * G + gg]);
-        }
-        float L = 0.f;
-        float A = 0.f;
-#pragma unroll 8
-        for (int p = 0; p < nb; ++p) {  // every part's load, -inf parts weighted 0
-          const float mw = pmm[p * G + gg];
-          const float e = mw == -INFINITY ? 0.f : exp2f(mw - M);
-          L += pll[p * G + gg] * e;
-          A += __ldcg(pa + p * G * HD + i) * e;
-        }
-        ob[i] = static_cast<T>(A / L);
-      }
-    }
-#endif
   } else if (g < G) {
     const float i0 = 1.f / l0;
 #pragma unroll
@@ -409,21 +346,12 @@ def _header(scale: float, rope_scale: float) -> str:
 
 
 def _specs(scale: float, rope_scale: float) -> dict[str, KernelSpec]:
-    from engine.backends.cuda.attention.decode import _COUNTER, _SPLIT_OUT, APPEND_INPUTS
-
     header = _header(scale, rope_scale)
     return {
         "append_tc": KernelSpec(
-            "mb_decode_attn_tc", APPEND_INPUTS, [("out", "T")], _SOURCE,
-            "#define MB_TC_MULTI 0\n" + header,
+            "mb_decode_attn_tc", APPEND_INPUTS, [("out", "T")], _SOURCE, header
         ),
-        # the split form over several blocks a (row, KV head): their partials and a
-        # counter per (row, KV head), merged by the last block (MULTI_ENV)
-        "append_tc_multi": KernelSpec(
-            "mb_decode_attn_tcm", [*APPEND_INPUTS, _COUNTER], _SPLIT_OUT, _SOURCE,
-            "#define MB_TC_MULTI 1\n" + header,
-        ),
-    }  # fmt: skip
+    }
 
 
 @cache
@@ -436,23 +364,7 @@ def enabled() -> bool:
     ~512 positions): 8b B=128 146.8 -> 97.1 us a call, 1b B=128 115.1 -> 50.2, 8b B=64
     78.6 -> 55.4; the engine's 1b 4-bit B=128 25,652 -> 36,959 tok/s, 8b 6,912 ->
     7,188 (bench/gpu/NOTES.md)."""
-    return os.environ.get(ENV, "1") == "1"
-
-
-MULTI_ENV = "MARKBASE_GPU_ATTN_TC_MULTI"
-
-
-def multi_enabled() -> bool:
-    """The split form over as many blocks a (row, KV head) as the CUDA-core kernel
-    would split it into (engine/backends/cuda/attention/decode.py's ``splits``: ~128 positions a block,
-    up to 64), merged by the last block; and then for any such split count, not only
-    up to MAX_SPLITS. ``MARKBASE_GPU_ATTN_TC_MULTI=1``; off. Why it was tried (session
-    19): one row's split form keeps a (row, KV head)'s tiles on one SM. Measured
-    (session 20, H100, CUPTI, against the one-block split form, us a call): 8b one row
-    9.0 / 9.0 at 64 positions, 12.8 / 16.6 at 600, 25.3 / 25.8 at 2,000, 49.6 / 42.5 at
-    4,000; 8b B=8 at 600 12.7 / 24.5. Slower or level below ~4,000 positions: left off.
-    Its GPU tests pass (290 with the CUDA-core split kernels)."""
-    return os.environ.get(MULTI_ENV, "0") == "1"
+    return envs.value(ENV)
 
 
 def split_enabled() -> bool:
@@ -460,20 +372,7 @@ def split_enabled() -> bool:
     (row, KV head) whose warps share the tiles; on unless ``MARKBASE_GPU_ATTN_TC_SPLIT=0``.
     Measured (session 18, H100, 600 positions): 8b one row 20.5 -> 17.7 us a call, 8b
     B=8 28.1 -> 17.4, 1b one row 18.5 -> 12.2; the 8b 4-bit B=1 step 2.97 -> 2.81 ms."""
-    return os.environ.get(SPLIT_ENV, "1") == "1"
-
-
-ABL_ENV = "MARKBASE_GPU_ATTN_TC_ABL"
-
-
-def ablation() -> int:
-    """``MARKBASE_GPU_ATTN_TC_ABL`` (bench/gpu/attn_bench.py only): a bit mask of where
-    the kernel stops, so that timing what is left says what the rest costs (1 after the
-    first tiles' copies are issued, 2 after the RoPE and the cache write, 4 no tiles,
-    8 no merge and no output). Why: one row's call takes ~11 us at 64 positions (H100,
-    session 19) for ~0.3 MB of KV, and no profiler here says where. The attention is
-    wrong with any bit set: never in serving."""
-    return int(os.environ.get(ABL_ENV, "0"))
+    return envs.value(SPLIT_ENV)
 
 
 MAX_SHARED = 227 << 10  # dynamic shared memory a block may have (H100/H200)
@@ -486,9 +385,7 @@ def stages(split: bool, warps: int, bk: int, group: int, head_dim: int) -> int:
     tile a warp with one tile in flight (8b, 600 and 2,000 positions: 17.7 and 31.7 us a
     call, session 18); more in flight is the knob to measure."""
     name = SPLIT_STAGES_ENV if split else STAGES_ENV
-    want = int(os.environ.get(name, "2"))
-    if want not in (2, 3, 4):
-        raise ValueError(f"{name}={want}: want 2, 3 or 4")
+    want = int(envs.value(name))
     while want > 2 and shared_bytes(warps, bk, group, head_dim, want) > MAX_SHARED:
         want -= 1
     return want
@@ -499,11 +396,7 @@ def geometry(split: bool = False) -> tuple[int, int]:
     4; with ``split`` ``MARKBASE_GPU_ATTN_TC_SPLIT_WARPS``, default 8) and
     ``MARKBASE_GPU_ATTN_TC_BK`` (16/32, default 16), checked."""
     name = SPLIT_WARPS_ENV if split else WARPS_ENV
-    warps = int(os.environ.get(name, "8" if split else "4"))
-    bk = int(os.environ.get(BK_ENV, "16"))
-    if warps not in (1, 2, 4, 8) or bk not in (16, 32):
-        raise ValueError(f"{name}={warps} / {BK_ENV}={bk}: want 1/2/4/8 and 16/32")
-    return warps, bk
+    return int(envs.value(name)), int(envs.value(BK_ENV))
 
 
 def supported(group: int, head_dim: int, dtype) -> bool:
@@ -520,34 +413,18 @@ def shared_bytes(warps: int, bk: int, group: int, head_dim: int, n_stages: int =
 
 def launch(inputs, rows: int, n_kv: int, group: int, head_dim: int, dtype, scale, rope_scale,
            traditional: bool, whole_buffers: bool, split: bool = False,
-           warps: int | None = None, bk: int | None = None, nblocks: int = 1,
-           counter=None):  # fmt: skip
+           warps: int | None = None, bk: int | None = None):  # fmt: skip
     """``decode_attention_append``'s inputs (qkv, keys, values, start, pos, inv_freq) ->
     the attention [rows, Hq, 1, D]; the new k and v written into the buffers. ``split``:
     one block a (row, KV head), its warps taking every WARPS-th tile, merged in the
-    block; else one warp a (row, KV head). ``nblocks`` > 1 (with ``split``): that many
-    blocks a (row, KV head), each a contiguous share of the tiles, merged by the last
-    to finish through ``counter`` (engine/backends/cuda/attention/decode.py's ``_counters``)."""
+    block; else one warp a (row, KV head)."""
     dw, dbk = geometry(split)
     warps, bk = warps or dw, bk or dbk
     stg = stages(split, warps, bk, group, head_dim)
     template = (("T", dtype), ("HD", head_dim), ("G", group), ("WARPS", warps), ("BK", bk))
     template += (("TRAD", traditional), ("TPOS", whole_buffers), ("SPLIT", split), ("STG", stg))
-    template += (("ABL", ablation()),)
     kern = _kernels(float(scale), float(rope_scale))
     smem = shared_bytes(warps, bk, group, head_dim, stg)
-    if split and nblocks > 1:
-        import mlx.core as mx
-
-        units = rows * n_kv * nblocks
-        return kern("append_tc_multi", template, smem)(
-            inputs=[*inputs, counter],
-            grid=(units * warps * 32, 1, 1),
-            threadgroup=(warps * 32, 1, 1),
-            output_shapes=[(rows, n_kv * group, 1, head_dim), (units * group,),
-                           (units * group,), (units * group * head_dim,)],
-            output_dtypes=[dtype, mx.float32, mx.float32, mx.float32],
-        )[0]  # fmt: skip
     fn = kern("append_tc", template, smem)
     blocks = rows * n_kv if split else -(-rows * n_kv // warps)
     return fn(
@@ -576,14 +453,6 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                                                    (64, 4, 4, 32, False, True, 2)):  # fmt: skip
             tmpl = [("T", dtype), ("HD", hd), ("G", g), ("WARPS", warps), ("BK", bk)]
             tmpl += [("TRAD", trad), ("TPOS", bk == 16), ("SPLIT", split), ("STG", stg)]
-            tmpl += [("ABL", 0)]
             name = f"{spec.name}_{dtype}_{hd}_{g}_{warps}_{bk}_{int(split)}_{stg}"
             out.append(for_dtype(spec, dtype, name, tmpl))
-            if split:  # and over several blocks a (row, KV head) (MULTI_ENV)
-                multi = specs["append_tc_multi"]
-                out.append(for_dtype(multi, dtype, name.replace(spec.name, multi.name), tmpl))
-    for abl in (1, 2, 4, 8):  # the ablations (timing only) of the one-row split form
-        tmpl = [("T", "bfloat16"), ("HD", 128), ("G", 4), ("WARPS", 8), ("BK", 16)]
-        tmpl += [("TRAD", False), ("TPOS", True), ("SPLIT", True), ("STG", 2), ("ABL", abl)]
-        out.append(for_dtype(spec, "bfloat16", f"{spec.name}_split_abl{abl}", tmpl))
     return out

@@ -29,11 +29,10 @@ GPU; ``bench/gpu/nvrtc_check.py`` compiles the source without one and
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
+from engine import envs, platform
 from engine.backends.cuda.kernels import Baked, KernelSpec, for_dtype
-from engine.config import env_choice
 
 BLOCK_Q = 64  # query rows a block (16 a warp)
 BLOCK_K = 64  # keys a tile
@@ -325,10 +324,7 @@ DEFAULT = "kernel"
 
 
 def enabled() -> bool:
-    text = os.environ.get(ENV, DEFAULT)
-    if text not in ("kernel", "mlx"):
-        raise ValueError(f"{ENV}={text!r}: want 'kernel' or 'mlx'")
-    return text == "kernel"
+    return envs.value(ENV) == "kernel"
 
 
 def shape_supported(queries, keys, values, mask) -> bool:
@@ -355,19 +351,18 @@ def shape_supported(queries, keys, values, mask) -> bool:
 def supported(queries, keys, values, mask) -> bool:
     """``shape_supported`` on a CUDA GPU, unless MARKBASE_GPU_PREFILL_ATTENTION=mlx
     (the shape first: every attention call of a model asks)."""
-    import mlx.core as mx
 
     if not shape_supported(queries, keys, values, mask) or not enabled():
         return False
-    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+    return platform.on_cuda()
 
 
 def stages() -> int:
-    return int(env_choice(STAGES_ENV, "2", ("1", "2")))
+    return int(envs.value(STAGES_ENV))
 
 
 def use_ldmatrix() -> bool:
-    return os.environ.get(LDM_ENV, "1") != "0"
+    return envs.value(LDM_ENV)
 
 
 def shared_bytes(head_dim: int, itemsize: int, n_stages: int) -> int:

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from functools import cache
 
+from engine import envs
 from engine.backends.cuda.kernels import Baked, KernelSpec, for_dtype, one_output_call
-from engine.config import env_choice
 
 ENV = "MARKBASE_GPU_DEQUANT"
 WORDS_A_WARP = 128
@@ -110,7 +110,7 @@ _kernel = Baked(lambda: {"q4": _spec()}, ensure_row_contiguous=True)
 
 def enabled() -> bool:
     """``MARKBASE_GPU_DEQUANT``: 1 (default) this kernel, 0 MLX's ``mx.dequantize``."""
-    return env_choice(ENV, "1", ("0", "1")) == "1"
+    return envs.value(ENV)
 
 
 def supported(w, scales, biases, group_size: int, bits: int, mode: str) -> bool:

@@ -20,6 +20,7 @@ sources without a GPU; ``tests/backends/cuda/test_gpu_gemv.py`` checks them agai
 
 from __future__ import annotations
 
+from engine import platform
 from engine.backends.cuda.kernels import Baked, KernelSpec, for_dtype
 
 WARPS = 4
@@ -217,7 +218,7 @@ def quant_supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: s
     import mlx.core as mx
 
     return (
-        mx.cuda.is_available()
+        platform.cuda_available()
         and x_dtype in (mx.bfloat16, mx.float16)
         and bits == 4
         and mode == "affine"
@@ -232,7 +233,7 @@ def float_supported(x_dtype, w_dtype, k: int) -> bool:
     import mlx.core as mx
 
     return (
-        mx.cuda.is_available()
+        platform.cuda_available()
         and x_dtype in (mx.bfloat16, mx.float16)
         and w_dtype == x_dtype
         and k % 8 == 0

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from engine import envs, platform
 from engine.backends.cuda.kernels import SMS, Baked, KernelSpec, for_dtype, one_output_call
 
 WARPS = 8
@@ -728,7 +729,7 @@ def supported(x_dtype, rows: int, n: int, k: int, bits: int, group_size: int, mo
     import mlx.core as mx
 
     return (
-        mx.cuda.is_available()
+        platform.cuda_available()
         and rows == 1
         and x_dtype in (mx.bfloat16, mx.float16)
         and bits == 4
@@ -787,17 +788,13 @@ def early_issue() -> bool:
     times a step at 8b. H100 (bench/gpu/NOTES.md, session 23): a layer's four products
     alone 60.4 -> 57.3 us; with engine/backends/cuda/prefetch.py, the served 8b 4-bit single
     stream 2.668 -> 2.564-2.583 ms a step."""
-    import os
-
     if _knobs.get("early") is not None:
         return bool(_knobs["early"])
-    return os.environ.get("MARKBASE_GPU_QSTREAM_EARLY", "1") != "0"
+    return envs.MARKBASE_GPU_QSTREAM_EARLY
 
 
 def default_form() -> str:
-    import os
-
-    form = os.environ.get("MARKBASE_GPU_QSTREAM_FORM", "") or DEFAULT_FORM
+    form = envs.MARKBASE_GPU_QSTREAM_FORM or DEFAULT_FORM
     if form not in FORMS:
         raise ValueError(
             f"MARKBASE_GPU_QSTREAM_FORM={form!r}: not a form (one of {', '.join(FORMS)})"
@@ -820,13 +817,7 @@ _smem: list[int] = []
 def smem_per_sm() -> int:
     """This GPU's shared memory an SM (``SMEM_BY_ARCH``; the smallest when unknown)."""
     if not _smem:
-        try:
-            import mlx.core as mx
-
-            info = mx.device_info()
-            arch = (int(info["compute_capability_major"]), int(info["compute_capability_minor"]))
-        except Exception:  # no GPU, or an MLX without these keys: the smallest
-            arch = (0, 0)
+        arch = platform.compute_capability()  # None: no GPU, or unknown (the smallest)
         _smem.append(SMEM_BY_ARCH.get(arch, SMEM_OTHER))
     return _smem[0]
 
@@ -888,9 +879,7 @@ def takes_norm(n: int, glu: bool) -> bool:
     costs a 9 MiB read kernel ~11 us (H100, bench/gpu/pool_cost.py). With the epsilon in
     device memory (``gpu_mma.device_scalar``) the fold takes 65 launches out of a step: 8b
     4-bit B=1 2.584 -> 2.455 ms, 1b 4-bit 956 -> 1,072 tok/s (H100, NOTES.md session 24)."""
-    import os
-
-    return form_for(n, glu) in NORM_FORMS and os.environ.get("MARKBASE_GPU_QSTREAM_NORM") != "0"
+    return form_for(n, glu) in NORM_FORMS and envs.MARKBASE_GPU_QSTREAM_NORM
 
 
 def launcher(

@@ -52,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+from engine import envs, platform
 from engine.backends.cuda.kernels import (
     Baked,
     KernelSpec,
@@ -60,7 +61,6 @@ from engine.backends.cuda.kernels import (
     launch_bounds,
     one_output_call,
 )
-from engine.config import env_choice
 
 KS = 64  # inputs a k-step
 A_STAGES = 3
@@ -370,7 +370,7 @@ WEARLY_ENV = "MARKBASE_GPU_WGMMA_WEARLY"
 def mode() -> str:
     """``MARKBASE_GPU_WGMMA``: ``auto`` (default) the unsplit products of AUTO_MIN_ROWS-128
     rows, where it was measured faster; ``1`` those of 33-128 rows; ``0`` off."""
-    return env_choice(ENV, "auto", ("auto", "0", "1"))
+    return envs.value(ENV)
 
 
 def enabled() -> bool:
@@ -381,20 +381,12 @@ def enabled() -> bool:
 def hopper() -> bool:
     """Whether MLX's GPU is compute capability 9.x (wgmma; MLX compiles for sm_90a)."""
     if not _hopper:
-        ok = False
-        try:
-            import mlx.core as mx
-
-            if mx.cuda.is_available():
-                info = mx.device_info()
-                major = info.get("compute_capability_major")
-                if major is not None:
-                    ok = int(major) == 9
-                else:
-                    name = str(info.get("device_name", ""))
-                    ok = any(n in name for n in ("H100", "H200", "H800", "H20", "GH200"))
-        except Exception:
-            ok = False
+        arch = platform.compute_capability()
+        if arch is not None:
+            ok = arch[0] == 9
+        else:  # an MLX without the keys: by name
+            name = platform.device_name()
+            ok = any(n in name for n in ("H100", "H200", "H800", "H20", "GH200"))
         _hopper.append(ok)
     return _hopper[0]
 
@@ -408,7 +400,7 @@ def x_stages() -> int:
     (``weights_early``), us: gate/up 136.4 with 3, 123.9 with 4; output layer 535.6 /
     489.2 (session 24); without them 4 was no better than 3 (session 23) and 5 is slower
     (181 KB of shared memory)."""
-    return int(env_choice(NX_ENV, "4", ("3", "4", "5")))
+    return int(envs.value(NX_ENV))
 
 
 def warpgroups() -> int:
@@ -416,7 +408,7 @@ def warpgroups() -> int:
     block an SM, x read from L2 half as often a weight row) or 2 (128 weight rows, two
     blocks an SM). H200, 8b at 128 rows, against gpu_qgemm's time (session 22): gate/up
     0.84x with 4, 1.11x with 2; output layer 0.87x / 1.24x."""
-    return int(env_choice(WG_ENV, "4", ("2", "4")))
+    return int(envs.value(WG_ENV))
 
 
 def supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: str, biases) -> bool:
@@ -533,7 +525,7 @@ def weights_early() -> bool:
     Measured (H100, session 24, 8b at 128 rows): gate/up 142.5 -> 136.4 us (123.9 with
     4 x buffers), output layer 547.8 -> 535.6 (489.2); the whole B=128 step's GPU time
     14.07 -> 13.53 ms with both."""
-    return env_choice(WEARLY_ENV, "1", ("0", "1")) == "1"
+    return envs.value(WEARLY_ENV)
 
 
 def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, glu: bool = False):
