@@ -342,7 +342,7 @@ def ensure_fast_blas(*, allow_reexec: bool = True, gemv_shim: bool | None = None
         )
         return _setup
     want_shim = (
-        gemv_shim if gemv_shim is not None else envs.value(ENV_GEMV)
+        gemv_shim if gemv_shim is not None else envs.value(ENV_GEMV) == "1"
     )
     shim = build_gemv_shim() if want_shim else None
     _thread_env()
