@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from engine.backends.cuda.kernels import all_specs  # noqa: E402
 from engine.backends.cuda.kernels import nvrtc_source as build_source  # noqa: E402
+from engine.backends.cuda.specs import all_specs  # noqa: E402
 
 # sm_90a SASS (not PTX) so that ptxas runs and reports registers and spills
 ARCH = b"--gpu-architecture=sm_90a"

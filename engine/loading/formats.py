@@ -164,12 +164,10 @@ def apply_format(
 
 
 def _shadow(ws: WeightSet, module: str):
-    from engine.backends.cpu.qgemm import shadow_of
-
     q = ws.quant[module]
     if q.get("mode", "affine") != "affine":
         return None
-    return shadow_of(
+    return cpu.shadow_of(
         ws.arrays[f"{module}.weight"],
         ws.arrays[f"{module}.scales"],
         ws.arrays.get(f"{module}.biases"),

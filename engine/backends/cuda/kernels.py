@@ -226,17 +226,3 @@ def nvrtc_source(spec: KernelSpec) -> str:
             out += f"  using {name} = {CTYPES[value]};\n"
     out += "\n" + spec.source + "\n}\n\n} // namespace mlx::core::cu\n"
     return out
-
-
-def all_specs() -> list[KernelSpec]:
-    """Every custom kernel's specs with concrete template values, as each module's
-    ``kernel_specs_for_check`` gives them (bench/gpu/nvrtc_check.py compiles them;
-    tests/backends/cuda/test_kernel_sources.py checks them on the CPU)."""
-    from engine.backends.cuda import prefetch, sampler
-    from engine.backends.cuda.attention import decode, decode_tc
-    from engine.backends.cuda.attention import prefill as prefill_attention
-    from engine.backends.cuda.products import dequant, gemv, mma, qgemm, qstream, wgmma
-
-    modules = (decode, decode_tc, gemv, mma, qstream, prefill_attention, qgemm, dequant, wgmma,
-               prefetch, sampler)  # fmt: skip
-    return [spec for m in modules for spec in m.kernel_specs_for_check()]

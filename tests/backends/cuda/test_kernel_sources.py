@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from engine.backends.cuda.kernels import all_specs
 from engine.backends.cuda.kernels import nvrtc_source as build_source
+from engine.backends.cuda.specs import all_specs
 
 pytestmark = pytest.mark.cpu  # runs without a CUDA device
 
