@@ -42,11 +42,9 @@ import numpy as np
 
 from engine import platform
 from engine.backends import cuda
-from engine.types import SamplingParams
+from engine.types import DRAW_BLOCK, SamplingParams
 
-# tokens a block of the two-level draw: the CUDA kernel (engine/backends/cuda/sampler.py)
-# draws with the same blocks, so a row's two uniforms pick the same token either way
-BLOCK = 256
+BLOCK = DRAW_BLOCK  # tokens a block of the two-level draw (the CUDA kernel's too)
 CANDIDATES = 1024  # logits a top-k/top-p row sorts on the CPU (more where its top_k asks)
 
 

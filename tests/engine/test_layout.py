@@ -4,7 +4,8 @@ engine/loading/, server/) reaches a backend only through its public face
 (``engine.backends.cpu`` / ``engine.backends.cuda``), never a backend submodule.
 
 Imports under ``if TYPE_CHECKING:`` do not run and are left out; in-function imports
-count (a circle closed at call time is still a circle)."""
+and the modules a face loads lazily count (a circle closed at call time is still a
+circle)."""
 
 from __future__ import annotations
 
@@ -62,9 +63,24 @@ def imports(name: str, path: Path, known: dict) -> set[str]:
     return {m for m in found if m in known and m != name and not name.startswith(m + ".")}
 
 
+def lazy_exports(name: str, path: Path, known: dict) -> set[str]:
+    """The modules a face loads on first use: the values of its ``_EXPORTS`` dict
+    literal ((module under the face, attribute)), a run-time import like any other."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets
+        ):
+            mods = {f"{name}.{v.elts[0].value}" for v in node.value.values}
+            return {m for m in mods if m in known}
+    return set()
+
+
 def graph() -> dict[str, set[str]]:
     known = modules()
-    return {name: imports(name, path, known) for name, path in known.items()}
+    return {
+        name: imports(name, path, known) | lazy_exports(name, path, known)
+        for name, path in known.items()
+    }
 
 
 def circles(edges: dict[str, set[str]]) -> list[list[str]]:

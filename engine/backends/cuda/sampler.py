@@ -40,10 +40,10 @@ from functools import cache
 from engine import envs, platform
 from engine.backends.cuda.kernels import Baked, KernelSpec, for_dtype, one_output_call
 from engine.backends.cuda.kernels import source as _source
-from engine.sampler import BLOCK as SAMPLER_BLOCK
+from engine.types import DRAW_BLOCK
 
 THREADS = 1024
-BLOCK = SAMPLER_BLOCK  # tokens a block of the two-level draw: engine/sampler.py's
+BLOCK = DRAW_BLOCK  # tokens a block of the two-level draw: engine/sampler.py's
 MAX_BLOCKS = 2048  # so vocabularies up to 524,288 tokens
 MIN_ROWS = envs.MARKBASE_GPU_SAMPLER_MIN_ROWS  # measured: above
 
