@@ -170,8 +170,6 @@ SHAPES = [
     "l8u2vp32",
     "l16u4vw4",
     "l32u4p16w2",
-    "l32u8m",  # the last block's merge through shared memory (pmerge)
-    "l32u4p16w2m",  # many splits: several rounds of the pmerge buffers
 ]
 
 
@@ -266,7 +264,7 @@ APPEND_CASES = [
 @pytest.mark.parametrize("kind", ["plain", "traditional", "llama3"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize(
-    "shape", ["auto", "l16u2v", "l8u4vp32", "l32u8p16m", "c", "cp100000", "cs", "csp16"]
+    "shape", ["auto", "l16u2v", "l8u4vp32", "l32u8p16", "c", "cp100000", "cs", "csp16"]
 )
 def test_append_kernel_equals_rope_write_and_attention(case, kind, dtype, shape):
     """decode_attention_append == RoPE on q and k, k and v written at slot T, then the
