@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from engine.backends import cpu
 from engine.config import EngineConfig
 from engine.events import LoopEmit
+from engine.loading import load_model
 from engine.types import (
     ContextLengthError,
     EngineDeadError,
@@ -46,8 +47,6 @@ class EngineClient:
     @classmethod
     def start(cls, config: EngineConfig) -> EngineClient:
         """Load every configured model and start one worker thread per model."""
-        from engine.loading import load_model
-
         cpu.warn_if_slow(logger=log)  # a reference BLAS makes the CPU backend 10-40x slower
         if config.tensor_parallel > 1:
             return cls._start_tensor_parallel(config)
