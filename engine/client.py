@@ -13,8 +13,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from engine.backends import cpu
 from engine.config import EngineConfig
 from engine.events import LoopEmit
+from engine.loading import load_models
 from engine.types import (
     ContextLengthError,
     EngineDeadError,
@@ -46,10 +48,7 @@ class EngineClient:
     def start(cls, config: EngineConfig) -> EngineClient:
         """Load every configured model, each on a thread of its own (engine.loading's
         ``load_models``), and start one worker thread per model."""
-        from engine.backends.cpu.blas import warn_if_slow
-        from engine.loading import load_models
-
-        warn_if_slow(logger=log)  # a reference BLAS makes the CPU backend 10-40x slower
+        cpu.warn_if_slow(logger=log)  # a reference BLAS makes the CPU backend 10-40x slower
         if config.tensor_parallel > 1:
             return cls._start_tensor_parallel(config)
         loaded = load_models(config.models)

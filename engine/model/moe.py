@@ -29,15 +29,14 @@ in prefill and decode alike, by the route the backend does best:
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 
-from engine import envs
-from engine.backends.cuda.products import moe as gpu_moe
+from engine import envs, platform
+from engine.backends import cuda
 
 log = logging.getLogger("markbase.moe")
 
@@ -54,15 +53,6 @@ def activation_kind(activation) -> str | None:
     if cls.__name__ == "GeGLU" and cls.__module__.endswith("gemma4_text"):
         return "gelu_tanh"
     return None
-
-
-@functools.cache
-def _cuda_available() -> bool:
-    return mx.cuda.is_available()
-
-
-def _on_cuda() -> bool:
-    return _cuda_available() and mx.default_device().type == mx.DeviceType.gpu
 
 
 class GroupedSwitchGLU(SwitchGLU):
@@ -88,7 +78,7 @@ class GroupedSwitchGLU(SwitchGLU):
         (token, expert) pairs (module docstring). What does not depend on the call's
         size is worked out at the first call and kept: the decode step calls this
         once a layer, and its host time counts."""
-        if not _on_cuda():
+        if not platform.on_cuda():
             # mlx-lm's own call below its sorting threshold: a few pairs gain nothing
             # from sorting on the CPU, and BLAS rounds a float product of other shapes
             # differently (float32 experts: last-bit differences)
@@ -97,7 +87,9 @@ class GroupedSwitchGLU(SwitchGLU):
         if fits is None:
             fits = self._moe_fits = self._static_route(xf.dtype)
         tokens = xf.shape[0]
-        if fits == "kernel" and tokens <= min(envs.MOE_KERNEL_TOKENS.get(), gpu_moe.MAX_TOKENS):
+        if fits == "kernel" and tokens <= min(
+            envs.value("MARKBASE_MOE_KERNEL_TOKENS"), cuda.MOE_MAX_TOKENS
+        ):
             return "kernel"
         return "sorted" if fits == "sorted" else "dequant"
 
@@ -112,7 +104,7 @@ class GroupedSwitchGLU(SwitchGLU):
         if any("bias" in p or p.mode != "affine" for p in projs):
             return "sorted"
         if activation_kind(self.activation) is not None and all(
-            gpu_moe.supported(dtype, p, 1) for p in projs
+            cuda.moe_supported(dtype, p, 1) for p in projs
         ):
             return "kernel"
         return "dequant"
@@ -121,8 +113,8 @@ class GroupedSwitchGLU(SwitchGLU):
         if idx.dtype != mx.uint32:
             idx = idx.astype(mx.uint32)
         act = activation_kind(self.activation)
-        h = gpu_moe.glu(xf, idx, k, self.gate_proj, self.up_proj, act)
-        return gpu_moe.product(h, idx, self.down_proj, xf.shape[0])
+        h = cuda.moe_glu(xf, idx, k, self.gate_proj, self.up_proj, act)
+        return cuda.moe_product(h, idx, self.down_proj, xf.shape[0])
 
     def _sorted(self, xf: mx.array, idx: mx.array, k: int, dense: bool) -> mx.array:
         """The pairs sorted by expert (stable, as mlx-lm sorts them), the three products
@@ -142,12 +134,10 @@ def _expert_product(lin, xs: mx.array, es: mx.array, dense: bool) -> mx.array:
     call, or (``dense``) its weights dequantized and MLX's grouped ``gather_mm``."""
     if not dense:
         return lin(xs, es, sorted_indices=True)
-    from engine.backends.cuda.products import dequant as gpu_dequant
-
     w = lin["weight"]
     e, n, words = w.shape
     scales, biases = lin["scales"], lin.get("biases")
-    wd = gpu_dequant.dequantize(
+    wd = cuda.dequantize(
         w.reshape(e * n, words),
         scales.reshape(e * n, -1),
         None if biases is None else biases.reshape(e * n, -1),
@@ -165,7 +155,7 @@ def install(model: nn.Module) -> int:
     """Swap every ``SwitchGLU`` in ``model`` for ``GroupedSwitchGLU`` in place (its
     class only: parameters and activation stay). Returns how many; 0 with
     ``MARKBASE_MOE=mlx``."""
-    if envs.MOE.get() == "mlx":
+    if envs.value("MARKBASE_MOE") == "mlx":
         return 0
     n = 0
     for _, module in model.named_modules():

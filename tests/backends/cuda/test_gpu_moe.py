@@ -3,7 +3,7 @@ grouped 4-bit kernels (engine/backends/cuda/products/moe.py), the dequantized gr
 GEMM and the sorted route, for token counts on both sides of every threshold, both
 activations, and a tiny qwen3_moe through the engine (greedy tokens equal).
 
-Skipped without CUDA. On the lent GPU:
+Skipped without CUDA (tests/backends/cuda/conftest.py). On the GPU machine:
 
     source bench/gpu/env.sh && python3 -m pytest -q -p no:cacheprovider tests/backends/cuda/test_gpu_moe.py
 """
@@ -14,11 +14,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend"),
-]
 
 
 def _layer(d: int, inter: int, experts: int, activation=None, seed: int = 0):

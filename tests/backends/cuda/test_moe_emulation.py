@@ -1,19 +1,15 @@
 """engine/backends/cuda/products/moe.py's kernels transcribed lane by lane in numpy
-(bench/gpu/moe_emulation.py) equal the dequantized products: the index logic of the
-grouped expert kernels, checked on the CPU."""
+(tests/backends/cuda/emulation/moe.py) equal the dequantized products: the index logic
+of the grouped expert kernels, checked on the CPU."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "gpu"))
-
-import moe_emulation  # noqa: E402
+from tests.backends.cuda.emulation import moe as moe_emulation
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize(
     "tokens,top_k,experts,d,inter,gs,act",
     [

@@ -25,8 +25,9 @@ dtype before the activation, as mlx-lm's separate products round them.
 Limits (the caller checks ``supported``): CUDA, bf16/fp16 activations, 4-bit affine
 weights with biases, groups of 32/64/128, K and N multiples of 32 and 4, at most 1024
 experts and ``MAX_TOKENS`` tokens a call (a block holds at most that many pairs of
-its expert). ``bench/gpu/nvrtc_check.py`` compiles the sources without a GPU;
-``tests/backends/cuda/test_gpu_moe.py`` checks them against MLX on one.
+its expert). ``bench/gpu/nvrtc_check.py`` compiles the sources (csrc/products/moe/) without a GPU,
+tests/backends/cuda/emulation/moe.py runs them lane by lane in numpy, and
+``tests/backends/cuda/test_gpu_moe.py`` checks them against MLX on a GPU.
 """
 
 from __future__ import annotations
@@ -34,214 +35,22 @@ from __future__ import annotations
 import re
 from functools import cache
 
+from engine import platform
 from engine.backends.cuda.kernels import Baked, KernelSpec, for_dtype
+from engine.backends.cuda.kernels import source as _source
 
 WARPS = 4
 MAX_TOKENS = 256  # pairs of one expert a block can hold (one per token at most)
 MAX_EXPERTS = 1024
 ACTIVATIONS = {"none": 0, "silu": 1, "gelu_tanh": 2}
 
-_HEADER = r"""
-__device__ __forceinline__ void mb_moe_to_float8(const uint4& u, float* f, __nv_bfloat16) {
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-__device__ __forceinline__ void mb_moe_to_float8(const uint4& u, float* f, __half) {
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-    f[2 * i] = v.x;
-    f[2 * i + 1] = v.y;
-  }
-}
-__device__ __forceinline__ float mb_moe_warp_sum(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    v += __shfl_xor_sync(0xffffffff, v, off);
-  }
-  return v;
-}
-"""
+_HEADER = _source("products/moe/header.cuh")
 
-# The block's expert (the slot-th present one) and its pairs; then the warp's rows.
-_FIND = r"""
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int P = idx_shape[0];
-  const int N = w_shape[1];
-  const int K = x_shape[1];
-  const int tiles = (N + WARPS * R - 1) / (WARPS * R);
-  const int slot = blockIdx.x / tiles;
-  const int tile = blockIdx.x - slot * tiles;
-  __shared__ uint32_t present[32];
-  __shared__ int pairs[LCAP];
-  __shared__ int count;
-  __shared__ int expert;
-  if (threadIdx.x < 32) {
-    present[threadIdx.x] = 0u;
-  }
-  if (threadIdx.x == 0) {
-    count = 0;
-  }
-  __syncthreads();
-  for (int p = threadIdx.x; p < P; p += blockDim.x) {
-    const uint32_t e = idx[p];
-    atomicOr(&present[e >> 5], 1u << (e & 31u));
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int s = slot;
-    int found = -1;
-    for (int i = 0; i < 32 && found < 0; ++i) {
-      uint32_t bits = present[i];
-      const int c = __popc(bits);
-      if (s < c) {
-        for (int j = 0; j < s; ++j) {
-          bits &= bits - 1u;
-        }
-        found = i * 32 + __ffs(bits) - 1;
-      } else {
-        s -= c;
-      }
-    }
-    expert = found;
-  }
-  __syncthreads();
-  const int e = expert;
-  if (e < 0) {
-    return;
-  }
-  for (int p = threadIdx.x; p < P; p += blockDim.x) {
-    if (idx[p] == static_cast<uint32_t>(e)) {
-      const int i = atomicAdd(&count, 1);
-      if (i < LCAP) {
-        pairs[i] = p;
-      }
-    }
-  }
-  __syncthreads();
-  const int n_pairs = min(count, LCAP);
-  const int n0 = (tile * WARPS + warp) * R;
-  if (n0 >= N) {
-    return;
-  }
-  const int64_t words = K / 8;
-  const int groups = K / GS;
-  const int chunks = K / 32;
-  const int64_t wbase = static_cast<int64_t>(e) * N * words;
-  const int64_t sbase = static_cast<int64_t>(e) * N * groups;
-"""
+# the block's expert and its pairs, then the warp's rows
+_FIND = _source("products/moe/find.cu")
 
-# RR weight rows a warp: rows r < R of w (and with GLU rows R + r of w2, the same
-# feature of the up projection); acc[m][r] over the chunk's pairs.
-_LOOP = r"""
-  for (int m0 = 0; m0 < n_pairs; m0 += MMAX) {
-    const int mc = min(MMAX, n_pairs - m0);
-    const T* xr[MMAX];
-#pragma unroll
-    for (int m = 0; m < MMAX; ++m) {
-      const int p = pairs[m0 + (m < mc ? m : 0)];
-      xr[m] = x + static_cast<int64_t>(p / DIV) * K;
-    }
-    float acc[MMAX][RR];
-#pragma unroll
-    for (int m = 0; m < MMAX; ++m) {
-#pragma unroll
-      for (int r = 0; r < RR; ++r) {
-        acc[m][r] = 0.f;
-      }
-    }
-    for (int c = lane; c < chunks; c += 32) {
-      const int k0 = c * 32;
-      const int g = k0 / GS;
-      uint4 wq[RR];
-      float sc[RR];
-      float bs[RR];
-#pragma unroll
-      for (int r = 0; r < RR; ++r) {
-        const int64_t n = n0 + (r % R);
-        const uint32_t* wp = PICK(w2, w);
-        const T* sp = PICK(scales2, scales);
-        const T* bp = PICK(biases2, biases);
-        wq[r] = reinterpret_cast<const uint4*>(wp + wbase + n * words)[c];
-        sc[r] = static_cast<float>(sp[sbase + n * groups + g]);
-        bs[r] = static_cast<float>(bp[sbase + n * groups + g]);
-      }
-      float d[MMAX][RR];
-      float xs[MMAX];
-#pragma unroll
-      for (int m = 0; m < MMAX; ++m) {
-        xs[m] = 0.f;
-#pragma unroll
-        for (int r = 0; r < RR; ++r) {
-          d[m][r] = 0.f;
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float qf[RR][8];
-#pragma unroll
-        for (int r = 0; r < RR; ++r) {
-          const uint32_t word = j == 0 ? wq[r].x : j == 1 ? wq[r].y : j == 2 ? wq[r].z : wq[r].w;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            qf[r][i] = __uint_as_float(0x4B000000u | ((word >> (4 * i)) & 0xFu)) - 8388608.f;
-          }
-        }
-#pragma unroll
-        for (int m = 0; m < MMAX; ++m) {
-          if (m < mc) {
-            const uint4 xu = reinterpret_cast<const uint4*>(xr[m] + k0)[j];
-            float xv[8];
-            mb_moe_to_float8(xu, xv, T{});
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              xs[m] += xv[i];
-#pragma unroll
-              for (int r = 0; r < RR; ++r) {
-                d[m][r] += xv[i] * qf[r][i];
-              }
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int m = 0; m < MMAX; ++m) {
-#pragma unroll
-        for (int r = 0; r < RR; ++r) {
-          acc[m][r] += sc[r] * d[m][r] + bs[r] * xs[m];
-        }
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < MMAX; ++m) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const float v = mb_moe_warp_sum(acc[m][r]);
-        float out = v;
-        if (ACT != 0) {
-          const float gate = static_cast<float>(static_cast<T>(v));
-          const float up = static_cast<float>(static_cast<T>(mb_moe_warp_sum(acc[m][RR - R + r])));
-          float a;
-          if (ACT == 1) {
-            a = gate / (1.f + __expf(-gate));
-          } else {
-            a = 0.5f * gate * (1.f + tanhf(0.7978845608028654f * (gate + 0.044715f * gate * gate * gate)));
-          }
-          out = static_cast<float>(static_cast<T>(a)) * up;
-        }
-        if (lane == 0 && m < mc) {
-          y[static_cast<int64_t>(pairs[m0 + m]) * N + n0 + r] = static_cast<T>(out);
-        }
-      }
-    }
-  }
-"""
+# the pairs in chunks of MMAX, R (GLU: 2R) weight rows a warp
+_LOOP = _source("products/moe/loop.cu")
 
 
 @cache
@@ -281,7 +90,7 @@ def supported(x_dtype, lin, tokens: int) -> bool:
     e, n, words = w.shape if w.ndim == 3 else (0, 0, 0)
     k = words * 8
     return (
-        mx.cuda.is_available()
+        platform.cuda_available()
         and x_dtype in (mx.bfloat16, mx.float16)
         and scales.dtype == x_dtype
         and biases.dtype == x_dtype

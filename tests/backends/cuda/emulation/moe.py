@@ -1,9 +1,10 @@
 """engine/backends/cuda/products/moe.py's kernels transcribed block by block, warp by warp
 and lane by lane in numpy, against the dequantized product (their index logic checked
-before a GPU run: the expert of each slot, the pair lists, weight/scale/x addressing,
-the nibble order, the output rows).
+without a GPU: the expert of each slot, the pair lists, weight/scale/x addressing, the
+nibble order, the output rows). It checks the mapping, not the CUDA code itself: change
+both together.
 
-    .venv/bin/python bench/gpu/moe_emulation.py
+    .venv/bin/python -m tests.backends.cuda.emulation.moe
 
 Prints the largest relative error per case; exits 1 if one is above 1e-5.
 """
@@ -11,13 +12,10 @@ Prints the largest relative error per case; exits 1 if one is above 1e-5.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from engine.backends.cuda.products import moe as gpu_moe  # noqa: E402
+from engine.backends.cuda.products import moe as gpu_moe
 
 
 def run_kernel(kind, x, idx, ws, template, slots, tiles):
