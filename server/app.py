@@ -21,7 +21,8 @@ from server.deps import DOCUMENTED_BODIES
 from server.errors import install_handlers
 from server.generation import Engine
 from server.middleware import RequestContextMiddleware
-from server.routes import chat, completions, health, models
+from server.routes import chat, completions, health, models, stats, ui
+from server.stats import recording
 
 
 def create_app(engine_client: Engine, settings: Settings | None = None) -> FastAPI:
@@ -33,12 +34,14 @@ def create_app(engine_client: Engine, settings: Settings | None = None) -> FastA
         docs_url=None,
         redoc_url=None,
         openapi_url="/openapi.json",
+        lifespan=recording,  # samples the engine metrics for /v1/stats
     )
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.state.engine = engine_client
     app.state.settings = settings
-    for module in (models, completions, chat, health):
+    for module in (models, completions, chat, health, stats, ui):
         app.include_router(module.router)
+    ui.mount_static(app)
     install_handlers(app)
 
     s = settings.server
