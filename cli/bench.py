@@ -119,9 +119,13 @@ def plot(points: dict, path: Path, title: str) -> Path:
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
-        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        levels = sorted({p[0] for pts in points.values() for p in pts})
+        ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(levels))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%d"))
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.margins(y=0.12)
+        ax.set_ylim(bottom=0)
         ax.legend()
-    ax1.set_ylim(bottom=0)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(BENCH))
     import serve_bench
 
+    sys.argv[0] = "bench/serve_bench.py"  # the command its report names: re-runnable as is
     code = serve_bench.main(argv)
     results = sorted(Path(args.out).glob(f"serve-*-{tag}.json"), key=lambda p: p.stat().st_mtime)
     if not results:
