@@ -31,6 +31,7 @@ from engine.config import (
 from engine.events import LoopEmit, deliver_all
 from engine.kv import BatchKV, SequenceKV
 from engine.prefix_cache import PrefixCache
+from engine.progress import bar
 from engine.runner import ModelRunner
 from engine.sampler import RowSampler, sample_batch
 from engine.scheduler import (
@@ -159,6 +160,11 @@ class ModelWorker:
         try:
             if warmup_enabled(self.config):
                 try:
+                    log.info(
+                        "warming up %s: a prefill chunk and decode steps at batch sizes %s ...",
+                        self.name,
+                        ", ".join(map(str, warmup_batch_sizes(self.config.max_num_seqs))),
+                    )
                     self.warmup_s = self.warm_up()
                     log.info("warm-up of %s took %.2f s", self.name, self.warmup_s)
                 except Exception:  # only an optimisation: serve without it
@@ -230,7 +236,7 @@ class ModelWorker:
             mx.eval(runner.prefill(runner.new_sequence_kv(), prompt[:rows], want_logits=True))
         token = int(first.item())
         length = layer_kv[0][0].shape[2]
-        for b in sizes:
+        for b in bar(sizes, desc=f"warm-up {self.name}", unit="batch size"):
             ragged = [length - r % min(length, 8) for r in range(b)]
             for lengths in [ragged] + ([[length] * b] if b == 2 else []):
                 batch = runner.new_batch_kv()

@@ -22,7 +22,7 @@ from server.errors import install_handlers
 from server.generation import Engine
 from server.middleware import RequestContextMiddleware
 from server.routes import chat, completions, health, models, stats, ui
-from server.stats import recording
+from server.lifespan import lifespan
 
 
 def create_app(engine_client: Engine, settings: Settings | None = None) -> FastAPI:
@@ -34,7 +34,7 @@ def create_app(engine_client: Engine, settings: Settings | None = None) -> FastA
         docs_url=None,
         redoc_url=None,
         openapi_url="/openapi.json",
-        lifespan=recording,  # samples the engine metrics for /v1/stats
+        lifespan=lifespan,  # /v1/stats sampling; logs where the pages are
     )
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.state.engine = engine_client
