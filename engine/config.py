@@ -49,6 +49,10 @@ class EngineConfig:
     # and bookkeeping overlap the device's work. None: by backend (see
     # pipeline_decode_enabled).
     pipeline_decode: bool | None = None
+    # Ranks one model runs over on this host (tensor parallelism: attention heads and
+    # MLP/expert columns split, an all-reduce per block; MLX ring backend on the CPU,
+    # NCCL on NVIDIA GPUs). 1 = off. Needs exactly one model.
+    tensor_parallel: int = 1
     models: list[ModelConfig] = field(default_factory=lambda: [ModelConfig()])
 
 

@@ -73,6 +73,17 @@ class ModelRunner:
     def new_batch_kv(self) -> list[BatchKV]:
         return [BatchKV() for _ in range(self.num_layers)]
 
+    def join_batch(self, batch: list[BatchKV], kv: list[SequenceKV], layer_kv) -> None:
+        """A prefilled sequence joins the running batch as its last row (``layer_kv``:
+        its per-layer keys and values, ``kv``'s ``c.kv()``)."""
+        for layer, (k, v) in zip(batch, layer_kv):
+            layer.add(k, v)
+
+    def keep_rows(self, batch: list[BatchKV], rows: list[int]) -> None:
+        """Keeps only ``rows`` of the running batch, in that order."""
+        for layer in batch:
+            layer.keep(rows)
+
     def prefill(
         self, kv: list[SequenceKV], tokens: list[int], want_logits: bool
     ) -> mx.array | None:
