@@ -402,7 +402,7 @@
     const call = pendingToolCall(current());
     $("prompt").placeholder = call
       ? "Result of " + (call.function.name || "the tool call") + " (sent as a tool message)"
-      : "Send a message (Enter to send, Shift+Enter for a new line)";
+      : "Send a message";
   }
 
   function stickToBottom(force) {
