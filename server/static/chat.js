@@ -8,7 +8,7 @@
   const $ = (id) => document.getElementById(id);
   const STORE = "markbase.conversations";
   const SETTINGS = "markbase.settings";
-  const DEFAULTS = { model: "", temperature: 0.7, top_p: 1, max_tokens: 512, schema: "", tools: "" };
+  const DEFAULTS = { model: "", temperature: 0.7, top_p: 1, max_tokens: 512, schema: "", tools: "", tool_choice: "auto" };
 
   const state = {
     conversations: [],
@@ -155,7 +155,10 @@
       body.response_format = { type: "json_schema", json_schema: { name: "response", schema, strict: true } };
     }
     const tools = parseJsonBox("tools", "tools-hint", "The tool list", true);
-    if (tools !== undefined && tools.length) body.tools = tools;
+    if (tools !== undefined && tools.length) {
+      body.tools = tools;
+      body.tool_choice = $("tool_choice").value || "auto";
+    }
     return body;
   }
 
@@ -515,8 +518,9 @@
     $("max_tokens").value = s.max_tokens;
     $("schema").value = s.schema || "";
     $("tools").value = s.tools || "";
+    $("tool_choice").value = s.tool_choice || "auto";
     $("api-key").value = Api.apiKey();
-    for (const id of ["temperature", "top_p", "max_tokens", "schema", "tools"]) {
+    for (const id of ["temperature", "top_p", "max_tokens", "schema", "tools", "tool_choice"]) {
       $(id).addEventListener("change", () => { s[id] = $(id).value; save(); });
     }
     $("system").addEventListener("input", () => { current().system = $("system").value; save(); });
