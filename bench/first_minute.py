@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, label in names.items():
         if key in marks:
             print(f"| {label} | {marks[key]:.1f} |")
+    if "browser_answer_tokens" in marks:
+        print(f"\n(the page's answer had {marks['browser_answer_tokens']:.0f} tokens)")
     print()
     print(json.dumps({k: round(v, 2) for k, v in marks.items()}))
     return 0
@@ -137,12 +139,17 @@ def browser_answer(url: str, t0: float) -> dict[str, float]:
             time.sleep(0.05)
         out["browser_page"] = time.monotonic() - t0
         d.find_element(By.ID, "prompt").send_keys(QUESTION + "\n")
+        answer = "const m = window.markbaseChat.current().messages; return m.length > 1 ? m[m.length - 1] : null"
         last = (
             "const e = document.querySelector('.msg[data-last=\"1\"]'); return e && e.dataset.state"
         )
+        while not (d.execute_script(answer) or {}).get("content"):
+            time.sleep(0.02)
+        out["browser_first_token"] = time.monotonic() - t0
         while d.execute_script(last) != "done":
             time.sleep(0.05)
         out["browser_answer"] = time.monotonic() - t0
+        out["browser_answer_tokens"] = d.execute_script(answer)["meta"]["completion_tokens"]
     return out
 
 
