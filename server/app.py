@@ -20,9 +20,9 @@ from server.config import Settings
 from server.deps import DOCUMENTED_BODIES
 from server.errors import install_handlers
 from server.generation import Engine
+from server.lifespan import lifespan
 from server.middleware import RequestContextMiddleware
 from server.routes import chat, completions, health, models, stats, ui
-from server.lifespan import lifespan
 
 
 def create_app(engine_client: Engine, settings: Settings | None = None) -> FastAPI:
