@@ -75,7 +75,7 @@ test: install browser
 	$(PY) -m pytest -q
 
 lint: install
-	$(VENV)/bin/ruff check server engine tests bench
+	$(VENV)/bin/ruff check server engine tests bench cli
 
 clean:
 	rm -rf $(VENV)
