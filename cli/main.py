@@ -14,6 +14,7 @@ command that runs a model in this process binds the fast BLAS before MLX loads, 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 COMMANDS = {
@@ -70,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `markbase models | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":
