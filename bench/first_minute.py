@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         "api_first_token": "first streamed token over the API",
         "api_answer": "whole API answer",
         "browser_page": "page open in Chromium, model list filled",
-        "browser_answer": "question typed in the page, answer shown",
+        "browser_first_token": "question typed in the page, first words shown",
+        "browser_answer": "whole answer shown (page defaults: temperature 0.7, max 512 tokens)",
     }
     for key, label in names.items():
         if key in marks:
