@@ -8,15 +8,6 @@ from engine.backends.cpu.blas import ensure_fast_blas
 ensure_fast_blas(allow_reexec=False)
 
 
-def pytest_addoption(parser) -> None:
-    parser.addoption(
-        "--screenshots",
-        default=None,
-        metavar="DIR",
-        help="tests/ui: write the pages' screenshots here (docs/img to update the committed ones)",
-    )
-
-
 def pytest_unconfigure(config) -> None:
     """The main thread loaded models and ran MLX ops: release its streams before
     the interpreter finalizes, or the run can end in SIGABRT after all passed."""

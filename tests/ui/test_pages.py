@@ -265,3 +265,33 @@ def test_dashboard_draws_the_traffic(server, browser, shots):
     d.execute_script("document.activeElement.blur()")
     time.sleep(1)
     d.save_screenshot(str(shots / "dashboard.png"))
+
+
+def test_markdown_escapes_the_models_html(server, browser):
+    """What a model writes is text: tags, event handlers and javascript: links stay
+    inert; fenced code keeps its characters and gets a copy button."""
+    d = browser
+    d.get(server.url + "/")
+    hostile = (
+        'Hi <img src=x onerror="window.pwned=1"> <script>window.pwned=2</script>\n\n'
+        "[click](javascript:window.pwned=3) [ok](https://example.org/?a=1&b=2)\n\n"
+        "```html\n<b>bold?</b>\n```\n\n| a | b |\n|---|---|\n| **x** | `<i>` |"
+    )
+    html = d.execute_script(
+        "const box = document.createElement('div'); box.className = 'bubble';"
+        "box.innerHTML = Markdown.render(arguments[0]);"
+        "document.getElementById('thread').appendChild(box); return box.innerHTML",
+        hostile,
+    )
+    counts = d.execute_script(
+        "const b = document.querySelector('#thread .bubble:last-child');"
+        "return [b.querySelectorAll('img, script').length, b.querySelectorAll('a').length,"
+        " b.querySelector('a').getAttribute('href'), b.querySelectorAll('pre code').length,"
+        " b.querySelector('pre code').textContent, b.querySelectorAll('table td strong').length,"
+        " window.pwned === undefined]"
+    )
+    assert counts == [0, 1, "https://example.org/?a=1&b=2", 1, "<b>bold?</b>", 1, True], html
+    assert "&lt;img" in html and "&lt;script&gt;" in html
+    button = d.find_element(By.CSS_SELECTOR, "#thread .bubble:last-child .copy-code")
+    button.click()
+    assert button.text == "Copied"
