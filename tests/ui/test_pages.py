@@ -278,13 +278,13 @@ def test_markdown_escapes_the_models_html(server, browser):
         "```html\n<b>bold?</b>\n```\n\n| a | b |\n|---|---|\n| **x** | `<i>` |"
     )
     html = d.execute_script(
-        "const box = document.createElement('div'); box.className = 'bubble';"
+        "const box = document.createElement('div'); box.className = 'bubble'; box.id = 'md-test';"
         "box.innerHTML = Markdown.render(arguments[0]);"
         "document.getElementById('thread').appendChild(box); return box.innerHTML",
         hostile,
     )
     counts = d.execute_script(
-        "const b = document.querySelector('#thread .bubble:last-child');"
+        "const b = document.getElementById('md-test');"
         "return [b.querySelectorAll('img, script').length, b.querySelectorAll('a').length,"
         " b.querySelector('a').getAttribute('href'), b.querySelectorAll('pre code').length,"
         " b.querySelector('pre code').textContent, b.querySelectorAll('table td strong').length,"
@@ -292,6 +292,6 @@ def test_markdown_escapes_the_models_html(server, browser):
     )
     assert counts == [0, 1, "https://example.org/?a=1&b=2", 1, "<b>bold?</b>", 1, True], html
     assert "&lt;img" in html and "&lt;script&gt;" in html
-    button = d.find_element(By.CSS_SELECTOR, "#thread .bubble:last-child .copy-code")
+    button = d.find_element(By.CSS_SELECTOR, "#md-test .copy-code")
     button.click()
     assert button.text == "Copied"
