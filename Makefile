@@ -30,7 +30,7 @@ STAMP := $(VENV)/.markbase-installed
 
 BROWSER_STAMP := $(VENV)/.markbase-browser
 
-.PHONY: install browser serve test lint bench clean
+.PHONY: install browser serve test lint clean
 
 install: $(STAMP)
 

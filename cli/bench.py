@@ -4,7 +4,7 @@
     markbase bench --quick                           # a smoke run (about a minute per server)
     markbase bench --servers markbase --concurrency 1,4 --plot out.png
 
-Runs bench/serve_bench.py (a source checkout's bench/ folder): each server is started
+Runs bench/serve/serve_bench.py (a source checkout's bench/ folder): each server is started
 on a free loopback port and sent the same streaming chat workload at each concurrency
 level. Prints its markdown table, writes the raw results under bench/results/ and a
 PNG of output tok/s and TTFT p50 against concurrency (matplotlib). Arguments after
@@ -21,14 +21,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO / "bench"
+BENCH = REPO / "bench" / "serve"
+RESULTS = REPO / "bench" / "results" / "serve"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--servers",
         default=None,
-        help="comma-separated from markbase, markbase-nobatch, mlx_lm, llamacpp "
+        help="comma-separated from markbase, markbase-nobatch, mlx_lm, llama-server, llamacpp "
         "(default: markbase and the peers installed here)",
     )
     p.add_argument("--model", default="smollm2-135m-instruct", help="model alias or .gguf file")
@@ -39,22 +40,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot", default=None, metavar="PNG", help="plot file (default: next to the results)"
     )
-    p.add_argument("--out", default=str(BENCH / "results"), help="results folder")
+    p.add_argument("--out", default=str(RESULTS), help="results folder")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="-- then serve_bench.py arguments")
 
 
 def installed_peers() -> list[str]:
     """Peers that can run here without a build step: mlx_lm.server when mlx-lm is
-    installed, llama.cpp's server when its venv exists (see bench/README.md)."""
+    installed, llama.cpp's llama-server when it was built into the bench cache
+    (``serve_bench.py --setup-llama-server``; see bench/serve/README.md)."""
     peers = []
     if importlib.util.find_spec("mlx_lm") is not None:
         peers.append("mlx_lm")
     sys.path.insert(0, str(BENCH))
     try:
-        from peers import llamacpp_ok
+        from peers import llama_server_ok
 
-        if llamacpp_ok():
-            peers.append("llamacpp")
+        if llama_server_ok():
+            peers.append("llama-server")
     finally:
         sys.path.remove(str(BENCH))
     return peers
@@ -144,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(BENCH))
     import serve_bench
 
-    sys.argv[0] = "bench/serve_bench.py"  # the command its report names: re-runnable as is
+    sys.argv[0] = "bench/serve/serve_bench.py"  # the command its report names: re-runnable
     code = serve_bench.main(argv)
     results = sorted(Path(args.out).glob(f"serve-*-{tag}.json"), key=lambda p: p.stat().st_mtime)
     if not results:
