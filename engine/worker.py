@@ -20,7 +20,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from engine import metrics
-from engine.backends.cuda import sampler as gpu_sampler
+from engine.backends import cuda
 from engine.config import (
     EngineConfig,
     pipeline_decode_enabled,
@@ -247,7 +247,7 @@ class ModelWorker:
         mx.eval(first, layer_kv)
         # temperature-only rows (a GPU's sampling kernel, engine/backends/cuda/sampler.py, from
         # MIN_ROWS rows): alone (the logits' dtype) and beside a top-p row (float32)
-        n = gpu_sampler.MIN_ROWS + 1
+        n = cuda.SAMPLER_MIN_ROWS + 1
         plain = RowSampler.from_params(SamplingParams(temperature=1.0, seed=0))
         top_p = RowSampler.from_params(SamplingParams(temperature=1.0, top_p=0.9, seed=0))
         rows_of = mx.broadcast_to(logits[None], (n, logits.shape[-1]))
