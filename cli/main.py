@@ -29,12 +29,11 @@ COMMANDS = {
 def prepare_mlx() -> None:
     """Before anything imports MLX: CUDA's kernel cache and attention choice, and the
     fast CPU BLAS (no-ops where they do not apply), as ``markbase serve`` does."""
-    from engine.backends.cpu.blas import ensure_fast_blas
-    from engine.backends.cuda.setup import default_cuda_attention, default_ptx_cache_dir
+    from engine.backends import cpu, cuda
 
-    default_ptx_cache_dir()
-    default_cuda_attention()
-    ensure_fast_blas()
+    cuda.default_ptx_cache_dir()
+    cuda.default_cuda_attention()
+    cpu.ensure_fast_blas()
 
 
 def build_parser() -> argparse.ArgumentParser:
