@@ -21,6 +21,8 @@ from server.deps import DOCUMENTED_BODIES
 from server.errors import install_handlers
 from server.generation import Engine
 from server.middleware import RequestContextMiddleware
+from server.openapi_served import describe_server
+from server.prompt_guard import PromptGuard
 from server.routes import chat, completions, health, models
 
 
@@ -37,6 +39,9 @@ def create_app(engine_client: Engine, settings: Settings | None = None) -> FastA
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.state.engine = engine_client
     app.state.settings = settings
+    app.state.prompt_guard = PromptGuard(
+        settings.server.large_prompt_bytes, settings.server.max_large_tokenizations
+    )
     for module in (models, completions, chat, health):
         app.include_router(module.router)
     install_handlers(app)
@@ -58,7 +63,8 @@ def create_app(engine_client: Engine, settings: Settings | None = None) -> FastA
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema plus the request bodies the routes read themselves
-    (server.deps.json_body), as components."""
+    (server.deps.json_body), as components, and what this server serves and allows
+    (server.openapi_served)."""
     if app.openapi_schema is None:
         with warnings.catch_warnings():  # /health is GET and HEAD: one id, two operations
             warnings.filterwarnings("ignore", "Duplicate Operation ID", UserWarning)
@@ -70,5 +76,10 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             ref_template="#/components/schemas/{model}",
         )
         schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        try:
+            served = list(app.state.engine.models())
+        except Exception:  # noqa: BLE001 - a stand-in engine (tests) that serves nothing
+            served = []
+        describe_server(schema, served, app.state.settings.server)
         app.openapi_schema = schema
     return app.openapi_schema
