@@ -417,9 +417,7 @@ def input_bytes_bound(backend: BackendTokenizer, vocab: Iterable[str] | None = N
             spec = json.loads(pre.__getstate__())
         except Exception:
             return None
-        pre_steps = (
-            spec.get("pretokenizers", [spec]) if spec.get("type") == "Sequence" else [spec]
-        )
+        pre_steps = spec.get("pretokenizers", [spec]) if spec.get("type") == "Sequence" else [spec]
         for step in pre_steps:
             kind = step.get("type")
             if kind not in _KEEPING_PRE_TOKENIZERS:

@@ -76,10 +76,12 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             ref_template="#/components/schemas/{model}",
         )
         schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        engine = app.state.engine
         try:
-            served = list(app.state.engine.models())
+            served = list(engine.models())
+            tokenizers = {m.name: engine.tokenizer(m.name) for m in served}
         except Exception:  # noqa: BLE001 - a stand-in engine (tests) that serves nothing
-            served = []
-        describe_server(schema, served, app.state.settings.server)
+            served, tokenizers = [], {}
+        describe_server(schema, served, app.state.settings.server, tokenizers)
         app.openapi_schema = schema
     return app.openapi_schema

@@ -88,8 +88,10 @@ _STATUS_LINES = {
 
 
 def _error_json(status: int, message: str, code: str) -> bytes:
-    kind = "rate_limit_error" if status == 429 else (
-        "server_error" if status >= 500 else "invalid_request_error"
+    kind = (
+        "rate_limit_error"
+        if status == 429
+        else ("server_error" if status >= 500 else "invalid_request_error")
     )
     return json.dumps(error_body(message, kind, None, code)).encode()
 
@@ -99,9 +101,7 @@ def raw_error(status: int, message: str, code: str, retry: bool = False) -> byte
     socket directly (h11 cannot send one where the request head never arrived)."""
     body = _error_json(status, message, code)
     head = _STATUS_LINES[status] + (
-        b"content-type: application/json\r\n"
-        b"content-length: %d\r\n"
-        b"connection: close\r\n" % len(body)
+        b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body)
     )
     if retry:
         head += b"retry-after: %d\r\n" % RETRY_AFTER_S
@@ -293,7 +293,9 @@ class GuardedH11Protocol(H11Protocol):
         phase = self._phase
         waited = self.loop.time() - self._phase_started
         metrics.CONNECTIONS_CLOSED.labels(f"{phase}_timeout").inc()
-        log.debug("closing connection from %s: %s phase over after %.1f s", self.client, phase, waited)
+        log.debug(
+            "closing connection from %s: %s phase over after %.1f s", self.client, phase, waited
+        )
         if phase == "head" and self.conn.trailing_data[0]:
             self._close_with(
                 raw_error(

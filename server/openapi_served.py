@@ -20,7 +20,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from engine.types import ModelInfo
-from server.schemas import ChatCompletionRequest, CompletionRequest
+from server.errors import APIError
+from server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 _BASES: dict[type[BaseModel], dict[str, Any]] = {
     CompletionRequest: {"model": "m", "prompt": "x"},
@@ -93,11 +94,71 @@ def neutral_only(model: type[BaseModel], schema: dict[str, Any]) -> dict[str, di
     return out
 
 
-def describe_server(schema: dict[str, Any], models: list[ModelInfo], server: Any) -> None:
-    """Write the served models, limits and neutral-only parameters into ``schema``
-    (a FastAPI OpenAPI dict); ``server`` is ``server.config.ServerSettings``."""
+def _rejected(messages: list[dict[str, Any]]) -> bool:
+    """Whether the chat route refuses these messages (server.routes.chat.template_messages)."""
+    from server.routes.chat import template_messages  # the route module imports this one's users
+
+    try:
+        template_messages([ChatMessage.model_validate(m, strict=False) for m in messages])
+    except (APIError, ValidationError):
+        return True
+    return False
+
+
+def _describe_messages(components: dict[str, Any]) -> None:
+    """Roles, tool calls and content parts the chat route takes, as it answers them."""
+    message = components.get("ChatMessage", {}).get("properties", {})
+    role = message.get("role")
+    if role is not None and "enum" in role:
+        role["enum"] = [r for r in role["enum"] if not _rejected([{"role": r, "content": "x"}])]
+    calls = message.get("tool_calls")
+    if (
+        calls is not None
+        and _rejected([{"role": "assistant", "content": "x", "tool_calls": [{}]}])
+        and not _rejected([{"role": "assistant", "content": "x", "tool_calls": []}])
+    ):
+        _bound(calls, "array", maxItems=0)
+    roles = [r for r in (role or {}).get("enum", []) if r != "assistant"]
+    if (
+        roles
+        and all(_rejected([{"role": r}]) for r in roles)
+        and not _rejected([{"role": "assistant"}])
+    ):
+        # content may be left out (or null) only by the assistant
+        body = components["ChatMessage"]
+        body["if"] = {"properties": {"role": {"enum": roles}}}
+        body["then"] = {
+            "required": ["content"],
+            "properties": {"content": {"not": {"type": "null"}}},
+        }
+    part = components.get("ContentPart")
+    if (
+        part is not None
+        and _rejected([{"role": "user", "content": [{"type": "image_url"}]}])
+        and not _rejected([{"role": "user", "content": [{"type": "text", "text": "x"}]}])
+    ):
+        part["properties"]["type"] = {**part["properties"]["type"], "enum": ["text"]}
+        part["properties"]["text"] = {"type": "string", "title": "Text"}
+        part["required"] = sorted({*part.get("required", []), "type", "text"})
+
+
+def describe_server(
+    schema: dict[str, Any],
+    models: list[ModelInfo],
+    server: Any,
+    tokenizers: dict[str, Any] | None = None,
+) -> None:
+    """Write the served models, limits and accepted values into ``schema`` (a FastAPI
+    OpenAPI dict); ``server`` is ``server.config.ServerSettings``, ``tokenizers`` the
+    served models' (for the vocabulary size and whether an empty prompt has tokens)."""
     components = schema.get("components", {}).get("schemas", {})
     names = [m.name for m in models]
+    toks = list((tokenizers or {}).values())
+    vocab = min(
+        (t.vocab_size for t in toks if isinstance(getattr(t, "vocab_size", None), int)),
+        default=None,
+    )
+    empty_has_tokens = any(_encodes_empty(t) for t in toks) or not toks
     context = max((m.context_length for m in models), default=0)
     max_tokens = context - 1 if context else None
     if server.max_tokens_limit:
@@ -122,7 +183,10 @@ def describe_server(schema: dict[str, Any], models: list[ModelInfo], server: Any
                 _flagged(model, field, v) is (v not in ("none", "auto"))
                 for v in ("none", "auto", "required", {"type": "function"})
             ):
-                props[field]["anyOf"] = [{"type": "string", "enum": ["none", "auto"]}, {"type": "null"}]
+                props[field]["anyOf"] = [
+                    {"type": "string", "enum": ["none", "auto"]},
+                    {"type": "null"},
+                ]
     response_format = components.get("ResponseFormat", {}).get("properties", {}).get("type")
     if response_format is not None and (
         _flagged(ChatCompletionRequest, "response_format", {"type": "json_object"})
@@ -131,27 +195,31 @@ def describe_server(schema: dict[str, Any], models: list[ModelInfo], server: Any
         response_format["enum"] = ["text"]
 
     prompt = components.get("CompletionRequest", {}).get("properties", {}).get("prompt")
+    text = {"maxLength": server.max_prompt_chars, **({} if empty_has_tokens else {"minLength": 1})}
+    ids = {"minimum": 0, **({"maximum": vocab - 1} if vocab else {})}
+    window = {"minItems": 1, **({"maxItems": context - 1} if context else {})}
     if prompt is not None:
         for branch in _branches(prompt):
             items = branch.get("items", {})
             if branch.get("type") == "string":
-                branch["maxLength"] = server.max_prompt_chars
+                branch.update(text)
             elif items.get("type") == "string":  # several prompts
                 branch.update(minItems=1, maxItems=server.max_prompts)
-                items["maxLength"] = server.max_prompt_chars
+                items.update(text)
             elif items.get("type") == "integer":  # one prompt of token ids
-                branch.update(minItems=1, **({"maxItems": context - 1} if context else {}))
-                items["minimum"] = 0
+                branch.update(window)
+                items.update(ids)
             elif items.get("type") == "array":  # several prompts of token ids
                 branch.update(minItems=1, maxItems=server.max_prompts)
-                items.update(minItems=1, **({"maxItems": context - 1} if context else {}))
-                items.setdefault("items", {})["minimum"] = 0
+                items.update(window)
+                items.setdefault("items", {}).update(ids)
     messages = components.get("ChatCompletionRequest", {}).get("properties", {}).get("messages")
     if messages is not None:
         messages.update(minItems=1, maxItems=server.max_messages)
     content = components.get("ChatMessage", {}).get("properties", {}).get("content")
     if content is not None:
         _bound(content, "string", maxLength=server.max_prompt_chars)
+    _describe_messages(components)
 
     paths = schema.get("paths", {})
     with contextlib.suppress(KeyError):
@@ -159,6 +227,13 @@ def describe_server(schema: dict[str, Any], models: list[ModelInfo], server: Any
             if param.get("name") == "model_id" and names:
                 param["schema"] = {**param["schema"], "enum": names}
     _add_links(paths)
+
+
+def _encodes_empty(tokenizer: Any) -> bool:
+    try:
+        return bool(tokenizer.encode(""))
+    except Exception:  # noqa: BLE001
+        return True  # unknown: do not claim the empty prompt is refused
 
 
 def _operation_id(paths: dict[str, Any], path: str, method: str) -> str | None:

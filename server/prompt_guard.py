@@ -136,7 +136,9 @@ class PromptGuard:
         try:
             if render is None:  # a tokenizer without a separate render step
                 return await anyio.to_thread.run_sync(
-                    lambda: list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+                    lambda: list(
+                        tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                    )
                 )
             text = await anyio.to_thread.run_sync(
                 lambda: render(messages, add_generation_prompt=True)
