@@ -221,6 +221,9 @@ class GuardedH11Protocol(H11Protocol):
         super().on_response_complete()
         self._follow()
 
+    def timeout_keep_alive_handler(self) -> None:
+        """uvicorn's keep-alive timer: the idle phase here closes such connections."""
+
     def send_400_response(self, msg: str) -> None:
         """h11 could not parse the request: 431 when the head outgrew
         ``max_header_bytes``, else 400; an OpenAI error body either way."""
@@ -368,7 +371,7 @@ def uvicorn_options(limits: ConnectionLimits) -> dict[str, Any]:
         "http": protocol_class(limits),
         "ws": "none",  # no WebSocket routes: an Upgrade request is plain HTTP
         "h11_max_incomplete_event_size": limits.max_header_bytes,
-        # uvicorn's own keep-alive timer (the idle phase here does the same)
+        # uvicorn's own keep-alive timer does nothing here (the idle phase closes)
         "timeout_keep_alive": limits.keepalive_timeout_s or 365 * 24 * 3600,
     }
 

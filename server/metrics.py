@@ -34,7 +34,7 @@ CONNECTIONS_OPEN = Gauge(
 CONNECTIONS_CLOSED = Counter(
     "markbase_http_connections_closed_by_limit",
     "Connections the server closed because a limit ran out, by reason "
-    "(header_timeout, body_timeout, idle_timeout, drain_timeout, chunk_too_large).",
+    "(head_timeout, body_timeout, idle_timeout, drain_timeout, chunk_too_large).",
     ["reason"],
 )
 CONNECTIONS_REJECTED = Counter(
