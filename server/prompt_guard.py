@@ -17,8 +17,10 @@ Two defences, in the order a request meets them:
    cores), as many more may wait for a turn, and past that a request is answered
    429 with ``Retry-After``.
 
-Chat templates are rendered first (a jinja render of a 1 MB message takes ~10-30
-ms), so the length check sees the exact text that would be tokenized.
+For chat, the length check runs before the template is rendered (a jinja render
+of a 1 MB message takes 10-30 ms of Python, holding the GIL) when the template
+writes message contents unchanged (checked with markers), and on the rendered
+text otherwise.
 """
 
 from __future__ import annotations
@@ -75,6 +77,24 @@ def too_long_error(
     return APIError(400, message, param=what, code="context_length_exceeded")
 
 
+def _utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _template_keeps_contents(render: Any, messages: list[dict]) -> bool:
+    """Whether the chat template writes every message's content unchanged: rendered
+    with a short marker (whitespace around it, which a ``| trim`` would eat) in place
+    of each content, is each marker in the output as it went in? A render of a few
+    hundred bytes, instead of the real one."""
+    markers = [f" \n<<markbase-content-{i}>>\n " for i in range(len(messages))]
+    probe = [{**m, "content": k} for m, k in zip(messages, markers)]
+    try:
+        rendered = render(probe, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - the real render will say what is wrong
+        return False
+    return all(k in rendered for k in markers)
+
+
 def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     fn = getattr(tokenizer, "encode_unlocked", None)
     if fn is not None:
@@ -93,16 +113,22 @@ class PromptGuard:
         self, tokenizer: Any, model: ModelInfo, text: str, completion: int | None, chat: bool
     ) -> int:
         """The UTF-8 size of ``text``; raises 400 if that alone is over the window."""
-        nbytes = len(text.encode("utf-8", "surrogatepass"))
+        nbytes = _utf8_size(text)
+        self.check_bytes(tokenizer, model, nbytes, completion, chat)
+        return nbytes
+
+    def check_bytes(
+        self, tokenizer: Any, model: ModelInfo, nbytes: int, completion: int | None, chat: bool
+    ) -> None:
+        """Raises 400 if text of ``nbytes`` bytes (or more) cannot fit the window."""
         bound = _bound(tokenizer)
         if bound is None:
-            return nbytes
+            return
         min_tokens = math.ceil(nbytes / bound)
         need = completion if completion is not None else 1
         if min_tokens + need > model.context_length:
             metrics.PROMPTS_REJECTED_UNTOKENIZED.inc()
             raise too_long_error(model.context_length, nbytes, bound, min_tokens, need, chat)
-        return nbytes
 
     async def _tokenize(self, nbytes: int, work: Any) -> Any:
         """Run ``work`` in a worker thread; a large one only when it gets a slot."""
@@ -133,6 +159,13 @@ class PromptGuard:
         self, tokenizer: Any, model: ModelInfo, messages: list[dict], completion: int | None
     ) -> list[int]:
         render = getattr(tokenizer, "render_chat", None)
+        contents = sum(_utf8_size(m["content"]) for m in messages)
+        if render is not None and contents >= self.large_prompt_bytes:
+            # Before rendering (tens of ms of Python for 1 MB, holding the GIL):
+            # where the template writes each message's text as it is, the
+            # conversation has at least the messages' bytes.
+            if _template_keeps_contents(render, messages):
+                self.check_bytes(tokenizer, model, contents, completion, chat=True)
         try:
             if render is None:  # a tokenizer without a separate render step
                 return await anyio.to_thread.run_sync(
