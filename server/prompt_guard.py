@@ -13,9 +13,9 @@ Two defences, in the order a request meets them:
    process, the event loop and the engine's worker included, for ~2 s) and releases
    it in ``encode_batch``, which ``Tokenizer.encode_unlocked`` uses, in a worker
    thread. Prompts of ``large_prompt_bytes`` and more are tokenized at most
-   ``max_large_tokenizations`` at a time (they compete with the engine for CPU
-   cores), as many more may wait for a turn, and past that a request is answered
-   429 with ``Retry-After``.
+   ``max_large_tokenizations`` at a time, in threads of a lower CPU priority (on
+   Linux), so they take the cores the engine leaves idle; as many more may wait
+   for a turn, and past that a request is answered 429 with ``Retry-After``.
 
 For chat, the length check runs before the template is rendered (a jinja render
 of a 1 MB message takes 10-30 ms of Python, holding the GIL) when the template
@@ -26,8 +26,13 @@ text otherwise.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -102,12 +107,30 @@ def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
+LOW_PRIORITY_NICE = 10  # CFS weight 110 against 1024 for the engine and the event loop
+
+
+def _lower_priority() -> None:
+    """Run this (pool) thread at a lower CPU priority: on Linux a thread has its own
+    nice value, so a long tokenization takes the cores the engine leaves idle
+    instead of slowing its decode steps. Elsewhere setpriority would lower the
+    whole process, so nothing is done."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_PRIORITY_NICE)
+
+
 class PromptGuard:
     def __init__(self, large_prompt_bytes: int, max_large_tokenizations: int) -> None:
         self.large_prompt_bytes = large_prompt_bytes
         self.max_large = max_large_tokenizations
         self._slots = asyncio.Semaphore(max(1, max_large_tokenizations))
         self._admitted = 0  # large tokenizations running or waiting for a slot
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, max_large_tokenizations),
+            thread_name_prefix="markbase-tokenize",
+            initializer=_lower_priority,
+        )
 
     def check_length(
         self, tokenizer: Any, model: ModelInfo, text: str, completion: int | None, chat: bool
@@ -148,8 +171,9 @@ class PromptGuard:
             async with self._slots:
                 metrics.LARGE_TOKENIZATIONS.inc()
                 try:
-                    # Not cancellable: the slot stays taken until the thread is done.
-                    return await anyio.to_thread.run_sync(work)
+                    # Shielded: the slot stays taken until the thread is done.
+                    loop = asyncio.get_running_loop()
+                    return await asyncio.shield(loop.run_in_executor(self._pool, work))
                 finally:
                     metrics.LARGE_TOKENIZATIONS.dec()
         finally:
