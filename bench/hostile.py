@@ -20,12 +20,11 @@ Sections (``--sections``, comma-separated):
   SmolLM2's 8192-token window by its bytes alone) for ``--flood-seconds``; then the
   same with 500 kB (may fit by its bytes, so it is tokenized). A stream runs
   throughout; reported: /health latency, the stream's inter-token gaps, requests
-  answered, server CPU per request (beyond the stream's own, measured in the quiet
-  5 s).
+  answered, the server's CPU use (in cores) quiet and flooded.
 * ``soak`` (this tree only): prefix cache on (the default 32768 tokens) and off;
   ``--soak-clients`` clients send distinct chats sharing a system prompt for
-  ``--soak-seconds``; RSS drift after a warm-up against the prefix cache's own
-  accounted bytes (``prefix_cache_bytes`` in /health).
+  ``--soak-seconds`` after ``--soak-warmup`` answers; RSS drift against the prefix
+  cache's own accounted bytes (``prefix_cache_bytes`` in /health).
 
 Prints markdown tables and writes everything to bench/results/hostile-<stamp>.json.
 Loopback only; each server is a child process stopped at the end. The baseline
@@ -236,22 +235,23 @@ def flood(url: str, pid: int, text: str, clients: int, seconds: float) -> dict:
     time.sleep(5)
     flood_start = time.monotonic()
     cpu0 = cpu_s(pid)
-    quiet_rate = (cpu0 - quiet_cpu) / (flood_start - quiet_start)  # the stream's own decoding
     result = Flood(url + "/v1/chat/completions", body, clients, seconds).result()
     cpu1 = cpu_s(pid)
     flood_end = time.monotonic()
-    flood_cpu = cpu1 - cpu0 - quiet_rate * (flood_end - flood_start)
     time.sleep(1)
     probe.stop()
     stream.stop()
-    answered = sum(result["status"].values())
     qh, fh = probe.between(quiet_start, flood_start), probe.between(flood_start, flood_end)
     qg, fg = stream.gaps(quiet_start, flood_start), stream.gaps(flood_start, flood_end)
     return {
         "prompt_bytes": len(text.encode()),
         "answers": result["status"],
         "request_p50_s": percentile(result["latency_s"], 50),
-        "server_cpu_ms_per_request": flood_cpu / answered * 1000 if answered else None,
+        # the server's CPU use in cores: quiet (the stream alone), then flooded
+        "server_cores": [
+            (cpu0 - quiet_cpu) / (flood_start - quiet_start),
+            (cpu1 - cpu0) / (flood_end - flood_start),
+        ],
         "health_quiet": [percentile(qh, 50), percentile(qh, 99), max(qh, default=None)],
         "health_flood": [percentile(fh, 50), percentile(fh, 99), max(fh, default=None)],
         "gap_quiet": [percentile(qg, 50), percentile(qg, 99), max(qg, default=None)],
@@ -263,11 +263,13 @@ def flood(url: str, pid: int, text: str, clients: int, seconds: float) -> dict:
 # --------------------------------------------------------------------------- soak
 
 
-def _soak_client(url: str, stop: float, seed: int, counts: dict, lock: threading.Lock) -> None:
+def _soak_client(
+    url: str, stop: list[float], seed: int, counts: dict, lock: threading.Lock
+) -> None:
     rng = random.Random(seed)
     system = "You are a careful assistant. " * 8
     with httpx.Client(timeout=120) as c:
-        while time.monotonic() < stop:
+        while time.monotonic() < stop[0]:
             words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 250)))
             body = {
                 "model": DEFAULT_MODEL,
@@ -291,20 +293,26 @@ def _cache_bytes(url: str) -> int:
     return sum(m.get("prefix_cache_bytes", 0) for m in models.values())
 
 
-def soak(url: str, pid: int, seconds: float, clients: int, warmup_s: float = 8) -> dict:
+def soak(url: str, pid: int, seconds: float, clients: int, warmup: int) -> dict:
+    """``clients`` loops for ``seconds`` after ``warmup`` answers (first-use growth:
+    MLX's buffers for the first prompt lengths, lazily built tables)."""
     counts: dict[str, int] = {}
     lock = threading.Lock()
-    stop = time.monotonic() + warmup_s + seconds
+    stop = [float("inf")]
     threads = [
         threading.Thread(target=_soak_client, args=(url, stop, i, counts, lock))
         for i in range(clients)
     ]
     for t in threads:
         t.start()
-    time.sleep(warmup_s)
+    t0 = time.monotonic()
+    while sum(counts.values()) < warmup and time.monotonic() - t0 < 600:
+        time.sleep(0.2)
+    done_at_start = sum(counts.values())
     rss0, cache0 = rss_mb(pid), _cache_bytes(url)
+    stop[0] = time.monotonic() + seconds
     samples = []
-    while time.monotonic() < stop:
+    while time.monotonic() < stop[0]:
         time.sleep(2)
         samples.append(rss_mb(pid))
     for t in threads:
@@ -314,6 +322,7 @@ def soak(url: str, pid: int, seconds: float, clients: int, warmup_s: float = 8) 
     cache_mb = (cache1 - cache0) / 2**20
     return {
         "answers": counts,
+        "measured_requests": sum(counts.values()) - done_at_start,
         "rss_start_mb": rss0,
         "rss_end_mb": rss1,
         "rss_peak_mb": max(samples + [rss1]),
@@ -371,7 +380,7 @@ def run_sections(name: str, cwd: Path, args, out: dict) -> None:
             print(f"[{name}] soak, {label}", file=sys.stderr)
             with running_server(DEFAULT_MODEL, *extra, cwd=cwd) as srv:
                 res[f"soak {label}"] = soak(
-                    srv.url, srv.proc.pid, args.soak_seconds, args.soak_clients
+                    srv.url, srv.proc.pid, args.soak_seconds, args.soak_clients, args.soak_warmup
                 )
 
 
@@ -418,17 +427,13 @@ def print_tables(out: dict, args) -> None:
             f"\n## Prompt flood: {args.flood_clients} connections for {args.flood_seconds:g} s, a stream running\n"
         )
         print(
-            "| server | prompt | answers | request p50 ms | server CPU ms/request | /health p50 / p99 / max ms quiet | flooded | gap p50 / p99 / max ms quiet | flooded |"
+            "| server | prompt | answers | request p50 ms | server cores quiet / flooded | /health p50 / p99 / max ms quiet | flooded | gap p50 / p99 / max ms quiet | flooded |"
         )
         print("|---|---|---|---|---|---|---|---|---|")
         for n, k in floods:
             f = out[n][k]
             fmt = lambda xs: " / ".join(ms(x) for x in xs)  # noqa: E731
-            cpu = (
-                "-"
-                if f["server_cpu_ms_per_request"] is None
-                else f"{f['server_cpu_ms_per_request']:.0f}"
-            )
+            cpu = " / ".join(f"{c:.2f}" for c in f["server_cores"])
             answers = ", ".join(f"{a}: {c}" for a, c in sorted(f["answers"].items()))
             print(
                 f"| {n} | {k[6:]} | {answers} | {ms(f['request_p50_s'])} | {cpu} | {fmt(f['health_quiet'])} | "
@@ -437,17 +442,18 @@ def print_tables(out: dict, args) -> None:
     soaks = [(n, k) for n in names for k in out[n] if k.startswith("soak")]
     if soaks:
         print(
-            f"\n## Soak: {args.soak_clients} clients for {args.soak_seconds:g} s after an 8 s warm-up\n"
+            f"\n## Soak: {args.soak_clients} clients for {args.soak_seconds:g} s after "
+            f"{args.soak_warmup} answers\n"
         )
         print(
-            "| server | | answers | RSS start MB | end | peak | drift | prefix cache growth MB | drift - cache MB |"
+            "| server | | answers (measured) | RSS start MB | end | peak | drift | prefix cache growth MB | drift - cache MB |"
         )
         print("|---|---|---|---|---|---|---|---|---|")
         for n, k in soaks:
             s = out[n][k]
             answers = ", ".join(f"{a}: {c}" for a, c in sorted(s["answers"].items()))
             print(
-                f"| {n} | {k[5:]} | {answers} | {s['rss_start_mb']:.0f} | {s['rss_end_mb']:.0f} | "
+                f"| {n} | {k[5:]} | {answers} ({s['measured_requests']}) | {s['rss_start_mb']:.0f} | {s['rss_end_mb']:.0f} | "
                 f"{s['rss_peak_mb']:.0f} | {s['rss_drift_mb']:+.0f} | {s['cache_growth_mb']:+.0f} | "
                 f"{s['drift_minus_cache_mb']:+.0f} |"
             )
@@ -465,6 +471,7 @@ def main() -> int:
     ap.add_argument("--flood-seconds", type=float, default=8.0)
     ap.add_argument("--soak-seconds", type=float, default=40.0)
     ap.add_argument("--soak-clients", type=int, default=4)
+    ap.add_argument("--soak-warmup", type=int, default=8, help="answers before measuring")
     ap.add_argument(
         "--quick", action="store_true", help="shorter: 20 sockets, 25 s, 5 s flood, 20 s soak"
     )
