@@ -16,7 +16,7 @@ into the other operations).
 
 Examples are deterministic (derandomized) and bounded: MARKBASE_FUZZ_EXAMPLES per
 operation and mode (default 20), MARKBASE_FUZZ_STATEFUL_EXAMPLES scenarios of up
-to 3 steps (default 6), and a time budget for each operation and mode,
+to 3 steps (default 6), and a time limit for each operation and mode,
 MARKBASE_FUZZ_SECONDS_PER_TEST (default 12 s), after which the rest are drawn but
 not sent."""
 
@@ -72,7 +72,7 @@ FLAGS = [
     "--request-timeout-s",
     "60",
 ]
-OPERATIONS = [  # cheap ones first: the time budget is spent on generation
+OPERATIONS = [  # cheap ones first: generation takes most of the time limit
     ("GET", "/v1/models/{model_id}"),
     ("GET", "/v1/models"),
     ("GET", "/health"),
@@ -156,7 +156,7 @@ def _servable(body):
 
 def _send(server, case, checks, label: str, force: bool = False):
     if _deadline and time.monotonic() > _deadline[-1] and not force:
-        STATS["skipped (budget spent)"] += 1
+        STATS["skipped (time limit reached)"] += 1
         return None
     response = case.call(base_url=server.url, headers=AUTH, timeout=90)
     STATS["sent"] += 1
