@@ -1,6 +1,6 @@
 """The prefix cache accounts the bytes of the KV it holds (``bytes_held``, in the
 worker's stats and /health as ``prefix_cache_bytes``): what it adds to the
-process's memory, which bench/hostile.py compares with the RSS drift of a soak."""
+process's memory, which bench/serve/hostile.py compares with the RSS drift of a soak."""
 
 from __future__ import annotations
 

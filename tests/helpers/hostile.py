@@ -1,4 +1,4 @@
-"""Client-side tools for hostile-load tests and bench/hostile.py, loopback only.
+"""Client-side tools for hostile-load tests and bench/serve/hostile.py, loopback only.
 
 * ``Flood``: a separate process whose connections POST one prepared body again
   and again (its own process, so its CPU and GIL do not skew what this process

@@ -79,7 +79,7 @@ def running_server(
     timeout_s: float = START_TIMEOUT_S,
     cwd: Path = REPO,
 ) -> Iterator[Server]:
-    """``cwd``: the source tree whose ``server.cli`` runs (bench/hostile.py runs an
+    """``cwd``: the source tree whose ``server.cli`` runs (bench/serve/hostile.py runs an
     older commit's beside this one's)."""
     models = [model] if isinstance(model, str) else list(model)
     port = free_port()

@@ -102,7 +102,7 @@ def test_a_flood_of_1mb_prompts_stalls_neither_health_nor_a_stream(srv):
     /health is polled: every prompt is refused by its length (none tokenized), and
     /health and the stream keep their pace. The bounds leave room for a shared CI
     machine; they catch stalls of seconds (tokenizing 1 MB holding the GIL stalled
-    both for 5-7 s). bench/hostile.py measures the figures on a quiet machine."""
+    both for 5-7 s). bench/serve/hostile.py measures the figures on a quiet machine."""
     before = counter(srv, UNTOKENIZED)
     probe = HealthProbe(srv.url)
     stream = StreamProbe(srv.url, DEFAULT_MODEL, max_tokens=4000)

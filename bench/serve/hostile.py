@@ -3,9 +3,9 @@
 with the server of an earlier commit (the peer: the same server without these
 defences), with the default settings of each.
 
-    .venv/bin/python bench/hostile.py --baseline-ref e8f4a18     # everything (~6 min)
-    .venv/bin/python bench/hostile.py --sections flood --baseline-ref e8f4a18
-    .venv/bin/python bench/hostile.py --quick                     # this tree only, shorter
+    .venv/bin/python bench/serve/hostile.py --baseline-ref e8f4a18     # everything (~6 min)
+    .venv/bin/python bench/serve/hostile.py --sections flood --baseline-ref e8f4a18
+    .venv/bin/python bench/serve/hostile.py --quick                     # this tree only, shorter
 
 Sections (``--sections``, comma-separated):
 
@@ -26,7 +26,7 @@ Sections (``--sections``, comma-separated):
   ``--soak-seconds`` after ``--soak-warmup`` answers; RSS drift against the prefix
   cache's own accounted bytes (``prefix_cache_bytes`` in /health).
 
-Prints markdown tables and writes everything to bench/results/hostile-<stamp>.json.
+Prints markdown tables and writes everything to bench/results/hostile/hostile-<stamp>.json.
 Loopback only; each server is a child process stopped at the end. The baseline
 runs from a temporary ``git worktree`` of ``--baseline-ref`` (removed after).
 """
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tests.helpers.hostile import (  # noqa: E402
@@ -487,7 +487,7 @@ def main() -> int:
     head = subprocess.run(
         ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
-    print("# bench/hostile.py")
+    print("# bench/serve/hostile.py")
     print(f"\ncommand: {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(
         f"date: {datetime.now().isoformat(timespec='seconds')}; host: {platform.node()}, "
@@ -508,7 +508,7 @@ def main() -> int:
         f"\n(total {time.monotonic() - t0:.0f} s; load average at the end "
         f"{' '.join(f'{x:.1f}' for x in os.getloadavg())})"
     )
-    results = REPO / "bench" / "results"
+    results = REPO / "bench" / "results" / "hostile"
     results.mkdir(parents=True, exist_ok=True)
     path = results / f"hostile-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({"argv": sys.argv, "results": out}, indent=1, default=str))
