@@ -5,9 +5,9 @@ Two defences, in the order a request meets them:
 1. Length before tokenizing. A tokenizer's token stands for at most a known number
    of input bytes (``Tokenizer.max_input_bytes_per_token``: 81 for SmolLM2), so a
    prompt of B bytes has at least ``ceil(B / that)`` tokens. When even that many
-   cannot fit the model's context window, the request is answered 400
-   ``context_length_exceeded`` at once: a 1 MB prompt to a 8192-token model costs
-   a length check, not two seconds of tokenizing.
+   cannot fit the model's context window, a long prompt (``large_prompt_bytes`` and
+   up) is answered 400 ``context_length_exceeded`` at once: a 1 MB prompt to a
+   8192-token model costs a length check, not two seconds of tokenizing.
 2. Tokenizing off the event loop and without the GIL. The ``tokenizers`` library
    holds the GIL in ``encode`` (a 1 MB prompt stalled every other thread of the
    process, the event loop and the engine's worker included, for ~2 s) and releases
@@ -135,9 +135,12 @@ class PromptGuard:
     def check_length(
         self, tokenizer: Any, model: ModelInfo, text: str, completion: int | None, chat: bool
     ) -> int:
-        """The UTF-8 size of ``text``; raises 400 if that alone is over the window."""
+        """The UTF-8 size of ``text``; raises 400 if that alone is over the window. Only
+        for long texts: a short one costs little to tokenize, and its error then gives
+        the exact token count."""
         nbytes = _utf8_size(text)
-        self.check_bytes(tokenizer, model, nbytes, completion, chat)
+        if nbytes >= self.large_prompt_bytes:
+            self.check_bytes(tokenizer, model, nbytes, completion, chat)
         return nbytes
 
     def check_bytes(

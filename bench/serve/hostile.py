@@ -16,7 +16,8 @@ Sections (``--sections``, comma-separated):
   when the server closed them. /health latency meanwhile.
 * ``caps``: 1100 connections from 11 addresses (100 each), then 200 from one
   address, each sending ``GET /health``: how they were answered.
-* ``flood``: 5 s quiet, then 16 connections POSTing a 990 kB chat prompt (over
+* ``flood``: first the flood alone for 4 s (the server's CPU per answered request),
+  then 5 s quiet, then 16 connections POSTing a 990 kB chat prompt (over
   SmolLM2's 8192-token window by its bytes alone) for ``--flood-seconds``; then the
   same with 500 kB (may fit by its bytes, so it is tokenized). A stream runs
   throughout; reported: /health latency, the stream's inter-token gaps, requests
@@ -225,6 +226,12 @@ def flood(url: str, pid: int, text: str, clients: int, seconds: float) -> dict:
     body = json.dumps(
         {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": text}]}
     ).encode()
+    # First alone (no stream, no probe): the server's CPU per answered request.
+    cpu_alone = cpu_s(pid)
+    alone = Flood(url + "/v1/chat/completions", body, clients, min(seconds, 4)).result()
+    cpu_alone = cpu_s(pid) - cpu_alone
+    answered_alone = sum(alone["status"].values())
+    time.sleep(1)
     probe = HealthProbe(url)
     stream = StreamProbe(url, DEFAULT_MODEL, max_tokens=6000)
     t = time.monotonic()
@@ -247,6 +254,8 @@ def flood(url: str, pid: int, text: str, clients: int, seconds: float) -> dict:
         "prompt_bytes": len(text.encode()),
         "answers": result["status"],
         "request_p50_s": percentile(result["latency_s"], 50),
+        "cpu_ms_per_request_alone": cpu_alone / answered_alone * 1000 if answered_alone else None,
+        "answers_alone": alone["status"],
         # the server's CPU use in cores: quiet (the stream alone), then flooded
         "server_cores": [
             (cpu0 - quiet_cpu) / (flood_start - quiet_start),
@@ -427,13 +436,15 @@ def print_tables(out: dict, args) -> None:
             f"\n## Prompt flood: {args.flood_clients} connections for {args.flood_seconds:g} s, a stream running\n"
         )
         print(
-            "| server | prompt | answers | request p50 ms | server cores quiet / flooded | /health p50 / p99 / max ms quiet | flooded | gap p50 / p99 / max ms quiet | flooded |"
+            "| server | prompt | answers | request p50 ms | server cores quiet / flooded | CPU ms / request (flood alone) | /health p50 / p99 / max ms quiet | flooded | gap p50 / p99 / max ms quiet | flooded |"
         )
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for n, k in floods:
             f = out[n][k]
             fmt = lambda xs: " / ".join(ms(x) for x in xs)  # noqa: E731
             cpu = " / ".join(f"{c:.2f}" for c in f["server_cores"])
+            alone = f["cpu_ms_per_request_alone"]
+            cpu += " | -" if alone is None else f" | {alone:.1f}"
             answers = ", ".join(f"{a}: {c}" for a, c in sorted(f["answers"].items()))
             print(
                 f"| {n} | {k[6:]} | {answers} | {ms(f['request_p50_s'])} | {cpu} | {fmt(f['health_quiet'])} | "

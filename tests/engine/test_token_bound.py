@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import math
 import random
+import threading
+import time
 
 import pytest
 from tokenizers import AddedToken, models, normalizers, pre_tokenizers
@@ -43,9 +45,9 @@ def dense_texts(t: Tokenizer) -> list[str]:
         "=" * 4000 + "-" * 4000,
         "▁" * 3000,  # SentencePiece's space mark typed in by a user: 3 bytes each
         "<|im_start|><|im_end|>" * 500,
-        "".join(chr(rng.randint(32, 0x2FFFF)) for _ in range(3000)).encode(
-            "utf-8", "replace"
-        ).decode("utf-8", "replace"),
+        "".join(chr(rng.randint(32, 0x2FFFF)) for _ in range(3000))
+        .encode("utf-8", "replace")
+        .decode("utf-8", "replace"),
         "The quick brown fox jumps over the lazy dog. " * 200,
     ]
     return texts + ["".join(rng.choice(pieces) for _ in range(300)) for _ in range(5)]
@@ -91,9 +93,7 @@ def test_no_bound_where_none_is_safe():
 
 def test_a_growing_normalizer_keeps_the_bound():
     t = _bpe()
-    t.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-    )
+    t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     assert input_bytes_bound(t) == 5  # "<unk>": unknown characters are one token each
 
 
@@ -103,3 +103,35 @@ def test_encode_unlocked_gives_the_same_ids(alias):
     for text in dense_texts(t)[:6] + ["", "The capital of France is"]:
         for special in (True, False):
             assert t.encode_unlocked(text, special) == t.encode(text, special)
+
+
+def _longest_stall(work) -> float:
+    """The longest another Python thread waited for a 1 ms sleep while ``work`` ran."""
+    worst = [0.0]
+    done = threading.Event()
+
+    def ticker():
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            worst[0] = max(worst[0], now - last)
+            last = now
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    time.sleep(0.05)
+    work()
+    done.set()
+    t.join()
+    return worst[0]
+
+
+def test_encode_unlocked_lets_other_threads_run():
+    """What keeps the event loop and the engine thread going while a long prompt is
+    tokenized: ``encode`` holds the GIL throughout, ``encode_unlocked`` does not."""
+    t = tok(SMOLLM2)
+    text = "The quick brown fox jumps over the lazy dog. " * 11_000  # ~500 kB
+    locked = _longest_stall(lambda: t.encode(text))
+    unlocked = _longest_stall(lambda: t.encode_unlocked(text))
+    assert unlocked < min(0.25, locked / 3), (locked, unlocked)

@@ -25,7 +25,7 @@ import httpx
 
 _FLOOD = r"""
 import asyncio, json, sys, time
-host, port, path, body_path, clients, seconds, headers = sys.argv[1:8]
+host, port, path, body_path, clients, seconds, grace, headers = sys.argv[1:9]
 body = open(body_path, "rb").read()
 head = "".join(f"{k}: {v}\r\n" for k, v in json.loads(headers).items())
 request = (
@@ -55,6 +55,9 @@ async def client(stop):
             if close:
                 writer.close()
                 writer = None
+        except asyncio.CancelledError:
+            out["status"]["no answer"] = out["status"].get("no answer", 0) + 1
+            raise
         except Exception as exc:
             key = type(exc).__name__
             if writer is not None:
@@ -68,7 +71,12 @@ async def client(stop):
 async def main():
     print("ready", flush=True)
     stop = time.monotonic() + float(seconds)
-    await asyncio.gather(*(client(stop) for _ in range(int(clients))))
+    tasks = [asyncio.ensure_future(client(stop)) for _ in range(int(clients))]
+    # requests still unanswered this long after the end are given up
+    await asyncio.wait(tasks, timeout=float(seconds) + float(grace))
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 asyncio.run(main())
 print(json.dumps(out), flush=True)
@@ -84,7 +92,8 @@ def percentile(values: list[float], q: float) -> float:
 
 class Flood:
     """``clients`` connections of a child process POSTing ``body`` to ``url`` again and
-    again for ``seconds`` (asyncio over raw sockets: the flood itself costs little CPU)."""
+    again for ``seconds`` (asyncio over raw sockets: the flood itself costs little CPU).
+    Requests unanswered ``grace_s`` after that are given up ("no answer")."""
 
     def __init__(
         self,
@@ -94,6 +103,7 @@ class Flood:
         seconds: float,
         headers: dict[str, str] | None = None,
         tmp_dir: Path | None = None,
+        grace_s: float = 20.0,
     ) -> None:
         import tempfile
 
@@ -103,6 +113,7 @@ class Flood:
         self._body_path = path
         where = httpx.URL(url)
         args = [where.host, str(where.port), where.path, path, str(clients), str(seconds)]
+        args.append(str(grace_s))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _FLOOD, *args, json.dumps(headers or {})],
             stdout=subprocess.PIPE,
