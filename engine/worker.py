@@ -782,6 +782,7 @@ class ModelWorker:
         self.metrics.kv_usage.set(self.kv_reserved / max(1, self.config.max_kv_tokens))
         self.metrics.kv_bytes.set(sum(layer.nbytes for layer in self.batch))
         self.metrics.prefix_cache_tokens.set(self.prefix_cache.tokens_held)
+        self.metrics.prefix_cache_bytes.set(self.prefix_cache.bytes_held)
 
     def stats(self) -> dict:
         return {
@@ -790,6 +791,7 @@ class ModelWorker:
             "waiting": len(self.waiting),
             "kv_reserved_tokens": self.kv_reserved,
             "prefix_cache_tokens": self.prefix_cache.tokens_held,
+            "prefix_cache_bytes": self.prefix_cache.bytes_held,
             "steps": self.steps,
         }
 
