@@ -21,7 +21,7 @@ from server.deps import DOCUMENTED_BODIES
 from server.errors import install_handlers
 from server.generation import Engine
 from server.middleware import RequestContextMiddleware
-from server.routes import chat, completions, health, models
+from server.routes import chat, completions, health, models, tokenize
 
 
 def create_app(engine_client: Engine, settings: Settings | None = None) -> FastAPI:
@@ -37,7 +37,7 @@ def create_app(engine_client: Engine, settings: Settings | None = None) -> FastA
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.state.engine = engine_client
     app.state.settings = settings
-    for module in (models, completions, chat, health):
+    for module in (models, completions, chat, tokenize, health):
         app.include_router(module.router)
     install_handlers(app)
 

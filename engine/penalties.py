@@ -1,0 +1,233 @@
+"""Per-row logit adjustments before the draw: penalties, logit bias, min_tokens, min_p.
+
+A row's adjustments come from its request (``SamplingParams``); ``LogitAdjust`` holds
+them and the state they need, and ``plan`` gathers, for one sampling call, the rows
+that adjust anything. Rows without adjustments are not touched and pay nothing: with
+none in the batch ``plan`` returns None and the sampler never copies its logits.
+
+The adjusted rows are changed together, one array op per kind for all of them (not a
+loop of ops per row), in vLLM's order:
+
+1. ``min_tokens``: the row's end tokens (EOS and its ``stop_token_ids``) get -inf
+   until it has generated ``min_tokens`` tokens (stop strings still apply);
+2. ``logit_bias``: the given value added to each listed token's logit (OpenAI:
+   -100..100, where +-100 in effect forces or bans the token);
+3. ``repetition_penalty`` (Hugging Face / vLLM): every token of the prompt or the
+   output so far has its logit divided by the penalty when positive and multiplied
+   by it when negative (> 1 discourages repeats);
+4. ``frequency_penalty`` and ``presence_penalty`` (OpenAI): the logit of each token
+   generated so far loses ``frequency x its count + presence`` (negative values
+   encourage repeats); the prompt does not count;
+5. ``min_p`` (sampled rows only): tokens whose probability at the row's temperature
+   is below ``min_p`` x the most likely one's get -inf.
+
+Penalty state: a dense float32 count of the row's generated tokens over the
+vocabulary (and for ``repetition_penalty`` a mask of its prompt tokens), made at the
+row's first step from the logits' width, updated by ``StepAdjust.record`` with the
+tokens just drawn. On the CPU's numpy route the counts are numpy arrays updated in
+place; on the MLX route they are MLX arrays updated lazily from the sampled array,
+so a GPU's pipelined step (tokens not yet on the host) still counts them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from engine.types import SamplingParams
+
+
+@dataclass
+class LogitAdjust:
+    """One row's adjustments and the state they keep (see the module's docstring)."""
+
+    frequency: float = 0.0
+    presence: float = 0.0
+    repetition: float = 1.0
+    bias_ids: tuple[int, ...] = ()
+    bias_values: tuple[float, ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+    end_ids: tuple[int, ...] = ()
+    temperature: float = 1.0
+    prompt: tuple[int, ...] = ()  # only kept for repetition_penalty
+    generated: int = 0  # tokens drawn so far (prefill's first included)
+    counts: object = field(default=None, repr=False)  # [V] generated-token counts (xp)
+    prompt_mask: object = field(default=None, repr=False)  # [V] bool, prompt tokens (xp)
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, prompt=(), end_ids=()) -> LogitAdjust | None:
+        """The row's adjustments, or None when every one is at its neutral value."""
+        ends = tuple(sorted(end_ids)) if params.min_tokens > 0 else ()
+        adjust = cls(
+            frequency=params.frequency_penalty,
+            presence=params.presence_penalty,
+            repetition=params.repetition_penalty,
+            bias_ids=tuple(i for i, _ in params.logit_bias),
+            bias_values=tuple(v for _, v in params.logit_bias),
+            min_p=params.min_p if params.temperature > 0 else 0.0,
+            min_tokens=params.min_tokens if ends else 0,
+            end_ids=ends,
+            temperature=params.temperature,
+            prompt=tuple(prompt) if params.repetition_penalty != 1.0 else (),
+        )
+        active = adjust.penalized or adjust.bias_ids or adjust.min_p > 0.0 or adjust.min_tokens > 0
+        return adjust if active else None
+
+    @property
+    def penalized(self) -> bool:
+        return self.frequency != 0.0 or self.presence != 0.0 or self.repetition != 1.0
+
+    def masks_ends(self) -> bool:
+        return self.generated < self.min_tokens
+
+    def _init_state(self, vocab: int, xp) -> None:
+        counts = np.zeros(vocab, dtype=np.float32)
+        mask = None
+        if self.repetition != 1.0:
+            mask = np.zeros(vocab, dtype=np.bool_)
+            ids = np.array([t for t in self.prompt if 0 <= t < vocab], dtype=np.int64)
+            mask[ids] = True
+        if xp is mx:
+            counts = mx.array(counts)
+            mask = None if mask is None else mx.array(mask)
+        self.counts, self.prompt_mask = counts, mask
+
+
+def plan(rows) -> StepAdjust | None:
+    """This call's adjusted rows (``rows``: RowSamplers), or None when none adjusts."""
+    idx = [i for i, r in enumerate(rows) if r.adjust is not None]
+    if not idx:
+        return None
+    return StepAdjust(idx, [rows[i].adjust for i in idx])
+
+
+class StepAdjust:
+    """The adjustments of one sampling call: ``apply`` to the logits before the draw,
+    ``record`` the drawn tokens after it."""
+
+    def __init__(self, idx: list[int], adjusts: list[LogitAdjust]) -> None:
+        self.idx = idx
+        self.adjusts = adjusts
+        self.penalized = [j for j, a in enumerate(adjusts) if a.penalized]
+        self._counts = None  # the penalized rows' counts, stacked by apply (MLX route)
+
+    def apply(self, x, xp):
+        """``x`` float32 [B, V] (numpy: a copy this may write in) with the adjusted rows
+        changed; MLX returns a new array."""
+        rows, n = self.idx, len(self.idx)
+        everyone = n == x.shape[0]
+        sub = x if everyone else x[xp.array(rows)] if xp is mx else x[rows]
+        sub = self._mask_ends(sub, xp)
+        sub = self._bias(sub, xp)
+        if self.penalized:
+            sub = self._penalize(sub, xp)
+        sub = self._min_p(sub, xp)
+        if everyone:
+            return sub
+        if xp is mx:
+            x[mx.array(rows)] = sub
+        else:
+            x[rows] = sub
+        return x
+
+    def record(self, tokens, xp) -> None:
+        """Count the tokens just drawn (``tokens``: int32 [B], all rows)."""
+        for a in self.adjusts:
+            a.generated += 1
+        if not self.penalized:
+            return
+        pos = [self.idx[j] for j in self.penalized]
+        if xp is np:
+            drawn = np.asarray(tokens)
+            for j, i in zip(self.penalized, pos):
+                self.adjusts[j].counts[int(drawn[i])] += 1.0
+            return
+        drawn = tokens[mx.array(pos)] if len(pos) < tokens.shape[0] else tokens
+        counts = self._counts.at[mx.arange(len(pos)), drawn].add(1.0)
+        for k, j in enumerate(self.penalized):
+            self.adjusts[j].counts = counts[k]
+
+    # -- the kinds, each one op for all its rows -----------------------------------
+    def _mask_ends(self, sub, xp):
+        r, c = [], []
+        for j, a in enumerate(self.adjusts):
+            if a.masks_ends():
+                r += [j] * len(a.end_ids)
+                c += a.end_ids
+        c = [t if t < sub.shape[1] else 0 for t in c]  # ids past the logits: nothing to mask
+        if not r:
+            return sub
+        if xp is mx:
+            sub[mx.array(r), mx.array(c)] = -math.inf
+        else:
+            sub[r, c] = -np.inf
+        return sub
+
+    def _bias(self, sub, xp):
+        r, c, v = [], [], []
+        for j, a in enumerate(self.adjusts):
+            if a.bias_ids:
+                r += [j] * len(a.bias_ids)
+                c += a.bias_ids
+                v += a.bias_values
+        if not r:
+            return sub
+        if xp is mx:
+            return sub.at[mx.array(r), mx.array(c)].add(mx.array(v, dtype=mx.float32))
+        np.add.at(sub, (np.array(r), np.array(c)), np.array(v, dtype=np.float32))
+        return sub
+
+    def _penalize(self, sub, xp):
+        vocab = sub.shape[1]
+        pen = [self.adjusts[j] for j in self.penalized]
+        for a in pen:
+            if a.counts is None:
+                a._init_state(vocab, xp)
+        every = len(pen) == len(self.adjusts)
+        y = sub if every else sub[xp.array(self.penalized)] if xp is mx else sub[self.penalized]
+        counts = xp.stack([a.counts for a in pen])
+        if xp is mx:
+            self._counts = counts
+        out = counts > 0
+        if any(a.repetition != 1.0 for a in pen):
+            rep = xp.array([[a.repetition] for a in pen], dtype=xp.float32)
+            masks = [
+                a.prompt_mask if a.prompt_mask is not None else out[k] for k, a in enumerate(pen)
+            ]
+            seen = out | xp.stack(masks)
+            y = xp.where(seen, xp.where(y > 0, y / rep, y * rep), y)
+        if any(a.frequency != 0.0 or a.presence != 0.0 for a in pen):
+            freq = xp.array([[a.frequency] for a in pen], dtype=xp.float32)
+            pres = xp.array([[a.presence] for a in pen], dtype=xp.float32)
+            y = y - counts * freq - out.astype(xp.float32) * pres
+        if every:
+            return y
+        if xp is mx:
+            sub[mx.array(self.penalized)] = y
+        else:
+            sub[self.penalized] = y
+        return sub
+
+    def _min_p(self, sub, xp):
+        rows = [j for j, a in enumerate(self.adjusts) if a.min_p > 0.0]
+        if not rows:
+            return sub
+        every = len(rows) == len(self.adjusts)
+        y = sub if every else sub[xp.array(rows)] if xp is mx else sub[rows]
+        # p_i >= min_p * p_max  <=>  (x_i - x_max) / T >= log(min_p)
+        floor = xp.array(
+            [[self.adjusts[j].temperature * math.log(self.adjusts[j].min_p)] for j in rows],
+            dtype=xp.float32,
+        )
+        y = xp.where(y - y.max(axis=-1, keepdims=True) < floor, -xp.inf, y)
+        if every:
+            return y
+        if xp is mx:
+            sub[mx.array(rows)] = y
+        else:
+            sub[rows] = y
+        return sub
