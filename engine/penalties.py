@@ -154,11 +154,12 @@ class StepAdjust:
     # -- the kinds, each one op for all its rows -----------------------------------
     def _mask_ends(self, sub, xp):
         r, c = [], []
+        vocab = sub.shape[1]
         for j, a in enumerate(self.adjusts):
             if a.masks_ends():
-                r += [j] * len(a.end_ids)
-                c += a.end_ids
-        c = [t if t < sub.shape[1] else 0 for t in c]  # ids past the logits: nothing to mask
+                ends = [t for t in a.end_ids if t < vocab]  # past the logits: never drawn
+                r += [j] * len(ends)
+                c += ends
         if not r:
             return sub
         if xp is mx:
@@ -169,11 +170,13 @@ class StepAdjust:
 
     def _bias(self, sub, xp):
         r, c, v = [], [], []
+        vocab = sub.shape[1]
         for j, a in enumerate(self.adjusts):
-            if a.bias_ids:
-                r += [j] * len(a.bias_ids)
-                c += a.bias_ids
-                v += a.bias_values
+            for t, value in zip(a.bias_ids, a.bias_values):
+                if t < vocab:  # the server checks ids against the tokenizer's vocabulary
+                    r.append(j)
+                    c.append(t)
+                    v.append(value)
         if not r:
             return sub
         if xp is mx:

@@ -116,22 +116,25 @@ async def detokenize(request: Request) -> dict:
     return DetokenizeResponse(prompt=text).model_dump()
 
 
+_TOKENIZE_BODY = json_body(TokenizeRequest)
+_DETOKENIZE_BODY = json_body(DetokenizeRequest)
 for _prefix in ("", "/v1"):
+    _name = _prefix.strip("/").replace("/", "_")
     router.add_api_route(
         f"{_prefix}/tokenize",
         tokenize,
         methods=["POST"],
         response_model=None,
-        openapi_extra=json_body(TokenizeRequest) if not _prefix else None,
+        openapi_extra=_TOKENIZE_BODY,
         responses=responses(TokenizeResponse),
-        name=f"tokenize{_prefix.replace('/', '_')}",
+        name=f"tokenize{_name}",
     )
     router.add_api_route(
         f"{_prefix}/detokenize",
         detokenize,
         methods=["POST"],
         response_model=None,
-        openapi_extra=json_body(DetokenizeRequest) if not _prefix else None,
+        openapi_extra=_DETOKENIZE_BODY,
         responses=responses(DetokenizeResponse),
-        name=f"detokenize{_prefix.replace('/', '_')}",
+        name=f"detokenize{_name}",
     )

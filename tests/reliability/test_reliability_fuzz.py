@@ -70,8 +70,10 @@ OPERATIONS = [
     ("GET", "/v1/models"),
     ("GET", "/health"),
     ("GET", "/metrics"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
 ]
-HAS_BODY = {"/v1/chat/completions", "/v1/completions"}
+HAS_BODY = {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"}
 POSITIVE_CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -124,12 +126,6 @@ def _check_stream(text: str) -> None:
 
 
 UNSUPPORTED = {  # accepted only at their neutral value (server.schemas ... unsupported())
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "logprobs",
-    "top_logprobs",
-    "echo",
     "best_of",
     "suffix",
     "tools",
