@@ -83,10 +83,12 @@ def token_logprobs(x, targets, k: int, xp):
     """For float32 logits ``x`` [n, V] and token ids ``targets`` [n]: the targets'
     logprobs [n], and the k largest logprobs' ids and values [n, k], largest first
     (None, None when k is 0)."""
-    m = x.max(axis=-1, keepdims=True)
     if xp is np:
+        m = x.max(axis=-1, keepdims=True)
+        buf = np.subtract(x, m, dtype=np.float32)
         with np.errstate(under="ignore"):
-            lse = m + np.log(np.exp(x - m, dtype=np.float32).sum(axis=-1, keepdims=True))
+            np.exp(buf, out=buf)
+        lse = m + np.log(buf.sum(axis=-1, keepdims=True))
     else:
         lse = mx.logsumexp(x, axis=-1, keepdims=True)
     targets = targets.astype(xp.int32).reshape(-1, 1)
@@ -94,12 +96,43 @@ def token_logprobs(x, targets, k: int, xp):
     if k <= 0:
         return chosen, None, None
     k = min(k, x.shape[-1])
-    part = xp.argpartition(-x, k - 1, axis=-1)[:, :k]
-    vals = xp.take_along_axis(x, part, axis=-1)
-    order = xp.argsort(-vals, axis=-1)
-    ids = xp.take_along_axis(part, order, axis=-1).astype(xp.int32)
-    vals = xp.take_along_axis(vals, order, axis=-1) - lse
+    if xp is np:
+        ids, vals = _top_k_numpy(x, k)
+        return chosen, ids, vals - lse
+    part = mx.argpartition(-x, k - 1, axis=-1)[:, :k]
+    vals = mx.take_along_axis(x, part, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    ids = mx.take_along_axis(part, order, axis=-1).astype(mx.int32)
+    vals = mx.take_along_axis(vals, order, axis=-1) - lse
     return chosen, ids, vals
+
+
+TOP_BLOCK = 64  # tokens a block of _top_k_numpy's first pass
+
+
+def _top_k_numpy(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest of each row of ``x`` [n, V], largest first (ties in any order).
+    The k largest lie in the k blocks (of TOP_BLOCK tokens) with the largest maxima,
+    so one pass takes the blocks' maxima, a partition over those picks k blocks, and
+    only their k x TOP_BLOCK entries are sorted: ~0.3 ms at [8, 49152] on the 2-core
+    CPU, where ``argpartition`` over the rows took 3-10 ms and ``partition`` plus
+    ``nonzero`` 2.4 ms. Returns (ids int32 [n, k], values [n, k])."""
+    n, v = x.shape
+    nb = -(-v // TOP_BLOCK)
+    if nb * TOP_BLOCK != v:
+        x = np.pad(x, [(0, 0), (0, nb * TOP_BLOCK - v)], constant_values=-np.inf)
+    blocks = x.reshape(n, nb, TOP_BLOCK)
+    kb = min(k, nb)
+    best = np.argpartition(blocks.max(axis=-1), nb - kb, axis=-1)[:, nb - kb :]  # [n, kb]
+    cand = np.take_along_axis(blocks, best[:, :, None], axis=1).reshape(n, -1)
+    ids = (best[:, :, None] * TOP_BLOCK + np.arange(TOP_BLOCK)).reshape(n, -1)
+    if cand.shape[1] > k:
+        part = np.argpartition(-cand, k - 1, axis=-1)[:, :k]
+        cand, ids = np.take_along_axis(cand, part, axis=-1), np.take_along_axis(ids, part, axis=-1)
+    order = np.argsort(-cand, axis=-1)
+    return np.take_along_axis(ids, order, axis=-1).astype(np.int32), np.take_along_axis(
+        cand, order, axis=-1
+    )
 
 
 def prompt_logprobs(logits: mx.array, prompt: list[int], start: int, k: int) -> list[TokenLogprob]:
