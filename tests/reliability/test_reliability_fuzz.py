@@ -134,7 +134,8 @@ UNSUPPORTED = {  # accepted only at their neutral value (server.schemas ... unsu
     "function_call",
     "response_format",
 }
-INTEGERS = {"max_tokens", "max_completion_tokens", "n", "seed", "top_k"}
+INTEGERS = {"max_tokens", "max_completion_tokens", "n", "seed", "top_k", "min_tokens", "logprobs"}
+VOCAB = 49152  # the served model's: logit_bias keys past it are a 400
 
 
 def _as_int(value):
@@ -161,6 +162,22 @@ def _make_servable(body: dict) -> None:
         body["prompt"] = prompt[:2]  # at most 2 prompts (a list of ints is one prompt)
     if isinstance(body.get("messages"), list):
         body["messages"] = [_servable_message(m) for m in body["messages"][:3]]
+    _servable_sampling(body)
+
+
+def _servable_sampling(body: dict) -> None:
+    """logit_bias keys the vocabulary holds, min_tokens within the budget (1 when
+    unset: the default budget is over the cap), top_logprobs with logprobs on."""
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict):
+        body["logit_bias"] = {
+            str(int(k) % VOCAB): v for k, v in bias.items() if isinstance(k, str) and k.isdigit()
+        }
+    if isinstance(body.get("min_tokens"), int):
+        cap = body.get("max_completion_tokens") or body.get("max_tokens")
+        body["min_tokens"] = min(body["min_tokens"], cap if isinstance(cap, int) else 1)
+    if body.get("top_logprobs") and "messages" in body:
+        body["logprobs"] = True
 
 
 def _servable_message(m):
