@@ -22,11 +22,11 @@ slower than numpy's and the decode loop is not pipelined (engine/config.py), so
 reading the logits costs nothing. There a filtered row sorts only its CANDIDATES
 largest logits (``argpartition``); a top-p row whose candidates hold less than top_p
 of the mass (a flat distribution) is redone over its whole sorted row, so the nucleus
-is exact. Why not a Gumbel draw per row, as before session 24: per-row noise over the
-whole vocabulary cost a loop of ops per row, and MLX's CPU transcendental ops run at
-~12 ns an element: at B=32 over SmolLM2's 49k tokens sampling took 20 ms a step with
-a temperature and 205 ms with top-p 0.9 (a full sort per row), against a ~100 ms step
-(bench/sampler_bench.py).
+is exact. Why not a Gumbel draw per row: per-row noise over the whole vocabulary
+costs a loop of ops per row, and MLX's CPU transcendental ops run at
+~12 ns an element: at B=32 over SmolLM2's 49k tokens such a sampler takes 20 ms a step
+with a temperature and 205 ms with top-p 0.9 (a full sort per row), against a ~100 ms
+step (bench/cpu/sampler_bench.py).
 
 Penalties, logit bias, min_tokens and min_p (engine/penalties.py) change the logits
 of the rows that ask for them before the draw, all such rows together; a batch

@@ -64,7 +64,13 @@ Emit = Callable[[TokenEvent], None]
 
 
 class ModelWorker:
-    def __init__(self, loaded, config: EngineConfig, max_context: int | None = None) -> None:
+    def __init__(
+        self,
+        loaded,
+        config: EngineConfig,
+        max_context: int | None = None,
+        runner: ModelRunner | None = None,
+    ) -> None:
         self.loaded = loaded
         self.name = loaded.name
         self.config = config
@@ -72,7 +78,9 @@ class ModelWorker:
         self.context_length = min(
             c for c in (loaded.context_length, max_context, config.max_kv_tokens) if c
         )
-        self.runner = ModelRunner(loaded.model, loaded.cpu_shadows)
+        # ``runner``: another way to run the model (a tensor-parallel rank 0's
+        # LockstepRunner); by default the model runs here alone.
+        self.runner = runner or ModelRunner(loaded.model, loaded.cpu_shadows)
         self.scheduler = Scheduler(config)
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens)
         self.metrics = metrics.ModelMetrics(self.name)
@@ -146,6 +154,20 @@ class ModelWorker:
             self._inbox.put(("submit", seq))
         self._wake.set()
 
+    def fail(self, exc: BaseException, grace_s: float = 2.0) -> None:
+        """From any thread: the model cannot run any more. The worker loop ends with
+        ``exc`` at its next iteration, failing every request (``engine_dead``). If the
+        worker thread is stuck inside MLX for good (a collective whose peer died
+        never returns), this thread fails the requests instead after ``grace_s``, so
+        no client waits forever; the stuck thread touches none of them again."""
+        self.fatal = exc
+        self._inbox.put(("fatal", exc))
+        self._wake.set()
+        self._thread.join(grace_s)
+        if self._thread.is_alive():
+            log.error("engine worker for %s is stuck; failing its requests", self.name)
+            self._finish_all(FinishReason.ERROR, f"The engine failed: {exc}", "engine_dead")
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
         self._wake.set()
@@ -155,6 +177,8 @@ class ModelWorker:
         interpreter exits aborts the process (``terminate called ...``)."""
         self._stopping = True
         self._wake.set()
+        if self.fatal is not None:  # a worker stuck in MLX never ends: do not wait long
+            timeout = min(timeout, 2.0)
         if self._thread.is_alive():
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -268,6 +292,8 @@ class ModelWorker:
                 self.waiting.append(item)
             elif kind == "abort":
                 aborted.add(item)
+            elif kind == "fatal":  # the model can no longer run (a lost rank): end the loop
+                raise item
         if aborted:
             self._abort(aborted)
         self._expire_waiting()
@@ -475,8 +501,7 @@ class ModelWorker:
         self.prefix_cache.insert(seq.prompt, layer_kv)
         if self._accept_token(seq, token, lp):
             return
-        for layer, (k, v) in zip(self.batch, layer_kv):
-            layer.add(k, v)
+        self.runner.join_batch(self.batch, kv, layer_kv)
         seq.state = SeqState.RUNNING
         self.running.append(seq)
 
@@ -776,8 +801,7 @@ class ModelWorker:
         keep = [i for i, s in enumerate(self.running) if s.state is SeqState.RUNNING]
         if len(keep) == len(self.running):
             return
-        for layer in self.batch:
-            layer.keep(keep)
+        self.runner.keep_rows(self.batch, keep)
         self.running = [self.running[i] for i in keep]
         if not self.running:
             self._inflight = None  # only ended rows were in it
