@@ -116,6 +116,8 @@ class Tokenizer:
         self._plain_checked = False
         self._input_bytes_bound: int | None = None
         self._bound_checked = False
+        self._token_bytes: dict[int, bytes] = {}
+        self._byte_decoder: dict[str, int] | None = None  # {} once known not byte-level
         if chat_template is None:
             gemma_turns = "<start_of_turn>" in self._vocab and "<end_of_turn>" in self._vocab
             chat_template = fallback_chat_template(gemma_turns, add_bos)
@@ -210,6 +212,44 @@ class Tokenizer:
                     pass
             self._plain_checked = True
         return self._plain_pieces
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, on its own (logprobs' ``bytes``): byte-level
+        BPE maps its characters back to bytes, a ``<0xXX>`` byte-fallback token is that
+        byte, an added/special token its own text, any other token the text it adds
+        after other text (SentencePiece's ``▁`` is a space). Cached per token."""
+        cache = self._token_bytes
+        found = cache.get(token_id)
+        if found is None:
+            found = cache[token_id] = self._token_bytes_uncached(int(token_id))
+        return found
+
+    def _token_bytes_uncached(self, token_id: int) -> bytes:
+        try:
+            piece = self._backend.id_to_token(token_id)
+        except (OverflowError, ValueError):
+            piece = None
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode()
+        if self._byte_decoder is None:
+            self._byte_decoder = _byte_decoder(self._backend.decoder)
+        if self._byte_decoder:
+            try:
+                return bytes(self._byte_decoder[c] for c in piece)
+            except KeyError:
+                return piece.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        pieces = self.plain_pieces()
+        text = pieces[token_id] if pieces is not None else None
+        if text is None:
+            text = self._backend.decode([token_id], skip_special_tokens=False)
+        return text.encode()
 
     def id_to_piece(self, token_id: int) -> str | None:
         return self._backend.id_to_token(int(token_id))
@@ -448,6 +488,19 @@ def _set_post_processor(backend, bos, bos_id, eos, eos_id) -> None:
     backend.post_processor = processors.TemplateProcessing(
         single=single, pair=pair, special_tokens=specials
     )
+
+
+def _byte_decoder(decoder) -> dict[str, int]:
+    """Byte-level BPE's character -> byte table when ``decoder`` is (or holds) a
+    ByteLevel decoder, else {}."""
+    try:
+        spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
+    except Exception:
+        return {}
+    steps = spec.get("decoders") if spec.get("type") == "Sequence" else [spec]
+    if not any(isinstance(st, dict) and st.get("type") == "ByteLevel" for st in steps or []):
+        return {}
+    return {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -79,8 +79,10 @@ OPERATIONS = [  # cheap ones first: generation takes most of the time limit
     ("GET", "/metrics"),
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
 ]
-HAS_BODY = {"/v1/chat/completions", "/v1/completions"}
+HAS_BODY = {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"}
 POSITIVE_CHECKS = [
     not_a_server_error,
     status_code_conformance,
