@@ -13,7 +13,8 @@ attention mask. Two caches implement that protocol:
   result does not depend on what else is in the batch.
 
 Sliding-window layers (Gemma 3) keep full-length KV and get the window through the
-mask: simpler than ring buffers and exact; the memory cost is noted in README.
+mask: simpler than ring buffers and exact, at the memory of full-length KV for those
+layers (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -33,15 +33,15 @@ class ModelRunner:
         # the chunk whose last logits are wanted then runs once over all its rows. The
         # fallback feeds the last token alone, a second pass that reads every weight
         # again for one row (a 2048-token GPU prefill of the 8b model: ~12 ms of ~54 ms
-        # busy in 1-row products, bench/gpu/NOTES.md, session 16).
+        # busy in 1-row products, H100, 2026-12-05).
         self.head = output_head(model) if self.body is not None else None
         # A chunk whose logits nobody wants is queued, not waited on, so the host builds
         # the next chunk (or decode step) while the device runs it. On by default on a
         # GPU: an 8192-token prompt in 512-token chunks 1.38-1.44x faster at 1b and
-        # 1.19-1.20x at 8b (H100, bench/gpu/NOTES.md, session 17; Metal GPUs take the
+        # 1.19-1.20x at 8b (H100, 2026-12-05; Metal GPUs take the
         # same default, not measured there). Off on the CPU, where the host's graph
         # building shares the cores with the compute: 256-1024-token prompts in chunks
-        # of 128 took 1.00-1.03x the time queued (`bench/cpu_prefill_ab.py --ab async`).
+        # of 128 took 1.00-1.03x the time queued (`bench/cpu/prefill_ab.py --ab async`).
         # MARKBASE_PREFILL_ASYNC=0/1 overrides.
         on_gpu = platform.on_gpu()
         async_prefill = envs.MARKBASE_PREFILL_ASYNC
@@ -105,6 +105,11 @@ class ModelRunner:
         logits = self.model(mx.array([tokens[-1:]], dtype=mx.int32), cache=kv)
         return logits[0, -1]
 
+    def prefill_all_logits(self, kv: list[SequenceKV], tokens: list[int]) -> mx.array:
+        """Feed ``tokens`` of one sequence and return every position's logits [n, V]
+        (prompt logprobs need them all): the model's own call, whatever its family."""
+        return self.model(mx.array([tokens], dtype=mx.int32), cache=kv)[0]
+
     def can_prefill_together(self) -> bool:
         """Whether ``prefill_together`` applies: the one-pass output layer is known
         (``MARKBASE_PREFILL_TOGETHER=0`` turns it off, for A/B runs)."""
@@ -118,7 +123,7 @@ class ModelRunner:
         Why: a burst of short prompts prefilled one by one pays a pass over every
         weight per prompt (and on a GPU a dequantized copy of the 4-bit weights per
         prompt from 256 rows): 48 prompts of 256 tokens at 8b 4-bit took 1.75 s to
-        the last first token on an H100 (bench/gpu/NOTES.md, session 21). The chunks
+        the last first token on an H100 (2026-12-05). The chunks
         are right-padded to the longest (``PromptBatchKV``)."""
         lengths = [len(c) for c in chunks]
         width = max(lengths)

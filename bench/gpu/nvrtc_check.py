@@ -1,7 +1,6 @@
 """Compile markbase's custom CUDA kernels with NVRTC on a machine without a GPU.
 
-Device time is scarce (bench/gpu/README.md), so a kernel that does not compile should
-fail here, not there. This rebuilds the source ``mx.fast.cuda_kernel`` would hand to
+A kernel that does not compile should fail here, before any GPU run. This rebuilds the source ``mx.fast.cuda_kernel`` would hand to
 NVRTC (signature from the input/output names, template constants, the body; the
 same default header) and compiles it for sm_90a as MLX's JIT does.
 

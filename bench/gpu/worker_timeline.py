@@ -1,7 +1,7 @@
 """Where the served engine's decode step spends its time, host and GPU on one timeline.
 
-Why: in some leases the real worker's 8b 4-bit B=128 step ran ~2 ms above the GPU's
-busy time measured by ``profile_step.py`` (18.9 against 16.8 ms, session 19), in others
+Why: on some H100 hosts the real worker's 8b 4-bit B=128 step ran ~2 ms above the GPU's
+busy time measured by ``profile_step.py`` (18.9 against 16.8 ms, 2026-12-05), on others
 not; that script times a bench loop, not the worker. Here the real ``ModelWorker``
 (behind ``EngineClient``, as ``bench_decode.py``'s ``worker`` variant runs it) decodes
 B rows, and the profiler is started and stopped *inside the worker thread*, so the
@@ -13,7 +13,7 @@ the idle stretches of the GPU with the host phase that was running then: a gap w
 the host is in ``deliver_wait`` cannot be the host's fault, one while it builds or
 encodes the next step is.
 
-Runs ON the GPU machine (after bench/gpu/remote_setup.sh b and bench/gpu/env.sh):
+Runs on the GPU machine (docs/gpu-development.md):
 
     python3 bench/gpu/worker_timeline.py --model 8b --quant q4 --batch 128 \\
         --out $OUT/timeline-8b-q4-128.json

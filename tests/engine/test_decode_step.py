@@ -105,8 +105,8 @@ def test_quantized_fuse_equals_the_parts():
 
 
 def test_cpu_configuration_is_unchanged():
-    """On the CPU: compiled, float weights fused, quantized ones left alone (as the
-    step was before it ran on GPUs too)."""
+    """On the CPU: compiled, float weights fused, quantized ones left alone (the GPU
+    configuration differs)."""
     if mx.default_device().type == mx.DeviceType.gpu:
         pytest.skip("checks the CPU configuration")
     model = build_random_model("llama", TINY, seed=5).model
