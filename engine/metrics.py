@@ -29,6 +29,11 @@ prefix_cache_tokens = Gauge(
 prefix_cache_bytes = Gauge(
     "markbase_prefix_cache_bytes", "Bytes of KV arrays held by the prefix cache", ["model"]
 )
+mlx_memory = Gauge(
+    "markbase_mlx_memory_bytes",
+    "MLX's allocator, whole process: arrays alive (active) and freed buffers kept for reuse (cache)",
+    ["kind"],
+)
 prompt_tokens = Counter(
     "markbase_prompt_tokens", "Prompt tokens processed (cached ones included)", ["model"]
 )

@@ -84,6 +84,7 @@ class ModelWorker:
         self.runner = runner or ModelRunner(loaded.model, loaded.cpu_shadows)
         self.scheduler = Scheduler(config)
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens)
+        self.mlx_memory = (0, 0)  # MLX active and cached bytes, refreshed by the worker
         self.metrics = metrics.ModelMetrics(self.name)
         self.batch: list[BatchKV] = self.runner.new_batch_kv()
 
@@ -838,6 +839,11 @@ class ModelWorker:
         self.metrics.kv_bytes.set(sum(layer.nbytes for layer in self.batch))
         self.metrics.prefix_cache_tokens.set(self.prefix_cache.tokens_held)
         self.metrics.prefix_cache_bytes.set(self.prefix_cache.bytes_held)
+        # MLX's allocator, process-wide: arrays alive, and freed buffers kept for reuse
+        # (read here, on the thread that uses MLX, for stats() and /health)
+        self.mlx_memory = (mx.get_active_memory(), mx.get_cache_memory())
+        metrics.mlx_memory.labels("active").set(self.mlx_memory[0])
+        metrics.mlx_memory.labels("cache").set(self.mlx_memory[1])
 
     def stats(self) -> dict:
         return {
@@ -847,6 +853,8 @@ class ModelWorker:
             "kv_reserved_tokens": self.kv_reserved,
             "prefix_cache_tokens": self.prefix_cache.tokens_held,
             "prefix_cache_bytes": self.prefix_cache.bytes_held,
+            "mlx_active_bytes": self.mlx_memory[0],
+            "mlx_cache_bytes": self.mlx_memory[1],
             "steps": self.steps,
         }
 

@@ -25,7 +25,8 @@ Sections (``--sections``, comma-separated):
 * ``soak`` (this tree only): prefix cache on (the default 32768 tokens) and off;
   ``--soak-clients`` clients send distinct chats sharing a system prompt for
   ``--soak-seconds`` after ``--soak-warmup`` answers; RSS drift against the prefix
-  cache's own accounted bytes (``prefix_cache_bytes`` in /health).
+  cache's own accounted bytes (``prefix_cache_bytes`` in /health) and the growth of
+  the free buffers MLX keeps for reuse (``mlx_cache_bytes``).
 
 Prints markdown tables and writes everything to bench/results/hostile/hostile-<stamp>.json.
 Loopback only; each server is a child process stopped at the end. The baseline
@@ -297,9 +298,12 @@ def _soak_client(
                 counts[key] = counts.get(key, 0) + 1
 
 
-def _cache_bytes(url: str) -> int:
+def _memory(url: str) -> tuple[int, int]:
+    """The prefix caches' accounted bytes and MLX's kept free buffers (/health)."""
     models = httpx.get(url + "/health", timeout=30).json()["models"]
-    return sum(m.get("prefix_cache_bytes", 0) for m in models.values())
+    cache = sum(m.get("prefix_cache_bytes", 0) for m in models.values())
+    kept = max((m.get("mlx_cache_bytes", 0) for m in models.values()), default=0)
+    return cache, kept
 
 
 def soak(url: str, pid: int, seconds: float, clients: int, warmup: int) -> dict:
@@ -318,7 +322,7 @@ def soak(url: str, pid: int, seconds: float, clients: int, warmup: int) -> dict:
     while sum(counts.values()) < warmup and time.monotonic() - t0 < 600:
         time.sleep(0.2)
     done_at_start = sum(counts.values())
-    rss0, cache0 = rss_mb(pid), _cache_bytes(url)
+    rss0, (cache0, kept0) = rss_mb(pid), _memory(url)
     stop[0] = time.monotonic() + seconds
     samples = []
     while time.monotonic() < stop[0]:
@@ -327,8 +331,9 @@ def soak(url: str, pid: int, seconds: float, clients: int, warmup: int) -> dict:
     for t in threads:
         t.join()
     time.sleep(1)
-    rss1, cache1 = rss_mb(pid), _cache_bytes(url)
+    rss1, (cache1, kept1) = rss_mb(pid), _memory(url)
     cache_mb = (cache1 - cache0) / 2**20
+    kept_mb = (kept1 - kept0) / 2**20
     return {
         "answers": counts,
         "measured_requests": sum(counts.values()) - done_at_start,
@@ -339,6 +344,8 @@ def soak(url: str, pid: int, seconds: float, clients: int, warmup: int) -> dict:
         "cache_growth_mb": cache_mb,
         "cache_end_mb": cache1 / 2**20,
         "drift_minus_cache_mb": rss1 - rss0 - cache_mb,
+        "mlx_kept_growth_mb": kept_mb,
+        "rest_mb": rss1 - rss0 - cache_mb - kept_mb,
     }
 
 
@@ -457,16 +464,17 @@ def print_tables(out: dict, args) -> None:
             f"{args.soak_warmup} answers\n"
         )
         print(
-            "| server | | answers (measured) | RSS start MB | end | peak | drift | prefix cache growth MB | drift - cache MB |"
+            "| server | | answers (measured) | RSS start MB | end | peak | drift | prefix cache growth MB | drift - cache MB | MLX kept buffers growth MB | rest MB |"
         )
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for n, k in soaks:
             s = out[n][k]
             answers = ", ".join(f"{a}: {c}" for a, c in sorted(s["answers"].items()))
             print(
                 f"| {n} | {k[5:]} | {answers} ({s['measured_requests']}) | {s['rss_start_mb']:.0f} | {s['rss_end_mb']:.0f} | "
                 f"{s['rss_peak_mb']:.0f} | {s['rss_drift_mb']:+.0f} | {s['cache_growth_mb']:+.0f} | "
-                f"{s['drift_minus_cache_mb']:+.0f} |"
+                f"{s['drift_minus_cache_mb']:+.0f} | {s['mlx_kept_growth_mb']:+.0f} | "
+                f"{s['rest_mb']:+.0f} |"
             )
 
 

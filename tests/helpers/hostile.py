@@ -166,6 +166,7 @@ class StreamProbe:
     arrivals: list[float] = field(default_factory=list)
     text: str = ""
     error: str | None = None
+    stopped_at: float | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
@@ -200,15 +201,20 @@ class StreamProbe:
             self.error = repr(exc)
 
     def gaps(self, start: float = 0.0, end: float = float("inf")) -> list[float]:
-        """Gaps between consecutive chunks whose later chunk came in [start, end)."""
-        a = self.arrivals
-        return [a[i] - a[i - 1] for i in range(2, len(a)) if start <= a[i] < end]
+        """Gaps between consecutive chunks (the first one, prefill, left out) that
+        overlap [start, end); a stream still waiting when ``stop`` was called counts
+        its wait so far as a gap too (a stall is not hidden by never ending)."""
+        a = list(self.arrivals)
+        if self.stopped_at is not None and a and a[-1] < self.stopped_at:
+            a.append(self.stopped_at)
+        return [a[i] - a[i - 1] for i in range(2, len(a)) if a[i] >= start and a[i - 1] < end]
 
     def join(self, timeout_s: float = 600) -> None:
         self._thread.join(timeout=timeout_s)
 
     def stop(self) -> None:
         """Hang up (at the next chunk) and wait for the thread."""
+        self.stopped_at = time.monotonic()
         self._stop.set()
         self.join(timeout_s=60)
 
