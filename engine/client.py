@@ -13,8 +13,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from engine.backends import cpu
 from engine.config import EngineConfig
 from engine.events import LoopEmit
+from engine.loading import load_model
 from engine.types import (
     ContextLengthError,
     EngineDeadError,
@@ -45,10 +47,7 @@ class EngineClient:
     @classmethod
     def start(cls, config: EngineConfig) -> EngineClient:
         """Load every configured model and start one worker thread per model."""
-        from engine.backends.cpu.blas import warn_if_slow
-        from engine.loading import load_model
-
-        warn_if_slow(logger=log)  # a reference BLAS makes the CPU backend 10-40x slower
+        cpu.warn_if_slow(logger=log)  # a reference BLAS makes the CPU backend 10-40x slower
         if config.tensor_parallel > 1:
             return cls._start_tensor_parallel(config)
         loaded = []

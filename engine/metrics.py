@@ -26,6 +26,9 @@ kv_bytes = Gauge("markbase_kv_cache_bytes", "Bytes held by the running batch's K
 prefix_cache_tokens = Gauge(
     "markbase_prefix_cache_tokens", "Tokens held by the prefix cache", ["model"]
 )
+prefix_cache_bytes = Gauge(
+    "markbase_prefix_cache_bytes", "Bytes of KV arrays held by the prefix cache", ["model"]
+)
 prompt_tokens = Counter(
     "markbase_prompt_tokens", "Prompt tokens processed (cached ones included)", ["model"]
 )

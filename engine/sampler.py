@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from engine import penalties
-from engine.backends.cuda import sampler as gpu_sampler
+from engine import penalties, platform
+from engine.backends import cuda
 from engine.penalties import LogitAdjust
-from engine.types import SamplingParams
+from engine.types import DRAW_BLOCK, SamplingParams
 
-BLOCK = gpu_sampler.BLOCK  # tokens a block of the two-level draw (the kernel's too)
+BLOCK = DRAW_BLOCK  # tokens a block of the two-level draw (the CUDA kernel's too)
 CANDIDATES = 1024  # logits a top-k/top-p row sorts on the CPU (more where its top_k asks)
 
 
@@ -119,10 +119,10 @@ def _sample(logits, rows: list[RowSampler], xp) -> mx.array:
             return mx.array(np.argmax(logits_np, axis=-1).astype(np.int32))
         return mx.argmax(logits, axis=-1).astype(mx.int32)
     draws = [rows[i].draw() for i in live]
-    kernel = xp is mx and use_kernel_on_gpu and gpu_sampler.enabled()
-    whole = kernel and gpu_sampler.takes(raw) and not any(rows[i].filters for i in live)
+    kernel = xp is mx and use_kernel_on_gpu and cuda.sampler_enabled()
+    whole = kernel and cuda.sampler_takes(raw) and not any(rows[i].filters for i in live)
     if whole:  # one kernel for the whole step
-        return gpu_sampler.draw(raw, _kernel_params(rows, range(len(rows)), draws))
+        return cuda.sampler_draw(raw, _kernel_params(rows, range(len(rows)), draws))
     if xp is np:
         x = logits_np if logits_np is not None else np.asarray(logits)
     else:
@@ -138,8 +138,8 @@ def _sample(logits, rows: list[RowSampler], xp) -> mx.array:
             continue
         idx = [live[j] for j in group]
         sub = x if len(idx) == len(rows) else x[xp.array(idx)]
-        if kernel and drawer is _draw_full and gpu_sampler.takes(sub):
-            tokens = gpu_sampler.draw(sub, _kernel_params(rows, idx, [draws[j] for j in group]))
+        if kernel and drawer is _draw_full and cuda.sampler_takes(sub):
+            tokens = cuda.sampler_draw(sub, _kernel_params(rows, idx, [draws[j] for j in group]))
         else:
             inv_t = xp.array([[1.0 / rows[i].temperature] for i in idx], dtype=xp.float32)
             u = xp.array([draws[j] for j in group], dtype=xp.float32)  # [n, 2]
@@ -170,7 +170,7 @@ def _kernel_params(rows: list[RowSampler], idx, draws: list) -> mx.array:
 
 
 def numpy_route() -> bool:
-    return use_numpy_on_cpu and mx.default_device().type == mx.DeviceType.cpu
+    return use_numpy_on_cpu and platform.on_cpu()
 
 
 def _weights(x, m, inv_t, xp):

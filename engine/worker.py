@@ -20,7 +20,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from engine import metrics
-from engine.backends.cuda import sampler as gpu_sampler
+from engine.backends import cuda
 from engine.config import (
     EngineConfig,
     pipeline_decode_enabled,
@@ -32,6 +32,7 @@ from engine.events import LoopEmit, deliver_all
 from engine.kv import BatchKV, SequenceKV
 from engine.logprobs import StepLogprobs, prompt_logprobs, step_logprobs
 from engine.prefix_cache import PrefixCache
+from engine.progress import bar
 from engine.runner import ModelRunner
 from engine.sampler import RowSampler, sample_batch
 from engine.scheduler import (
@@ -189,6 +190,11 @@ class ModelWorker:
         try:
             if warmup_enabled(self.config):
                 try:
+                    log.info(
+                        "warming up %s: a prefill chunk and decode steps at batch sizes %s ...",
+                        self.name,
+                        ", ".join(map(str, warmup_batch_sizes(self.config.max_num_seqs))),
+                    )
                     self.warmup_s = self.warm_up()
                     log.info("warm-up of %s took %.2f s", self.name, self.warmup_s)
                 except Exception:  # only an optimisation: serve without it
@@ -247,7 +253,7 @@ class ModelWorker:
         mx.eval(first, layer_kv)
         # temperature-only rows (a GPU's sampling kernel, engine/backends/cuda/sampler.py, from
         # MIN_ROWS rows): alone (the logits' dtype) and beside a top-p row (float32)
-        n = gpu_sampler.MIN_ROWS + 1
+        n = cuda.SAMPLER_MIN_ROWS + 1
         plain = RowSampler.from_params(SamplingParams(temperature=1.0, seed=0))
         top_p = RowSampler.from_params(SamplingParams(temperature=1.0, top_p=0.9, seed=0))
         rows_of = mx.broadcast_to(logits[None], (n, logits.shape[-1]))
@@ -260,7 +266,7 @@ class ModelWorker:
             mx.eval(runner.prefill(runner.new_sequence_kv(), prompt[:rows], want_logits=True))
         token = int(first.item())
         length = layer_kv[0][0].shape[2]
-        for b in sizes:
+        for b in bar(sizes, desc=f"warm-up {self.name}", unit="batch size"):
             ragged = [length - r % min(length, 8) for r in range(b)]
             for lengths in [ragged] + ([[length] * b] if b == 2 else []):
                 batch = runner.new_batch_kv()
@@ -831,6 +837,7 @@ class ModelWorker:
         self.metrics.kv_usage.set(self.kv_reserved / max(1, self.config.max_kv_tokens))
         self.metrics.kv_bytes.set(sum(layer.nbytes for layer in self.batch))
         self.metrics.prefix_cache_tokens.set(self.prefix_cache.tokens_held)
+        self.metrics.prefix_cache_bytes.set(self.prefix_cache.bytes_held)
 
     def stats(self) -> dict:
         return {
@@ -839,6 +846,7 @@ class ModelWorker:
             "waiting": len(self.waiting),
             "kv_reserved_tokens": self.kv_reserved,
             "prefix_cache_tokens": self.prefix_cache.tokens_held,
+            "prefix_cache_bytes": self.prefix_cache.bytes_held,
             "steps": self.steps,
         }
 

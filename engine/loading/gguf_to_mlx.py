@@ -26,11 +26,12 @@ import mlx.core as mx
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from engine.backends.cpu.qgemm import shadow_of
+from engine.backends import cpu
 from engine.loading import gguf_quants as gq
 from engine.loading.formats import WeightSet
 from engine.loading.gguf_reader import GGUFFile, GGUFTensor
 from engine.loading.loaded_model import ModelLoadError
+from engine.progress import bar
 
 log = logging.getLogger("markbase.loading")
 
@@ -311,7 +312,8 @@ def gguf_weights(
     ws = WeightSet(arrays={}, hint=_inverse_hint(arch))
     src = str(gf.path)
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    for name, t in gf.tensors.items():
+    tensors = bar(gf.tensors.items(), desc=f"converting {gf.path.name}", total=len(gf.tensors), unit="tensor")
+    for name, t in tensors:
         if name in arch.ignore:
             log.warning("%s: ignoring tensor %s (not supported yet)", src, name)
             continue
@@ -353,7 +355,7 @@ def gguf_weights(
             and gq.EXACT_BITS.get(t.ggml_type)
         ):
             p = gq.transcode(raw, t.ggml_type)
-            shadow = shadow_of(fix(p.weight), fix(p.scales), fix(p.biases), p.bits, p.group_size)
+            shadow = cpu.shadow_of(fix(p.weight), fix(p.scales), fix(p.biases), p.bits, p.group_size)
             if shadow is not None:
                 shadows[module] = shadow
         a = gq.dequantize(raw, t.ggml_type, t.ne[0]).reshape(shape)

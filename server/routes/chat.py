@@ -5,12 +5,18 @@ from __future__ import annotations
 import time
 import uuid
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.deps import engine_of, json_body, parse_body, responses, settings_of
-from server.errors import APIError, bad_request
+from server.deps import (
+    engine_of,
+    json_body,
+    parse_body,
+    prompt_guard_of,
+    responses,
+    settings_of,
+)
+from server.errors import bad_request
 from server.generation import (
     ChoiceResult,
     check_max_tokens,
@@ -178,14 +184,9 @@ async def chat_completions(request: Request) -> Response:
     model = lookup(request, body.model)
     info.model = model.name
     tokenizer = engine.tokenizer(model.name)
-    try:
-        prompt = await anyio.to_thread.run_sync(
-            lambda: list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        )
-    except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
-        raise APIError(
-            400, f"The chat template rejected the messages: {exc}", param="messages"
-        ) from None
+    prompt = await prompt_guard_of(request).chat_prompt(
+        tokenizer, model, messages, body.effective_max_tokens()
+    )
     info.prompt_tokens = len(prompt)
     max_tokens = resolve_max_tokens(
         body.effective_max_tokens(),

@@ -10,11 +10,17 @@ from __future__ import annotations
 import time
 import uuid
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.deps import engine_of, json_body, parse_body, responses, settings_of
+from server.deps import (
+    engine_of,
+    json_body,
+    parse_body,
+    prompt_guard_of,
+    responses,
+    settings_of,
+)
 from server.errors import bad_request
 from server.generation import (
     ChoiceResult,
@@ -182,10 +188,9 @@ async def completions(request: Request) -> Response:
     vocab_size = getattr(tokenizer, "vocab_size", None)
     vocab_size = vocab_size if isinstance(vocab_size, int) else None
 
-    def encode_all() -> list[list[int]]:
-        return [list(tokenizer.encode(p)) if isinstance(p, str) else p for p in raw_prompts]
-
-    encoded = await anyio.to_thread.run_sync(encode_all)
+    encoded = await prompt_guard_of(request).text_prompts(
+        tokenizer, model, raw_prompts, body.max_tokens
+    )
     prompts = [
         _check_ids(ids, vocab_size, "prompt" if len(encoded) == 1 else f"prompt[{i}]")
         for i, ids in enumerate(encoded)

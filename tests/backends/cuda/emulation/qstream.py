@@ -12,13 +12,9 @@ change both together.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mma_emulation import mma  # noqa: E402
+from tests.backends.cuda.emulation.mma import mma
 
 QOFF = 128.0  # bf16's exponent-trick constant (the LOP3 gives 128 + q)
 

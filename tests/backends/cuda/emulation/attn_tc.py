@@ -15,14 +15,9 @@ rounding: this checks the indices, the GPU tests check the numbers).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from prefill_attn_emulation import a_regs, ldm4, mma  # noqa: E402
+from tests.backends.cuda.emulation.prefill_attn import a_regs, ldm4, mma
 
 
 def rope(x, pos, inv_freq, trad):

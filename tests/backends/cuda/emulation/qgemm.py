@@ -15,17 +15,10 @@ mapping, not the CUDA code itself: change both together.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from mma_emulation import mma  # noqa: E402
-
-from engine.backends.cuda.products.qgemm import geometry  # noqa: E402
+from engine.backends.cuda.products.qgemm import geometry
+from tests.backends.cuda.emulation.mma import mma
 
 
 def pack(q: np.ndarray) -> np.ndarray:

@@ -14,18 +14,11 @@ throughout): this checks the indices, the GPU test checks the numbers.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from test_gpu_prefill_attention import causal_attention as reference  # noqa: E402
-
-from engine.backends.cuda.attention.prefill import BLOCK_K as BK  # noqa: E402
-from engine.backends.cuda.attention.prefill import BLOCK_Q as BQ  # noqa: E402
+from engine.backends.cuda.attention.prefill import BLOCK_K as BK
+from engine.backends.cuda.attention.prefill import BLOCK_Q as BQ
+from tests.backends.cuda.test_gpu_prefill_attention import causal_attention as reference
 
 
 def a_regs(lane_val):
