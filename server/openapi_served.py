@@ -220,6 +220,7 @@ def describe_server(
     if content is not None:
         _bound(content, "string", maxLength=server.max_prompt_chars)
     _describe_messages(components)
+    _describe_tokenize(components, names, server, ids)
 
     paths = schema.get("paths", {})
     with contextlib.suppress(KeyError):
@@ -227,6 +228,33 @@ def describe_server(
             if param.get("name") == "model_id" and names:
                 param["schema"] = {**param["schema"], "enum": names}
     _add_links(paths)
+
+
+def _describe_tokenize(
+    components: dict[str, Any], names: list[str], server: Any, ids: dict[str, Any]
+) -> None:
+    """/tokenize and /detokenize (server.routes.tokenize): the served ids, the
+    prompt and message limits, token ids within the vocabulary, and text or a
+    conversation, one of the two."""
+    tokenize = components.get("TokenizeRequest")
+    if tokenize is not None:
+        props = tokenize["properties"]
+        if names:
+            _bound(props.get("model"), "string", enum=names)
+        _bound(props.get("prompt"), "string", maxLength=server.max_prompt_chars)
+        _bound(props.get("messages"), "array", minItems=1, maxItems=server.max_messages)
+        tokenize["oneOf"] = [
+            {"required": [one], "properties": {other: {"type": "null"}}}
+            for one, other in (("prompt", "messages"), ("messages", "prompt"))
+        ]
+    detokenize = components.get("DetokenizeRequest")
+    if detokenize is not None:
+        props = detokenize["properties"]
+        if names:
+            _bound(props.get("model"), "string", enum=names)
+        tokens = props.get("tokens")
+        if tokens is not None:
+            tokens.setdefault("items", {}).update(ids)
 
 
 def _encodes_empty(tokenizer: Any) -> bool:

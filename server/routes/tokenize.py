@@ -48,6 +48,7 @@ async def tokenize(request: Request) -> dict:
         raise bad_request(
             "Send either 'prompt' (text) or 'messages' (a conversation), not both or neither.",
             param="prompt" if body.prompt is None else "messages",
+            code="invalid_value",
         )
     if body.messages is not None:
         if len(body.messages) > limits.max_messages:
