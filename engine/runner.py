@@ -14,7 +14,7 @@ import mlx.core as mx
 from engine import envs, platform
 from engine.backends import cpu, cuda
 from engine.kv import BatchKV, PromptBatchKV, SequenceKV
-from engine.model import attention
+from engine.model import attention, moe
 from engine.model.decode_step import make_decode_step
 
 
@@ -24,6 +24,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         attention.install(model)
+        moe.install(model)  # expert products grouped per expert (engine/model/moe.py)
         cpu.install_fast_math(model)  # CPU: prefill's SwiGLU without MLX's slow exp
         self.num_layers = len(model.layers)
         # The inner transformer (no lm_head): prompt positions whose logits nobody

@@ -37,6 +37,7 @@ from engine.loading.formats import (
 from engine.loading.gguf_reader import GGUFFile
 from engine.loading.gguf_to_mlx import describe_types, gguf_weights, select_arch
 from engine.loading.loaded_model import LoadedModel, ModelLoadError
+from engine.loading.materialize import materialize
 from engine.loading.safetensors_folder import (
     context_length_of,
     folder_weights,
@@ -138,7 +139,7 @@ def _finish(
     check_weights(model, ws, source)
     model.load_weights(list(ws.arrays.items()), strict=True)
     model.eval()
-    mx.eval(model.parameters())
+    materialize(model)  # private arrays too: nothing lazy crosses to the worker thread
     return shadows or {}
 
 
