@@ -106,6 +106,11 @@ class ModelRunner:
         logits = self.model(mx.array([tokens[-1:]], dtype=mx.int32), cache=kv)
         return logits[0, -1]
 
+    def prefill_all_logits(self, kv: list[SequenceKV], tokens: list[int]) -> mx.array:
+        """Feed ``tokens`` of one sequence and return every position's logits [n, V]
+        (prompt logprobs need them all): the model's own call, whatever its family."""
+        return self.model(mx.array([tokens], dtype=mx.int32), cache=kv)[0]
+
     def can_prefill_together(self) -> bool:
         """Whether ``prefill_together`` applies: the one-pass output layer is known
         (``MARKBASE_PREFILL_TOGETHER=0`` turns it off, for A/B runs)."""

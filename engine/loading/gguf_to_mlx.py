@@ -38,6 +38,7 @@ from engine.loading import gguf_quants as gq
 from engine.loading.formats import WeightSet
 from engine.loading.gguf_reader import GGUFFile, GGUFTensor
 from engine.loading.loaded_model import ModelLoadError
+from engine.progress import bar
 
 log = logging.getLogger("markbase.loading")
 
@@ -592,7 +593,8 @@ def gguf_weights(
     ws = WeightSet(arrays={}, hint=_inverse_hint(arch))
     src = str(gf.path)
     n_head, n_kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
-    for name, t in gf.tensors.items():
+    tensors = bar(gf.tensors.items(), desc=f"converting {gf.path.name}", total=len(gf.tensors), unit="tensor")
+    for name, t in tensors:
         if name in arch.consumed:
             continue
         if name in arch.ignore:
