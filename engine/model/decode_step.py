@@ -259,8 +259,8 @@ class FusedDecodeStep:
                 self.rope = rope_for_kernel(self.inner.layers)
         # the whole append-form step under one mx.compile (on unless
         # MARKBASE_GPU_STEP_COMPILE=0): the decode step at one row is host-bound, about
-        # half of it Python building ~233 kernel calls a step (docs/performance.md,
-        # sessions 11-13); a compiled step replays them from MLX's tape instead
+        # half of it Python building ~233 kernel calls a step (docs/performance.md);
+        # a compiled step replays them from MLX's tape instead
         # (measured on an H100: 1b bf16 B=1 398 -> 659 tok/s, B=8 3379 ->
         # 5226; 8b 4-bit B=8 1725 -> 2037). Its inputs keep their shapes from step to
         # step (the attention kernel takes the whole cache buffers and T from each
