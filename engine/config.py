@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
-
-def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
-    """The environment variable ``name`` (``default`` when unset), which must be one of
-    ``choices``: a typo in an A/B switch is an error naming the variable, not a silent
-    default."""
-    text = os.environ.get(name, default)
-    if text not in choices:
-        *rest, last = choices
-        raise ValueError(f"{name}={text!r}: want {', '.join(rest) + ' or ' if rest else ''}{last}")
-    return text
+from engine import platform
 
 
 @dataclass
@@ -57,9 +47,7 @@ class EngineConfig:
 
 
 def default_prefill_chunk_tokens() -> int:
-    import mlx.core as mx
-
-    return 2048 if mx.default_device().type == mx.DeviceType.gpu else 128
+    return 2048 if platform.on_gpu() else 128
 
 
 def warmup_enabled(config: EngineConfig) -> bool:
@@ -71,9 +59,7 @@ def warmup_enabled(config: EngineConfig) -> bool:
     without it 7.2 s: ``--warmup`` is worth it there."""
     if config.warmup is not None:
         return config.warmup
-    import mlx.core as mx
-
-    return mx.default_device().type == mx.DeviceType.gpu
+    return platform.on_gpu()
 
 
 def pipeline_decode_enabled(config: EngineConfig) -> bool:
@@ -85,9 +71,7 @@ def pipeline_decode_enabled(config: EngineConfig) -> bool:
     would only reach its client one step later."""
     if config.pipeline_decode is not None:
         return config.pipeline_decode
-    import mlx.core as mx
-
-    return mx.default_device().type == mx.DeviceType.gpu
+    return platform.on_gpu()
 
 
 def warmup_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -24,6 +24,7 @@ class _Node:
     kv: list[LayerKV] | None = None
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
     last_used: int = 0
+    nbytes: int = 0
 
 
 class PrefixCache:
@@ -32,6 +33,7 @@ class PrefixCache:
         self.block = block
         self.root = _Node((), None)
         self.tokens_held = 0
+        self.bytes_held = 0  # of the arrays in the cache: what it adds to the process's memory
         self._clock = itertools.count(1)
         self.hit_tokens = 0
         self.query_tokens = 0
@@ -93,9 +95,11 @@ class PrefixCache:
                 blocks = [
                     (mx.contiguous(k[:, :, s:e, :]), mx.contiguous(v[:, :, s:e, :])) for k, v in kv
                 ]
-                child = _Node(key, node, blocks)
+                nbytes = sum(k.nbytes + v.nbytes for k, v in blocks)
+                child = _Node(key, node, blocks, nbytes=nbytes)
                 node.children[key] = child
                 self.tokens_held += self.block
+                self.bytes_held += nbytes
                 added.append(child)
             child.last_used = now
             node = child
@@ -111,6 +115,7 @@ class PrefixCache:
             victim = min(leaves, key=lambda n: n.last_used)
             del victim.parent.children[victim.key]
             self.tokens_held -= self.block
+            self.bytes_held -= victim.nbytes
 
     def _iter_nodes(self):
         stack = list(self.root.children.values())
@@ -122,3 +127,4 @@ class PrefixCache:
     def clear(self) -> None:
         self.root = _Node((), None)
         self.tokens_held = 0
+        self.bytes_held = 0

@@ -7,18 +7,15 @@ except what must be), so the worker decides when to synchronise.
 
 from __future__ import annotations
 
-import os
+import contextlib
 
 import mlx.core as mx
 
-from engine.backends.cpu import fast_math
-from engine.backends.cpu import qgemm as cpu_qgemm
-from engine.backends.cpu.step import CpuDecodeStep
-from engine.backends.cuda import prefill as gpu_prefill
-from engine.backends.cuda import prefill_stages, rope_offsets
+from engine import envs, platform
+from engine.backends import cpu, cuda
 from engine.kv import BatchKV, PromptBatchKV, SequenceKV
-from engine.model import attention
-from engine.model.decode_step import make_decode_step, on_gpu
+from engine.model import attention, moe
+from engine.model.decode_step import make_decode_step
 
 
 class ModelRunner:
@@ -27,7 +24,8 @@ class ModelRunner:
     ) -> None:
         self.model = model
         attention.install(model)
-        fast_math.install(model)  # CPU: prefill's SwiGLU without MLX's slow exp
+        moe.install(model)  # expert products grouped per expert (engine/model/moe.py)
+        cpu.install_fast_math(model)  # CPU: prefill's SwiGLU without MLX's slow exp
         self.num_layers = len(model.layers)
         # The inner transformer (no lm_head): prompt positions whose logits nobody
         # needs skip the vocabulary projection, the largest matmul for small models.
@@ -46,26 +44,27 @@ class ModelRunner:
         # building shares the cores with the compute: 256-1024-token prompts in chunks
         # of 128 took 1.00-1.03x the time queued (`bench/cpu/prefill_ab.py --ab async`).
         # MARKBASE_PREFILL_ASYNC=0/1 overrides.
-        default_async = "1" if on_gpu() else "0"
-        self.async_prefill = os.environ.get("MARKBASE_PREFILL_ASYNC", default_async) == "1"
+        on_gpu = platform.on_gpu()
+        async_prefill = envs.MARKBASE_PREFILL_ASYNC
+        self.async_prefill = on_gpu if async_prefill is None else async_prefill
         # Llama-family models decode through a step of their own (CPU: the lean step,
         # engine/backends/cpu/step.py; GPU: the fused one, engine/model/decode_step.py); other
         # families, or fused_decode=False, call the model as is.
         self.decode_step = _make_decode_step(model) if fused_decode else None
         # GPU: a prompt chunk's first layers start while the host builds the rest
         # (engine/backends/cuda/prefill_stages.py; MARKBASE_GPU_PREFILL_STAGES=0 turns it off).
-        self.stage_every = prefill_stages.every_from_env() if on_gpu() else 0
+        self.stage_every = cuda.prefill_stage_every() if on_gpu else 0
         # GPU prefill: quantized products of 256+ rows dequantize the weight and run a
         # float matmul (engine/backends/cuda/prefill.py; MARKBASE_GPU_PREFILL_DEQ_ROWS=0 turns it
         # off); after the decode step took its own copies.
-        if on_gpu():
-            gpu_prefill.install(model)
+        if on_gpu:
+            cuda.install_prefill(model)
             # prompt chunks' RoPE offsets in device memory, not MLX's pool of tiny
             # arrays (engine/backends/cuda/rope_offsets.py)
-            rope_offsets.install(model)
+            cuda.install_rope_offsets(model)
         # After the step fused its weights: on the CPU, decode products read the
         # quantized copies of the float32 weights (engine/backends/cpu/qgemm.py).
-        self.qgemm = cpu_qgemm.register_model(model, cpu_shadows) if cpu_shadows else None
+        self.qgemm = cpu.register_qgemm_model(model, cpu_shadows) if cpu_shadows else None
 
     def new_sequence_kv(self) -> list[SequenceKV]:
         return [SequenceKV() for _ in range(self.num_layers)]
@@ -88,7 +87,7 @@ class ModelRunner:
         self, kv: list[SequenceKV], tokens: list[int], want_logits: bool
     ) -> mx.array | None:
         """Feed ``tokens`` of one sequence; return the last position's logits [V] if asked."""
-        with prefill_stages.staged(kv, len(tokens), self.stage_every):
+        with self._staged(kv, len(tokens)):
             return self._prefill(kv, tokens, want_logits)
 
     def _prefill(
@@ -107,10 +106,15 @@ class ModelRunner:
         logits = self.model(mx.array([tokens[-1:]], dtype=mx.int32), cache=kv)
         return logits[0, -1]
 
+    def prefill_all_logits(self, kv: list[SequenceKV], tokens: list[int]) -> mx.array:
+        """Feed ``tokens`` of one sequence and return every position's logits [n, V]
+        (prompt logprobs need them all): the model's own call, whatever its family."""
+        return self.model(mx.array([tokens], dtype=mx.int32), cache=kv)[0]
+
     def can_prefill_together(self) -> bool:
         """Whether ``prefill_together`` applies: the one-pass output layer is known
         (``MARKBASE_PREFILL_TOGETHER=0`` turns it off, for A/B runs)."""
-        return self.head is not None and os.environ.get("MARKBASE_PREFILL_TOGETHER", "1") != "0"
+        return self.head is not None and envs.MARKBASE_PREFILL_TOGETHER
 
     def prefill_together(self, kvs: list[list[SequenceKV]], chunks: list[list[int]]) -> mx.array:
         """The rest of several sequences' prompts in one forward: ``chunks[i]`` follows
@@ -128,10 +132,17 @@ class ModelRunner:
         layers = [
             PromptBatchKV([kv[layer] for kv in kvs], lengths) for layer in range(self.num_layers)
         ]
-        with prefill_stages.staged(layers, tokens.size, self.stage_every):
+        with self._staged(layers, tokens.size):
             hidden = self.body(tokens, cache=layers)
         last = hidden[mx.arange(len(chunks)), mx.array(lengths, dtype=mx.int32) - 1]
         return self.head(last)
+
+    def _staged(self, caches, rows: int):
+        """A prompt chunk's forward queued in stages on a GPU (the CUDA backend's
+        ``prefill_staged``); nothing on the CPU."""
+        if not self.stage_every:
+            return contextlib.nullcontext()
+        return cuda.prefill_staged(caches, rows, self.stage_every)
 
     def _forward_body(self, kv: list[SequenceKV], tokens: list[int]) -> None:
         x = mx.array([tokens], dtype=mx.int32)
@@ -156,8 +167,8 @@ def _make_decode_step(model):
     """The lean step on the CPU (engine/backends/cpu/step.py), the fused one elsewhere or when
     the lean one does not fit the model; ``MARKBASE_CPU_STEP=fused`` picks the fused
     one on the CPU too (for A/B measurements)."""
-    if not on_gpu() and os.environ.get("MARKBASE_CPU_STEP", "lean") != "fused":
-        step = CpuDecodeStep.build(model)
+    if platform.on_cpu() and envs.MARKBASE_CPU_STEP != "fused":
+        step = cpu.CpuDecodeStep.build(model)
         if step is not None:
             return step
     return make_decode_step(model)

@@ -28,8 +28,10 @@ costs a loop of ops per row, and MLX's CPU transcendental ops run at
 with a temperature and 205 ms with top-p 0.9 (a full sort per row), against a ~100 ms
 step (bench/cpu/sampler_bench.py).
 
-Later per-row features (constrained-decoding masks, logit bias, penalties) slot in
-as extra per-row terms added to the logits before the draw.
+Penalties, logit bias, min_tokens and min_p (engine/penalties.py) change the logits
+of the rows that ask for them before the draw, all such rows together; a batch
+without any pays nothing for them. Log-probabilities are not the sampler's: the
+worker takes them from the raw logits (engine/logprobs.py).
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from engine.backends.cuda import sampler as gpu_sampler
+from engine import penalties, platform
+from engine.backends import cuda
+from engine.penalties import LogitAdjust
 from engine.structured.masks import TokenMasks, apply_token_masks
-from engine.types import SamplingParams
+from engine.types import DRAW_BLOCK, SamplingParams
 
-BLOCK = gpu_sampler.BLOCK  # tokens a block of the two-level draw (the kernel's too)
+BLOCK = DRAW_BLOCK  # tokens a block of the two-level draw (the CUDA kernel's too)
 CANDIDATES = 1024  # logits a top-k/top-p row sorts on the CPU (more where its top_k asks)
 
 
@@ -54,9 +58,12 @@ class RowSampler:
     top_p: float
     top_k: int
     rng: np.random.Generator | None = field(default=None, repr=False)
+    adjust: LogitAdjust | None = None  # penalties, bias, min_tokens, min_p: None = none
 
     @classmethod
-    def from_params(cls, params: SamplingParams) -> RowSampler:
+    def from_params(cls, params: SamplingParams, prompt=(), end_ids=()) -> RowSampler:
+        """``prompt`` (token ids) and ``end_ids`` (tokens that end the sequence) are
+        only read for ``repetition_penalty`` and ``min_tokens``."""
         greedy = params.temperature <= 0.0
         rng = None
         if not greedy:
@@ -64,7 +71,8 @@ class RowSampler:
                 params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
             )
             rng = np.random.default_rng(seed)
-        return cls(params.temperature, params.top_p, params.top_k, rng)
+        adjust = LogitAdjust.from_params(params, prompt, end_ids)
+        return cls(params.temperature, params.top_p, params.top_k, rng, adjust)
 
     @property
     def greedy(self) -> bool:
@@ -86,21 +94,45 @@ def sample_batch(
 ) -> mx.array:
     """Next token for each row of ``logits`` ([B, V]); returns int32 [B]: lazily on a
     GPU, computed here on the CPU (the numpy route) when any row samples. ``masks``:
-    the grammar masks of the constrained rows (engine/structured), applied first."""
-    raw = logits  # the kernel route reads the logits in their own dtype
-    logits = logits.astype(mx.float32)
+    the grammar masks of the constrained rows (engine/structured), applied first. Rows
+    with logit adjustments (engine/penalties.py) draw from their adjusted logits, which
+    are a copy: ``logits`` itself is never changed."""
+    xp = np if numpy_route() else mx
     if masks is not None:
-        raw = logits = apply_token_masks(logits, masks, on_host=numpy_route())
+        logits = apply_token_masks(logits.astype(mx.float32), masks, on_host=xp is np)
+    adjust = penalties.plan(rows)
+    if adjust is None:
+        return _sample(logits, rows, xp)
+    x = logits.astype(mx.float32)
+    tokens = _sample(adjust.apply(np.array(x) if xp is np else x, xp), rows, xp)
+    adjust.record(tokens, xp)
+    return tokens
+
+
+def _sample(logits, rows: list[RowSampler], xp) -> mx.array:
+    """``sample_batch`` on ``logits``: an MLX array, or on the numpy route a float32
+    numpy array (adjusted logits)."""
+    if isinstance(logits, np.ndarray):
+        logits_np = logits
+        raw = logits = None
+    else:
+        raw = logits  # the kernel route reads the logits in their own dtype
+        logits = logits.astype(mx.float32)
+        logits_np = None
     live = [i for i, r in enumerate(rows) if not r.greedy]
     if not live:
+        if logits_np is not None:
+            return mx.array(np.argmax(logits_np, axis=-1).astype(np.int32))
         return mx.argmax(logits, axis=-1).astype(mx.int32)
     draws = [rows[i].draw() for i in live]
-    xp = np if numpy_route() else mx
-    kernel = xp is mx and use_kernel_on_gpu and gpu_sampler.enabled()
-    whole = kernel and gpu_sampler.takes(raw) and not any(rows[i].filters for i in live)
+    kernel = xp is mx and use_kernel_on_gpu and cuda.sampler_enabled()
+    whole = kernel and cuda.sampler_takes(raw) and not any(rows[i].filters for i in live)
     if whole:  # one kernel for the whole step
-        return gpu_sampler.draw(raw, _kernel_params(rows, range(len(rows)), draws))
-    x = np.asarray(logits) if xp is np else logits
+        return cuda.sampler_draw(raw, _kernel_params(rows, range(len(rows)), draws))
+    if xp is np:
+        x = logits_np if logits_np is not None else np.asarray(logits)
+    else:
+        x = logits
     if len(live) < len(rows):
         out = xp.argmax(x, axis=-1).astype(xp.int32)
     else:  # every row samples, in one group or two
@@ -112,8 +144,8 @@ def sample_batch(
             continue
         idx = [live[j] for j in group]
         sub = x if len(idx) == len(rows) else x[xp.array(idx)]
-        if kernel and drawer is _draw_full and gpu_sampler.takes(sub):
-            tokens = gpu_sampler.draw(sub, _kernel_params(rows, idx, [draws[j] for j in group]))
+        if kernel and drawer is _draw_full and cuda.sampler_takes(sub):
+            tokens = cuda.sampler_draw(sub, _kernel_params(rows, idx, [draws[j] for j in group]))
         else:
             inv_t = xp.array([[1.0 / rows[i].temperature] for i in idx], dtype=xp.float32)
             u = xp.array([draws[j] for j in group], dtype=xp.float32)  # [n, 2]
@@ -144,7 +176,7 @@ def _kernel_params(rows: list[RowSampler], idx, draws: list) -> mx.array:
 
 
 def numpy_route() -> bool:
-    return use_numpy_on_cpu and mx.default_device().type == mx.DeviceType.cpu
+    return use_numpy_on_cpu and platform.on_cpu()
 
 
 def _weights(x, m, inv_t, xp):

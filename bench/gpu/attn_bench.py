@@ -137,7 +137,6 @@ def main() -> None:
                 os.environ[tc.STAGES_ENV] = "2" if split else knobs.get("g", "2")
                 os.environ[tc.SPLIT_STAGES_ENV] = knobs.get("g", "2")
                 os.environ[tc.SPLIT_ENV] = "1" if split else "0"
-                os.environ[tc.MULTI_ENV] = "1" if multi else "0"
                 gpu_attention.set_loop_shape(
                     gpu_attention.LoopShape(ppb=int(knobs["p"]), tc=True, tc_split=True)
                     if "p" in knobs
@@ -147,7 +146,6 @@ def main() -> None:
             else:  # CUDA cores only (the tensor-core forms are the default)
                 os.environ[tc.ENV] = "0"
                 os.environ[tc.SPLIT_ENV] = "0"
-                os.environ[tc.MULTI_ENV] = "0"
                 gpu_attention.set_loop_shape(None if auto else gpu_attention.LoopShape.parse(name))
             try:
                 r = timed(m, length, args.steps)
@@ -167,7 +165,6 @@ def main() -> None:
     gpu_attention.set_loop_shape(None)
     os.environ.pop(gpu_attention_tc.ENV, None)
     os.environ.pop(gpu_attention_tc.SPLIT_ENV, None)
-    os.environ.pop(gpu_attention_tc.MULTI_ENV, None)
     best = pick([r for r in rows if not r["variant"].startswith("tc")])
     if args.out:
         doc = dict(stage="attn_bench", rows=rows, best=best)

@@ -60,7 +60,8 @@ from bench_decode import (  # noqa: E402  (puts the repo root on sys.path)
 from shapes import CONFIGS  # noqa: E402
 
 from engine.backends.cuda import linear as gpu_linear  # noqa: E402
-from engine.model.decode_step import FusedDecodeStep, make_decode_step, on_gpu  # noqa: E402
+from engine.model.decode_step import FusedDecodeStep, make_decode_step  # noqa: E402
+from engine.platform import on_gpu  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 
 now = time.perf_counter

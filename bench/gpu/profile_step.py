@@ -26,7 +26,6 @@ the host is.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -224,14 +223,8 @@ def main() -> None:
                 step.attention_kernel = attn_kernel and kernel_ok
                 if hasattr(step, "joint_rope"):
                     step.joint_rope = "-nojoint" not in v
-                if hasattr(step, "fold_norm"):
-                    step.fold_norm = "-norm" in v
                 if hasattr(step, "rope"):
                     step.rope = None if "-noapp" in v else rope_table
-                if hasattr(step, "qlayer"):
-                    step.qlayer = "-ql" in v and any(step._qlayer_ok)
-                    step.qlayer_next = "-ql2" in v or "-ql3" in v
-                    step.qblock = "-ql3" in v and any(step._block_ok)
                 if hasattr(step, "step_compile"):  # a fresh trace cache per variant
                     step.step_compile = "-wc" in v and step.rope is not None
                     step._whole = mx.compile(step._whole_step) if step.step_compile else None
@@ -242,21 +235,16 @@ def main() -> None:
                 pf = re.search(r"-pf(\d*)", v)  # engine/backends/cuda/prefetch.py, its MB of gate/up
                 if hasattr(step, "l2_prefetch"):
                     step.l2_prefetch = pf is not None
-                if hasattr(step, "device_scalars"):  # "-ds": offsets/starts in device memory
-                    step.device_scalars = "-ds" in v
                 if pf and pf.group(1):
                     os.environ["MARKBASE_GPU_L2_PREFETCH_MB"] = pf.group(1)
                 else:
                     os.environ.pop("MARKBASE_GPU_L2_PREFETCH_MB", None)
                 at = re.search(r"-at([a-z0-9]+)", v)  # none: the automatic shapes
                 shape = gpu_attention.LoopShape.parse(at.group(1)) if at else None
-                if "-2pass" in v:
-                    shape = dataclasses.replace(shape or gpu_attention.LoopShape(), two_pass=True)
                 gpu_attention.set_loop_shape(shape)
                 from engine.backends.cuda.products import mma as gpu_mma
 
                 gpu_mma.set_max_m_tiles(1 if "-mt1" in v else 2 if "-mt2" in v else None)
-                gpu_mma.set_pin_loads(True if "-pin" in v else None)
                 gpu_linear.reset_plans()
                 gpu_linear.set_plans(float_text, quant_text)
                 try:

@@ -244,7 +244,6 @@ def main() -> None:
             else:
                 knobs, pin = parse(v)
                 gpu_mma.set_q4_few_rows(**knobs)
-                gpu_mma.set_pin_loads(pin)
             kernel = "mb_qstream" if stream is not None else "mb_mma_q4"
             try:
                 args_ = (x, ws, n, k, residual, glu, stream is not None, norm)
@@ -259,7 +258,6 @@ def main() -> None:
         del ws
         mx.clear_cache()
     gpu_mma.set_q4_few_rows()
-    gpu_mma.set_pin_loads(None)
     gpu_qstream.set_knobs()
     # per variant: the layer's four products together
     layer = {}

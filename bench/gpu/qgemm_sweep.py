@@ -127,10 +127,8 @@ def main() -> None:
                         forms.append((f"qgemm bm{bm} w{wm} mt{mt} st{st}", us))
                 for form in [f for f in args.forms.split(",") if f]:
                     pipe, st, blocks, *more = form.split(":")
-                    os.environ[gpu_qgemm.WS_ENV] = "1" if pipe == "w" else "0"
                     os.environ[gpu_qgemm.STAGES_ENV] = st
                     os.environ[gpu_qgemm.LB_ENV] = blocks
-                    os.environ[gpu_qgemm.ABL_ENV] = more[0] if more else "0"
                     pw = more[1][1:] if len(more) > 1 else str(gpu_qgemm.PAIR_WARPS)
                     os.environ[gpu_qgemm.PAIR_WARPS_ENV] = pw
                     bm, wm, mt = gpu_qgemm.geometry(rows, n // 16)
@@ -143,8 +141,7 @@ def main() -> None:
                         print(f"{form}: {e}")
                         us = float("nan")
                     forms.append((f"qgemm bm{bm} w{wm} mt{mt} {form}", us))
-                envs = (gpu_qgemm.STAGES_ENV, gpu_qgemm.WS_ENV, gpu_qgemm.LB_ENV, gpu_qgemm.ABL_ENV,
-                        gpu_qgemm.PAIR_WARPS_ENV)  # fmt: skip
+                envs = (gpu_qgemm.STAGES_ENV, gpu_qgemm.LB_ENV, gpu_qgemm.PAIR_WARPS_ENV)
                 for env in envs:
                     os.environ.pop(env, None)
                 for form, s in forms:

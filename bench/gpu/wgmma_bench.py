@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from qgemm_emulation import pack  # noqa: E402  (MLX's 4-bit packing)
 
 from engine.backends.cuda.products import qgemm as gpu_qgemm
 from engine.backends.cuda.products import wgmma as gpu_wgmma  # noqa: E402
+from tests.backends.cuda.emulation.qgemm import pack  # noqa: E402  (MLX's 4-bit packing)
 
 GS = 64
 

@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
-    from engine.backends.cpu.blas import ensure_fast_blas
+    from engine.backends import cpu
 
-    ensure_fast_blas(allow_reexec=False)
+    cpu.ensure_fast_blas(allow_reexec=False)
     from engine.distributed.channel import FollowerChannel
     from engine.distributed.group import RankSpec, join_group, shard_model
     from engine.distributed.lockstep import Replayer

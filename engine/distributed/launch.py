@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from engine import platform
 from engine.distributed.channel import Leader, RankLostError
 from engine.distributed.group import RankSpec, join_group, shard_model, write_hostfile
 
@@ -41,9 +42,7 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _backend() -> str:
-    import mlx.core as mx
-
-    return "nccl" if mx.default_device().type == mx.DeviceType.gpu else "ring"
+    return "nccl" if platform.on_gpu() else "ring"
 
 
 class TensorParallelGroup:

@@ -6,7 +6,7 @@ one as soon as its rows differ in length (left padding). Its fallback then, and 
 CPU implementation always, expands K/V per query head. Folding the query heads of a
 group into the rows of one matmul against their shared K/V head reads K and V once:
 measured on the H200 +53-64% decode throughput at batch 128 with ragged rows
-(bench/gpu/NOTES.md), and fewer, larger sgemm calls on the CPU.
+(docs/performance.md), and fewer, larger sgemm calls on the CPU.
 
 mlx-lm's attention layers call the module-level name ``scaled_dot_product_attention``
 that each model module imported, so ``install`` rebinds that name in the module of
@@ -22,7 +22,8 @@ import sys
 import mlx.core as mx
 from mlx_lm.models import base as mlx_lm_base
 
-from engine.backends.cuda.attention import prefill as gpu_prefill_attention
+from engine import platform
+from engine.backends import cuda
 
 _ORIGINAL = mlx_lm_base.scaled_dot_product_attention
 
@@ -45,7 +46,7 @@ def grouped_decode_attention(q: mx.array, k: mx.array, v: mx.array, scale: float
 def _use_grouped(queries: mx.array, mask) -> bool:
     if queries.shape[2] != 1 or isinstance(mask, str):
         return False
-    if mx.default_device().type == mx.DeviceType.gpu:
+    if platform.on_gpu():
         # the fused kernel is best when it accepts the call: no mask at all
         return isinstance(mask, mx.array)
     return True
@@ -55,8 +56,8 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
     if sinks is None and not hasattr(cache, "bits"):
         if _use_grouped(queries, mask):
             return grouped_decode_attention(queries, keys, values, scale, mask)
-        if gpu_prefill_attention.supported(queries, keys, values, mask):
-            return gpu_prefill_attention.prefill_attention(queries, keys, values, scale)
+        if cuda.prefill_attention_supported(queries, keys, values, mask):
+            return cuda.prefill_attention(queries, keys, values, scale)
     return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 

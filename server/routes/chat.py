@@ -6,33 +6,43 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.types import ModelInfo
-from server.deps import engine_of, json_body, parse_body, responses, settings_of
-from server.errors import APIError, bad_request
+from server.deps import (
+    engine_of,
+    json_body,
+    parse_body,
+    prompt_guard_of,
+    responses,
+    settings_of,
+)
+from server.errors import bad_request
 from server.generation import (
     Choice,
     ChoiceResult,
     check_max_tokens,
+    check_min_tokens,
     check_n,
     check_prompt_chars,
     check_supported,
     default_max_tokens,
     make_choices,
+    parse_logit_bias,
     request_info,
     resolve_max_tokens,
     respond,
     sampling_params,
 )
+from server.logprobs import TokenTexts, chat_content, chat_logprobs
 from server.routes.models import lookup
 from server.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
     ChatCompletionRequest,
+    ChatLogprobs,
     ChatMessage,
     FunctionCall,
     ToolCall,
@@ -46,7 +56,7 @@ from server.tools.prompt import assistant_turn, tool_list, tool_turn, with_tools
 router = APIRouter()
 
 
-def template_messages(messages: list[ChatMessage], native_tools: bool) -> list[dict]:
+def template_messages(messages: list[ChatMessage], native_tools: bool = False) -> list[dict]:
     """OpenAI messages as the plain dicts chat templates expect: ``{"role", "content":
     str}``, ``developer`` as a system message, tool turns (an assistant's ``tool_calls``,
     ``tool`` results) as server/tools/prompt.py writes them for a template that renders
@@ -107,9 +117,14 @@ def _message_text(m: ChatMessage, where: str) -> str:
     texts = []
     for j, part in enumerate(m.content):
         if part.type != "text" or part.text is None:
+            what = (
+                "the served models are text-only"
+                if part.type in ("image_url", "input_image", "input_audio", "file")
+                else "only text parts are supported"
+            )
             raise bad_request(
-                f"Invalid '{where}.content[{j}]': only text parts "
-                f"({{'type': 'text', 'text': ...}}) are supported, got type '{part.type}'.",
+                f"Invalid '{where}.content[{j}]': content part type '{part.type}' is not "
+                f"supported ({what}); send {{'type': 'text', 'text': ...}} parts.",
                 param=f"{where}.content[{j}].type",
                 code="unsupported_value",
             )
@@ -146,7 +161,11 @@ class ChatFormat:
         model: str,
         include_usage: bool,
         tools: ToolPlan | None = None,
+        texts: TokenTexts | None = None,
+        top_n: int = 0,
     ) -> None:
+        self.texts = texts  # set when the request asked for logprobs
+        self.top_n = top_n
         self.base = {
             "id": response_id,
             "object": "chat.completion.chunk",
@@ -164,8 +183,10 @@ class ChatFormat:
             chunk["usage"] = usage  # OpenAI: null on every chunk but the last
         return chunk
 
-    def _choice(self, index: int, delta: dict, finish: str | None = None) -> dict:
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def _choice(
+        self, index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None
+    ) -> dict:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def _parser(self, index: int) -> ToolCallParser:
         parser = self._parsers.get(index)
@@ -176,11 +197,20 @@ class ChatFormat:
     def start(self, index: int) -> dict:
         return self._chunk([self._choice(index, {"role": "assistant", "content": ""})])
 
-    def content(self, index: int, text: str) -> list[dict]:
+    def content(self, index: int, text: str, event) -> list[dict]:
+        logprobs = None
+        if self.texts is not None and event.logprobs is not None:
+            content = chat_content(self.texts, event.token_ids, event.logprobs, self.top_n)
+            logprobs = chat_logprobs(content)
         if self.tools is None:
-            return [self._chunk([self._choice(index, {"content": text})])]
-        deltas = self._parser(index).feed(text)
-        return [self._chunk([self._choice(index, delta_of(d))]) for d in deltas]
+            return [self._chunk([self._choice(index, {"content": text}, logprobs=logprobs)])]
+        deltas = [delta_of(d) for d in self._parser(index).feed(text)] if text else []
+        if logprobs is not None and not deltas:  # text held back: its logprobs go now
+            deltas = [{}]
+        return [
+            self._chunk([self._choice(index, d, logprobs=logprobs if k == 0 else None)])
+            for k, d in enumerate(deltas)
+        ]
 
     def finish(self, index: int, reason: str) -> list[dict]:
         chunks = []
@@ -222,6 +252,8 @@ class ChatJob:
     prompt: list[int]
     choices: list[Choice]
     tools: ToolPlan | None
+    texts: TokenTexts | None  # set when the request asked for logprobs
+    top_n: int  # top_logprobs
 
 
 async def prepare_chat(request: Request, body: ChatCompletionRequest, response_id: str) -> ChatJob:
@@ -278,18 +310,9 @@ async def prepare_chat(request: Request, body: ChatCompletionRequest, response_i
     if grammar is not None:
         await check_grammar(engine, model.name, *grammar)
 
-    try:
-        prompt = await anyio.to_thread.run_sync(
-            lambda: list(
-                tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, **template_kwargs
-                )
-            )
-        )
-    except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
-        raise APIError(
-            400, f"The chat template rejected the messages: {exc}", param="messages"
-        ) from None
+    prompt = await prompt_guard_of(request).chat_prompt(
+        tokenizer, model, messages, body.effective_max_tokens(), **template_kwargs
+    )
     info.prompt_tokens = len(prompt)
     max_tokens = resolve_max_tokens(
         body.effective_max_tokens(),
@@ -298,6 +321,11 @@ async def prepare_chat(request: Request, body: ChatCompletionRequest, response_i
         len(prompt),
         chat=True,
     )
+    check_min_tokens(body, max_tokens)
+    logit_bias = parse_logit_bias(body, _vocab_size(tokenizer))
+    # logprobs: true -> each token's logprob and its top_logprobs most likely (0-20)
+    top_n = (body.top_logprobs or 0) if body.logprobs else None
+    texts = TokenTexts(tokenizer) if top_n is not None else None
     # A model without its own chat template is served with the tokenizer's documented
     # fallback transcript format, which needs its stop strings (e.g. "\nUser:").
     extra_stops = tuple(getattr(tokenizer, "fallback_stop_strings", ()) or ())
@@ -307,11 +335,13 @@ async def prepare_chat(request: Request, body: ChatCompletionRequest, response_i
         model.name,
         [prompt],
         n,
-        lambda i: sampling_params(body, max_tokens, i, extra_stops),
+        lambda i: sampling_params(
+            body, max_tokens, i, extra_stops, logit_bias=logit_bias, logprobs=top_n
+        ),
         grammar=grammar[0] if grammar else None,
         skip_special_tokens=not keep_special,
     )
-    return ChatJob(model, prompt, choices, tools)
+    return ChatJob(model, prompt, choices, tools, texts, top_n or 0)
 
 
 @router.post(
@@ -331,12 +361,20 @@ async def chat_completions(request: Request) -> Response:
         choices = []
         for i, r in sorted(results.items()):
             message, finish = assistant_message(r, job.tools)
-            choices.append(ChatChoice(index=i, message=message, finish_reason=finish))
+            logprobs = None
+            if job.texts is not None:
+                content = chat_content(job.texts, r.token_ids, r.logprobs, job.top_n)
+                logprobs = ChatLogprobs(content=content)
+            choices.append(
+                ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=finish)
+            )
         return ChatCompletion(
             id=response_id, created=created, model=model.name, choices=choices, usage=usage
         )
 
-    fmt = ChatFormat(response_id, created, model.name, body.include_usage(), job.tools)
+    fmt = ChatFormat(
+        response_id, created, model.name, body.include_usage(), job.tools, job.texts, job.top_n
+    )
     return await respond(
         request,
         engine_of(request),
@@ -348,3 +386,8 @@ async def chat_completions(request: Request) -> Response:
         build,
         chat=True,
     )
+
+
+def _vocab_size(tokenizer) -> int | None:
+    size = getattr(tokenizer, "vocab_size", None)
+    return size if isinstance(size, int) else None

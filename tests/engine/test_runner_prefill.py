@@ -10,15 +10,20 @@ import numpy as np
 import pytest
 
 from engine.loading.random_model import build_random_model
-from engine.model.decode_step import on_gpu
+from engine.platform import on_gpu
 from engine.runner import ModelRunner, output_head
 from tests.helpers.models import TINY_CONFIGS
 
 PROMPT = [3, 17, 5, 99, 42, 7, 7, 1, 250, 64, 8, 33]
+# The families whose layers keep one full-attention K/V each, the cache ModelRunner's
+# prefill builds; gemma4_text and gemma3n (per-layer inputs, KV shared across layers)
+# load (tests/loading) but the engine's caches do not serve them yet.
+ENGINE_FAMILIES = ("llama", "gemma3_text", "qwen3", "qwen3_moe", "mixtral")
+SERVED_CONFIGS = {f: c for f, c in TINY_CONFIGS.items() if f in ENGINE_FAMILIES}
 
 
 def _cases():
-    for family, cfg in TINY_CONFIGS.items():
+    for family, cfg in SERVED_CONFIGS.items():
         yield family, dict(cfg)
         if family in ("llama", "qwen3"):  # the other tying of the same family
             yield family, dict(cfg, tie_word_embeddings=not cfg.get("tie_word_embeddings"))
@@ -82,7 +87,7 @@ def test_async_chunks_equal_sync_chunks(monkeypatch) -> None:
 
 
 _TOGETHER_CASES = {
-    **TINY_CONFIGS,
+    **SERVED_CONFIGS,
     # a window shorter than the prompts: the sliding layers' masks matter
     "gemma3_text-window": dict(
         TINY_CONFIGS["gemma3_text"], sliding_window=4, sliding_window_pattern=2

@@ -1,22 +1,22 @@
 """Every custom CUDA kernel's source, as MLX would hand it to NVRTC, defines each
 compile-time switch it branches on (CPU: no compiler needed).
 
-Why: the kernels share bodies (engine/backends/cuda/products/qlayer.py and gpu_qblock.py reuse
-gpu_qstream.py's integer body as a device function), and a switch added to a body
-for one kernel (session 23's ``ABL``) left the others' sources failing to compile, which
-only NVRTC or a GPU would have shown (bench/gpu/NOTES.md, session 24). Each name in
+Why: the kernels share headers and bodies (csrc/), and a switch added to a shared part
+for one kernel once left the others' sources failing to compile, which only NVRTC or a
+GPU would have shown. Each name in
 ``if constexpr (NAME)`` must be a template constant, a ``constexpr`` of the body, a
 template parameter or a macro of the source."""
 
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "gpu"))
+import pytest
 
-from nvrtc_check import all_specs, build_source  # noqa: E402
+from engine.backends.cuda.kernels import nvrtc_source as build_source
+from engine.backends.cuda.specs import all_specs
+
+pytestmark = pytest.mark.cpu  # runs without a CUDA device
 
 SWITCH = re.compile(r"if\s+constexpr\s*\(\s*!?\s*([A-Za-z_]\w*)\s*\)")
 
@@ -41,3 +41,23 @@ def test_every_switch_a_kernel_branches_on_is_defined():
             if not defined(name, src):
                 missing.append(f"{spec.name}: {name}")
     assert not missing, missing
+
+
+def test_every_kernel_source_balances_its_brackets():
+    """Braces, parentheses and brackets pair up in every kernel's whole source (comments
+    and literals aside): a fragment that loses a closing brace (csrc/ files are joined
+    into one body) fails here on the CPU instead of in NVRTC on a GPU."""
+    unbalanced = []
+    for spec in all_specs():
+        code = re.sub(r"//[^\n]*", "", build_source(spec))
+        code = re.sub(r'"(\\.|[^"\\])*"', '""', code)
+        code = re.sub(r"'(\\.|[^'\\])'", "''", code)
+        for opening, closing in ("{}", "()", "[]"):
+            depth = 0
+            for ch in code:
+                depth += (ch == opening) - (ch == closing)
+                if depth < 0:
+                    break
+            if depth != 0:
+                unbalanced.append(f"{spec.name}: {opening}{closing}")
+    assert unbalanced == []

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from engine.backends.cuda import prefill_stages
 from engine.loading import build_random_model
 from engine.runner import ModelRunner
+
+pytestmark = pytest.mark.cpu  # runs without a CUDA device
 
 CFG = dict(hidden_size=64, num_hidden_layers=7, intermediate_size=128, num_attention_heads=4,
            num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=128)  # fmt: skip
@@ -57,7 +60,7 @@ def test_staged_prefill_equals_unstaged(monkeypatch):
     together = np.array(runner.prefill_together(kvs, [tokens[:100], tokens[:90]]))
     assert len(queued) == 3
     # (on a GPU MLX's float32 matmuls run in TF32 by default, and a 2-row forward takes
-    # other kernels than a 1-row one: 7e-4 apart on an H100, session 26; the staged
+    # other kernels than a 1-row one: 7e-4 apart on an H100; the staged
     # and unstaged forwards above are still bit-equal there)
     atol = 3e-3 if mx.default_device() == mx.gpu else 1e-5
     np.testing.assert_allclose(together[0], prefill(tokens[:100], 0), atol=atol)
