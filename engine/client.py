@@ -70,9 +70,9 @@ class EngineClient:
         for lm, max_context in loaded:
             if lm.name in workers:
                 raise ValueError(f"Two models are named '{lm.name}': give one a distinct name.")
-            worker = ModelWorker(lm, config, max_context)
-            worker.start()  # warms up first (EngineConfig.warmup), then serves
-            workers[lm.name] = worker
+            # made (and load-checked: ModelLoadError for a family the engine cannot
+            # serve) before any worker thread starts, so a refused model leaves none behind
+            workers[lm.name] = worker = ModelWorker(lm, config, max_context)
             infos[lm.name] = ModelInfo(
                 name=lm.name,
                 architecture=lm.architecture,
@@ -81,6 +81,8 @@ class EngineClient:
                 created=now,
                 has_chat_template=bool(getattr(lm.tokenizer, "has_chat_template", False)),
             )
+        for worker in workers.values():
+            worker.start()  # warms up first (EngineConfig.warmup), then serves
         for worker in workers.values():  # the first requests find the kernels compiled
             worker.wait_ready()
         return cls(workers, infos)
