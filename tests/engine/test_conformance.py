@@ -156,6 +156,7 @@ def check(family: str) -> Result:
     if want is None:
         client.shutdown()
         return Result(family, "fail", f"loaded although mlx-lm cannot run it ({why})")
+    worker = client.worker(loaded.name)
     try:
         alone = {k: asyncio.run(generate(client, loaded.name, p)) for k, p in PROMPTS.items()}
         together = asyncio.run(batched(client, loaded.name))
@@ -170,7 +171,11 @@ def check(family: str) -> Result:
                 return Result(
                     family, "fail", f"prompt {k} {what} differs from mlx-lm at token {at}"
                 )
-    return Result(family, "pass")
+    if not worker.prefix_cache.hit_tokens:
+        return Result(family, "fail", "no prompt reused a cached prefix")
+    runner = worker.runner
+    together_note = "prompts prefilled together" if runner.can_prefill_together() else "one by one"
+    return Result(family, "pass", f"{runner.layout.describe()}; {together_note}")
 
 
 def _importable(family: str) -> bool:
