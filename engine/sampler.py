@@ -22,11 +22,11 @@ slower than numpy's and the decode loop is not pipelined (engine/config.py), so
 reading the logits costs nothing. There a filtered row sorts only its CANDIDATES
 largest logits (``argpartition``); a top-p row whose candidates hold less than top_p
 of the mass (a flat distribution) is redone over its whole sorted row, so the nucleus
-is exact. Why not a Gumbel draw per row, as before session 24: per-row noise over the
-whole vocabulary cost a loop of ops per row, and MLX's CPU transcendental ops run at
-~12 ns an element: at B=32 over SmolLM2's 49k tokens sampling took 20 ms a step with
-a temperature and 205 ms with top-p 0.9 (a full sort per row), against a ~100 ms step
-(bench/sampler_bench.py).
+is exact. Why not a Gumbel draw per row: per-row noise over the whole vocabulary
+costs a loop of ops per row, and MLX's CPU transcendental ops run at
+~12 ns an element: at B=32 over SmolLM2's 49k tokens such a sampler takes 20 ms a step
+with a temperature and 205 ms with top-p 0.9 (a full sort per row), against a ~100 ms
+step (bench/cpu/sampler_bench.py).
 
 Later per-row features (constrained-decoding masks, logit bias, penalties) slot in
 as extra per-row terms added to the logits before the draw.
@@ -40,10 +40,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from engine.backends.cuda import sampler as gpu_sampler
-from engine.types import SamplingParams
+from engine import platform
+from engine.backends import cuda
+from engine.types import DRAW_BLOCK, SamplingParams
 
-BLOCK = gpu_sampler.BLOCK  # tokens a block of the two-level draw (the kernel's too)
+BLOCK = DRAW_BLOCK  # tokens a block of the two-level draw (the CUDA kernel's too)
 CANDIDATES = 1024  # logits a top-k/top-p row sorts on the CPU (more where its top_k asks)
 
 
@@ -90,10 +91,10 @@ def sample_batch(logits: mx.array, rows: list[RowSampler]) -> mx.array:
         return mx.argmax(logits, axis=-1).astype(mx.int32)
     draws = [rows[i].draw() for i in live]
     xp = np if numpy_route() else mx
-    kernel = xp is mx and use_kernel_on_gpu and gpu_sampler.enabled()
-    whole = kernel and gpu_sampler.takes(raw) and not any(rows[i].filters for i in live)
+    kernel = xp is mx and use_kernel_on_gpu and cuda.sampler_enabled()
+    whole = kernel and cuda.sampler_takes(raw) and not any(rows[i].filters for i in live)
     if whole:  # one kernel for the whole step
-        return gpu_sampler.draw(raw, _kernel_params(rows, range(len(rows)), draws))
+        return cuda.sampler_draw(raw, _kernel_params(rows, range(len(rows)), draws))
     x = np.asarray(logits) if xp is np else logits
     if len(live) < len(rows):
         out = xp.argmax(x, axis=-1).astype(xp.int32)
@@ -106,8 +107,8 @@ def sample_batch(logits: mx.array, rows: list[RowSampler]) -> mx.array:
             continue
         idx = [live[j] for j in group]
         sub = x if len(idx) == len(rows) else x[xp.array(idx)]
-        if kernel and drawer is _draw_full and gpu_sampler.takes(sub):
-            tokens = gpu_sampler.draw(sub, _kernel_params(rows, idx, [draws[j] for j in group]))
+        if kernel and drawer is _draw_full and cuda.sampler_takes(sub):
+            tokens = cuda.sampler_draw(sub, _kernel_params(rows, idx, [draws[j] for j in group]))
         else:
             inv_t = xp.array([[1.0 / rows[i].temperature] for i in idx], dtype=xp.float32)
             u = xp.array([draws[j] for j in group], dtype=xp.float32)  # [n, 2]
@@ -138,7 +139,7 @@ def _kernel_params(rows: list[RowSampler], idx, draws: list) -> mx.array:
 
 
 def numpy_route() -> bool:
-    return use_numpy_on_cpu and mx.default_device().type == mx.DeviceType.cpu
+    return use_numpy_on_cpu and platform.on_cpu()
 
 
 def _weights(x, m, inv_t, xp):

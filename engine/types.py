@@ -10,6 +10,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+# tokens a block of the two-level draw (engine/sampler.py): the CUDA kernel
+# (engine/backends/cuda/sampler.py) draws with the same blocks, so a row's two uniforms
+# pick the same token either way
+DRAW_BLOCK = 256
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS token or a stop string

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from engine import metrics
-from engine.backends.cuda import sampler as gpu_sampler
+from engine.backends import cuda
 from engine.cache_layout import Caches
 from engine.config import (
     EngineConfig,
@@ -59,7 +59,13 @@ Emit = Callable[[TokenEvent], None]
 
 
 class ModelWorker:
-    def __init__(self, loaded, config: EngineConfig, max_context: int | None = None) -> None:
+    def __init__(
+        self,
+        loaded,
+        config: EngineConfig,
+        max_context: int | None = None,
+        runner: ModelRunner | None = None,
+    ) -> None:
         self.loaded = loaded
         self.name = loaded.name
         self.config = config
@@ -67,7 +73,9 @@ class ModelWorker:
         self.context_length = min(
             c for c in (loaded.context_length, max_context, config.max_kv_tokens) if c
         )
-        self.runner = ModelRunner(loaded.model, loaded.cpu_shadows)
+        # ``runner``: another way to run the model (a tensor-parallel rank 0's
+        # LockstepRunner); by default the model runs here alone.
+        self.runner = runner or ModelRunner(loaded.model, loaded.cpu_shadows)
         layout = self.runner.layout
         self.scheduler = Scheduler(config, kv_tokens=layout.kv_tokens)
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens, layout=layout)
@@ -142,6 +150,20 @@ class ModelWorker:
             self._inbox.put(("submit", seq))
         self._wake.set()
 
+    def fail(self, exc: BaseException, grace_s: float = 2.0) -> None:
+        """From any thread: the model cannot run any more. The worker loop ends with
+        ``exc`` at its next iteration, failing every request (``engine_dead``). If the
+        worker thread is stuck inside MLX for good (a collective whose peer died
+        never returns), this thread fails the requests instead after ``grace_s``, so
+        no client waits forever; the stuck thread touches none of them again."""
+        self.fatal = exc
+        self._inbox.put(("fatal", exc))
+        self._wake.set()
+        self._thread.join(grace_s)
+        if self._thread.is_alive():
+            log.error("engine worker for %s is stuck; failing its requests", self.name)
+            self._finish_all(FinishReason.ERROR, f"The engine failed: {exc}", "engine_dead")
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
         self._wake.set()
@@ -151,6 +173,8 @@ class ModelWorker:
         interpreter exits aborts the process (``terminate called ...``)."""
         self._stopping = True
         self._wake.set()
+        if self.fatal is not None:  # a worker stuck in MLX never ends: do not wait long
+            timeout = min(timeout, 2.0)
         if self._thread.is_alive():
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -219,7 +243,7 @@ class ModelWorker:
         mx.eval(first, kv.arrays())
         # temperature-only rows (a GPU's sampling kernel, engine/backends/cuda/sampler.py, from
         # MIN_ROWS rows): alone (the logits' dtype) and beside a top-p row (float32)
-        n = gpu_sampler.MIN_ROWS + 1
+        n = cuda.SAMPLER_MIN_ROWS + 1
         plain = RowSampler.from_params(SamplingParams(temperature=1.0, seed=0))
         top_p = RowSampler.from_params(SamplingParams(temperature=1.0, top_p=0.9, seed=0))
         rows_of = mx.broadcast_to(logits[None], (n, logits.shape[-1]))
@@ -263,6 +287,8 @@ class ModelWorker:
                 self.waiting.append(item)
             elif kind == "abort":
                 aborted.add(item)
+            elif kind == "fatal":  # the model can no longer run (a lost rank): end the loop
+                raise item
         if aborted:
             self._abort(aborted)
         self._expire_waiting()
@@ -476,7 +502,7 @@ class ModelWorker:
         self.prefix_cache.insert(seq.prompt, _kv_only(rows), state=kept)
         if self._accept_token(seq, token):
             return
-        self.batch.add(rows)
+        self.runner.join_batch(self.batch, kv, rows)
         seq.state = SeqState.RUNNING
         self.running.append(seq)
 
@@ -757,7 +783,7 @@ class ModelWorker:
         keep = [i for i, s in enumerate(self.running) if s.state is SeqState.RUNNING]
         if len(keep) == len(self.running):
             return
-        self.batch.keep(keep)
+        self.runner.keep_rows(self.batch, keep)
         self.running = [self.running[i] for i in keep]
         if not self.running:
             self._inflight = None  # only ended rows were in it

@@ -23,6 +23,8 @@ from typing import Any
 
 import uvicorn
 
+from engine import envs
+from engine.backends import cpu, cuda
 from engine.config import EngineConfig
 from server.config import ConfigError, ServerSettings, load_settings, parse_model_arg, redacted
 
@@ -223,12 +225,15 @@ def main(argv: list[str] | None = None) -> int:
         # Before anything imports MLX: keep CUDA's compiled kernels in a per-user
         # cache and use MLX's own attention, not cuDNN's (no-ops elsewhere), bind its CPU matmuls to a fast BLAS (no-op on
         # macOS and CUDA builds). The HTTP layer itself never imports MLX.
-        from engine.backends.cpu.blas import ensure_fast_blas
-        from engine.backends.cuda.setup import default_cuda_attention, default_ptx_cache_dir
-
-        default_ptx_cache_dir()
-        default_cuda_attention()  # no cuDNN graph build per prompt length (CUDA only)
-        ensure_fast_blas()
+        for name in envs.unknown():
+            log.warning("unknown environment variable %s: markbase reads no such setting "
+                        "(docs/configuration.md lists them)", name)  # fmt: skip
+        for why in envs.invalid():
+            log.error("%s", why)
+            return 2
+        cuda.default_ptx_cache_dir()
+        cuda.default_cuda_attention()  # no cuDNN graph build per prompt length (CUDA only)
+        cpu.ensure_fast_blas()
         return serve(args)
     return 2
 

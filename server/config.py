@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from engine import envs
 from engine.config import EngineConfig, ModelConfig
 
 ENV_PREFIX = "MARKBASE_"
@@ -171,21 +172,24 @@ def _apply_yaml(settings: Settings, path: Path) -> None:
         ]
 
 
-def _apply_env(settings: Settings, env: Mapping[str, str]) -> None:
+def _apply_env(settings: Settings, env: Mapping[str, str] | None) -> None:
+    """The ``MARKBASE_*`` settings set in ``env`` (None: the process's), read through
+    engine/envs.py's registry, which declares each of them."""
     for target in (settings.server, settings.engine):
         hints = _hints(type(target))
         for name in _field_names(type(target)):
             if name == "models":
                 continue
             key = ENV_PREFIX + name.upper()
-            if key in env:
-                setattr(target, name, _coerce(env[key], hints[name], key))
-    if ENV_PREFIX + "API_KEY" in env:
-        settings.server.api_keys = _coerce(
-            env[ENV_PREFIX + "API_KEY"], list[str], "MARKBASE_API_KEY"
-        )
-    if ENV_PREFIX + "MODEL" in env:
-        sources = [s.strip() for s in env[ENV_PREFIX + "MODEL"].split(",") if s.strip()]
+            text = envs.raw(key, env)
+            if text is not None:
+                setattr(target, name, _coerce(text, hints[name], key))
+    keys = envs.raw(ENV_PREFIX + "API_KEY", env)
+    if keys is not None:
+        settings.server.api_keys = _coerce(keys, list[str], "MARKBASE_API_KEY")
+    models = envs.raw(ENV_PREFIX + "MODEL", env)
+    if models is not None:
+        sources = [s.strip() for s in models.split(",") if s.strip()]
         if sources:
             settings.engine.models = [parse_model_arg(s) for s in sources]
 
@@ -210,9 +214,8 @@ def load_settings(
     """Build settings from all layers. ``overrides`` are CLI values already
     parsed: keys are field names of ServerSettings or EngineConfig, plus
     ``models`` (list of ModelConfig); ``None`` values mean "not given"."""
-    env = os.environ if env is None else env
     settings = Settings()
-    path = config_path or env.get(ENV_PREFIX + "CONFIG")
+    path = config_path or envs.raw(ENV_PREFIX + "CONFIG", env)
     if path:
         _apply_yaml(settings, Path(path))
     _apply_env(settings, env)

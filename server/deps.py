@@ -1,4 +1,4 @@
-"""Small helpers every handler uses: the engine and settings of the app, and
+"""Small functions every handler uses: the engine and settings of the app, and
 reading a JSON body under the size limit into a request model."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The decode attention kernel alone, per loop shape: GPU time a call and the KV read
-rate, for the shapes of the engine table (ON the GPU machine, after bench/gpu/env.sh).
+rate, for the shapes of the engine table (on the GPU machine, docs/gpu-development.md).
 
-Why: a whole-step profile costs ~2 minutes of device time per variant and config;
+Why: a whole-step profile takes ~2 minutes of GPU time per variant and config;
 this times only engine/backends/cuda/attention/decode.py's append form (what the decode step calls),
 with CUPTI (torch.profiler in the same process), so a dozen loop shapes take about a
 minute. Each "step" is one call per layer over that layer's own cache buffers (so the
@@ -109,7 +109,7 @@ def main() -> None:
     )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--budget-s", type=float, default=240)
+    ap.add_argument("--time-limit-s", type=float, default=240)
     ap.add_argument("--out", default="")
     ap.add_argument("--env", default="", help="write the best shape as MARKBASE_GPU_ATTN_* exports")
     args = ap.parse_args()
@@ -122,8 +122,8 @@ def main() -> None:
         m = build(model, batch, length, dtype)
         kv_bytes = batch * m["hkv"] * length * m["d"] * 2 * dtype.size
         for name in args.variants.split(","):
-            if time.perf_counter() - t0 > args.budget_s:
-                print(f"{shape} {name}: budget spent", flush=True)
+            if time.perf_counter() - t0 > args.time_limit_s:
+                print(f"{shape} {name}: time limit reached", flush=True)
                 continue
             auto = name == "auto"  # auto_shape's choice per launch
             tc = gpu_attention_tc
@@ -137,17 +137,15 @@ def main() -> None:
                 os.environ[tc.STAGES_ENV] = "2" if split else knobs.get("g", "2")
                 os.environ[tc.SPLIT_STAGES_ENV] = knobs.get("g", "2")
                 os.environ[tc.SPLIT_ENV] = "1" if split else "0"
-                os.environ[tc.MULTI_ENV] = "1" if multi else "0"
                 gpu_attention.set_loop_shape(
                     gpu_attention.LoopShape(ppb=int(knobs["p"]), tc=True, tc_split=True)
                     if "p" in knobs
                     else None
                 )
                 os.environ[tc.ENV] = "1"
-            else:  # CUDA cores only (the tensor-core forms are on by default since session 18)
+            else:  # CUDA cores only (the tensor-core forms are the default)
                 os.environ[tc.ENV] = "0"
                 os.environ[tc.SPLIT_ENV] = "0"
-                os.environ[tc.MULTI_ENV] = "0"
                 gpu_attention.set_loop_shape(None if auto else gpu_attention.LoopShape.parse(name))
             try:
                 r = timed(m, length, args.steps)
@@ -167,7 +165,6 @@ def main() -> None:
     gpu_attention.set_loop_shape(None)
     os.environ.pop(gpu_attention_tc.ENV, None)
     os.environ.pop(gpu_attention_tc.SPLIT_ENV, None)
-    os.environ.pop(gpu_attention_tc.MULTI_ENV, None)
     best = pick([r for r in rows if not r["variant"].startswith("tc")])
     if args.out:
         doc = dict(stage="attn_bench", rows=rows, best=best)

@@ -1,6 +1,6 @@
-"""Decode and prefill speed of markbase's own batched path on MLX (CUDA on the H200).
+"""Decode and prefill speed of markbase's own batched path on MLX's CUDA backend.
 
-Runs ON the GPU machine (after bench/gpu/remote_setup.sh b):
+Runs on the GPU machine (docs/gpu-development.md):
 
     source bench/gpu/env.sh
     python3 bench/gpu/bench_decode.py --models 1b --quants bf16,q4 --out $OUT/mlx.json
@@ -28,10 +28,9 @@ built batch of the same length, to find what a step costs:
 
 Flags combine with "+": ``ragged+gqa+fused+async``, ``worker+gqa+fused``.
 
-"markbase" here is ``ModelRunner(model, fused_decode=False)``: the runner's path as
-NOTES.md measured it, before the engine decoded llama models through
-``engine.model.decode_step.FusedDecodeStep`` on the GPU too, so that the variants above
-keep their meaning. ``worker`` is the real engine (fused step included, no
+"markbase" here is ``ModelRunner(model, fused_decode=False)``: the runner's plain path,
+not ``engine.model.decode_step.FusedDecodeStep``, so that the variants above keep their
+meaning. ``worker`` is the real engine (fused step included, no
 warm-up). The engine's fused step against the unfused one, and the warm-up, are
 measured by ``bench_engine.py``.
 
@@ -544,7 +543,7 @@ class Bench:
         self.rows: list[dict] = []
 
     def left(self) -> float:
-        return self.args.budget_s - (now() - self.t_start)
+        return self.args.time_limit_s - (now() - self.t_start)
 
     def record(self, **row) -> dict:
         self.rows.append(row)
@@ -586,7 +585,7 @@ class Bench:
         for name in a.models.split(","):
             for quant in a.quants.split(","):
                 if self.left() < 20:
-                    log(f"[{name} {quant}] budget spent: skipped")
+                    log(f"[{name} {quant}] time limit reached: skipped")
                     continue
                 try:
                     self.run_model(name, quant)
@@ -672,7 +671,7 @@ class Bench:
                 if variant.startswith("worker") or ("ragged" in variant and b == 1):
                     continue  # worker: below, once per model; ragged needs two rows
                 if self.left() < 15:
-                    log(f"{tag} B={b} {variant}: budget spent, skipped")
+                    log(f"{tag} B={b} {variant}: time limit reached, skipped")
                     continue
                 try:
                     r = self.run_variant(runner, model, layer_kv, first, b, variant)
@@ -708,7 +707,7 @@ class Bench:
         for wv in [v for v in variants if v.startswith("worker")]:
             for b in a.variant_batches_list:
                 if self.left() < 30:
-                    log(f"{tag} {wv} B={b}: budget spent, skipped")
+                    log(f"{tag} {wv} B={b}: time limit reached, skipped")
                     continue
                 try:
                     with patched(model, wv.split("+")):
@@ -976,7 +975,7 @@ def main() -> None:
     ap.add_argument(
         "--chunk", type=int, default=512, help="also time the prefill in chunks of this"
     )
-    ap.add_argument("--budget-s", type=float, default=480)
+    ap.add_argument("--time-limit-s", type=float, default=480)
     ap.add_argument("--gpu-name", default="")
     ap.add_argument("--out", default=None)
     ap.add_argument("--repeat", type=int, default=1, help="run the decode matrix this many times")

@@ -1,6 +1,6 @@
 """The engine's own GPU changes, measured through the real code paths.
 
-Runs ON the GPU machine (after bench/gpu/remote_setup.sh b; ``suite.sh engine-1b``):
+Runs on the GPU machine (docs/gpu-development.md; ``suite.sh engine-1b``):
 
     python3 bench/gpu/bench_engine.py ab --model 1b --quant bf16 --batches 1,8,32 --out ab.json
     python3 bench/gpu/bench_engine.py first-request --warmup off --out first-off.json
@@ -60,7 +60,8 @@ from bench_decode import (  # noqa: E402  (puts the repo root on sys.path)
 from shapes import CONFIGS  # noqa: E402
 
 from engine.backends.cuda import linear as gpu_linear  # noqa: E402
-from engine.model.decode_step import FusedDecodeStep, make_decode_step, on_gpu  # noqa: E402
+from engine.model.decode_step import FusedDecodeStep, make_decode_step  # noqa: E402
+from engine.platform import on_gpu  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 
 now = time.perf_counter
@@ -112,8 +113,8 @@ def run_ab(args) -> None:
         f"{2 * len(model.layers)} projection groups fused, compiled={step.compiled}, "
         f"flat={step.flat}"
     )
-    # fused3d: the same fused step with the hidden state as [B, 1, D] (as before
-    # session 4); fused2d: as [B, D]. "fused" is whatever the engine does by default.
+    # fused3d: the same fused step with the hidden state as [B, 1, D]; fused2d: as
+    # [B, D]. "fused" is whatever the engine does by default.
     flat3d = ModelRunner(model, fused_decode=False)
     flat3d.decode_step = copy.copy(step)
     flat3d.decode_step.flat = False
@@ -174,9 +175,9 @@ def run_ab(args) -> None:
                 lengths = ragged_lengths(args.prompt, b) if shape == "ragged" else [args.prompt] * b
                 order = list(runners) if rep % 2 == 0 else list(reversed(runners))
                 for variant in order:
-                    left = args.budget_s - (now() - t_start)
+                    left = args.time_limit_s - (now() - t_start)
                     if left < 5:
-                        log(f"B={b} {shape} {variant} rep {rep}: budget spent, skipped")
+                        log(f"B={b} {shape} {variant} rep {rep}: time limit reached, skipped")
                         continue
                     runner = runners[variant]
                     gpu_linear.reset_plans()  # the environment's (or default) plans
@@ -390,7 +391,7 @@ def main() -> None:
         "pieces under mx.compile), qk2/qk4 (MARKBASE_GPU_QUANT_PLAN=1:qmm,8:qmmk2/4)",
     )
     ap.add_argument("--shapes", default="equal,ragged", help="ab: equal and/or ragged rows")
-    ap.add_argument("--budget-s", type=float, default=45)
+    ap.add_argument("--time-limit-s", type=float, default=45)
     ap.add_argument("--gen", type=int, default=32, help="first-request: tokens per request")
     ap.add_argument(
         "--lengths",

@@ -1,8 +1,8 @@
 """Host time per product call on MLX's CUDA backend: building the graph node in
 Python, and MLX's encoding + launch (``mx.async_eval``), per formulation.
 
-Why: the decode step is host-bound on the H200 from 1b B=1 to 8b B=8
-(bench/gpu/NOTES.md, session 5), so a kernel that is faster on the GPU can still
+Why: without the compiled step, the decode step was host-bound on an H200 from 1b B=1
+to 8b B=8 (2026-12-03), so a kernel that is faster on the GPU can still
 make the step slower if its call costs more host time. Shapes are tiny (256 x 1024)
 so the GPU time is negligible; each figure is the median over repeats of 200
 independent calls, in microseconds per call.

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# ON the GPU machine: is the decode step's host time bimodal because the Python thread
+# On the GPU machine: is the decode step's host time bimodal because the Python thread
 # shares a physical core (SMT sibling) with a busy MLX/CUDA thread? Prints the CPU
 # topology, then runs the same profile (no CUPTI) unpinned and pinned to one logical
 # CPU per physical core, and shows the busiest threads of a running process.
 #   bash bench/gpu/cpu_pin.sh 1b bf16 1,8
 set -uo pipefail
 m=${1:-1b} q=${2:-bf16} batches=${3:-1,8}
-OUT=${OUT:-/tmp/out}
+OUT=${OUT:-bench/results/gpu}
+mkdir -p "$OUT"
 lscpu | grep -E "^CPU\(s\)|Thread|Core|Socket|NUMA node" || true
 one_per_core=$(python3 - <<'PY'
 import glob

@@ -3,7 +3,7 @@ engine/backends/cuda/products/dequant.py's kernel, per product of the 8b and 1b 
 time, and the bytes moved a second: the 4-bit words, scales and biases read, the
 bf16 weights written).
 
-Runs ON the GPU machine (after bench/gpu/remote_setup.sh b and bench/gpu/env.sh):
+Runs on the GPU machine (docs/gpu-development.md):
 
     python3 bench/gpu/dequant_bench.py --out $OUT/dequant.json
 

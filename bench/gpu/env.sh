@@ -1,10 +1,12 @@
-# Source ON the GPU machine after remote_setup.sh b: MLX from /tmp/site, markbase from the repo.
+# Source on the GPU machine after remote_setup.sh b (docs/gpu-development.md): MLX from
+# /tmp/site, markbase from the repo.
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
 # MLX's CUDA backend JIT-compiles kernels and keeps the PTX here; a second process on
-# the same warm machine starts faster.
+# the same machine starts faster.
 export MLX_PTX_CACHE_DIR=/tmp/mlx-ptx
-# A PTX cache brought back from an earlier machine (bench/gpu/README.md) skips most JIT.
+# A PTX cache saved on an earlier machine (suite.sh save-ptx, copied to .gpu-cache/ptx.tgz)
+# skips most JIT.
 if [ -f .gpu-cache/ptx.tgz ] && [ ! -d "$MLX_PTX_CACHE_DIR" ]; then
     mkdir -p "$MLX_PTX_CACHE_DIR" && tar xzf .gpu-cache/ptx.tgz -C "$MLX_PTX_CACHE_DIR" --strip-components=1
 fi

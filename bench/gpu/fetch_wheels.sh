@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Run HERE (the machine without a GPU), from anywhere in the repo.
+# Run on a machine with network access, from anywhere in the repo.
 #
-# Downloads the wheels MLX needs on the lent H200 (its image has Python 3.12 and the
-# CUDA 13 libraries, but no MLX) and cuts them into two folders that each fit one
-# `run` call (64 MiB carried per call):
+# Downloads the wheels MLX needs on an offline GPU machine (one with Python 3.12 and the
+# CUDA 13 libraries, but no MLX) and cuts them into two folders of under 64 MiB each, for
+# transfers limited to that size (docs/gpu-development.md):
 #
 #   .whl-a/  part-aa (first 50,000,000 bytes of mlx-cuda-13) + SHA256SUMS
 #   .whl-b/  part-ab (the rest) + mlx + mlx-lm wheels + SHA256SUMS
 #
-# The folders are ignored through .git/info/exclude (not .gitignore), so they travel
-# only when a `run` call names them in `carry`. See bench/gpu/README.md.
+# The folders are ignored through .git/info/exclude (not .gitignore), so a copy of the
+# working tree includes them only when asked to.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 
@@ -49,4 +49,4 @@ got=$(cat "$A/part-aa" "$B/part-ab" | sha256sum | cut -d' ' -f1)
 tree_bytes=$(git ls-files -z -co --exclude-standard | xargs -0 -r du -cb 2>/dev/null | tail -1 | cut -f1)
 echo "ok: $CUDA_WHL split and verified ($want)"
 du -sb "$A" "$B"
-echo "working tree that travels: $tree_bytes bytes (+ the carried folder; limit 67108864)"
+echo "working tree: $tree_bytes bytes (+ one wheel folder; 64 MiB is 67108864)"

@@ -69,8 +69,8 @@ def in_dim(m) -> int:
 def time_form(layers, rows: int, form: str, plan_forms, reps: int) -> float:
     """Seconds of GPU kernel time for one layer's products (all copies in one eval, /
     copies), from CUPTI: the products are independent, and MLX's CUDA graph may run
-    them side by side, so wall time flattered small grids (session 17: 64-block kernels
-    looked ~2x faster than in the decode step). Wall time (median) without a GPU."""
+    them side by side, so wall time flattered small grids (64-block kernels looked ~2x
+    faster than in the decode step). Wall time (median) without a GPU."""
     plan = parse_plan(f"1:{form}", plan_forms)
     for mods in layers:
         for m in mods:

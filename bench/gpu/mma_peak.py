@@ -1,9 +1,8 @@
 """What ``mma.sync`` and the 4-bit dequantization cost on this GPU, alone: the ceiling
 engine/backends/cuda/products/qgemm.py and engine/backends/cuda/products/mma.py work under.
 
-Why: at 128 rows the 4-bit products run at ~130-155 TFLOP/s (H100, session 18), and
-neither a deeper load pipeline nor more warps an SM made them faster
-(bench/gpu/NOTES.md). If ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate) itself tops
+Why: at 128 rows the 4-bit products ran at ~130-155 TFLOP/s (H100, 2026-12-05), and
+neither a deeper load pipeline nor more warps an SM made them faster. If ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate) itself tops
 out near ~300 TFLOP/s here, the kernels are at half of what their instruction can give
 and the way on is Hopper's ``wgmma``; if it reaches ~600, the dequantization and the
 instruction mix are what to cut. Each form runs register-only loops (no memory in the
@@ -17,7 +16,7 @@ loop) on every SM:
   the column reads as "MMAs' worth": pairs / 2 per the ``deq`` ratio);
 - ``imma``: ``mma.sync.m16n8k32`` on int8 (s32 accumulate), for a W4A8 estimate.
 
-Runs ON the GPU machine (after bench/gpu/remote_setup.sh b and bench/gpu/env.sh):
+Runs on the GPU machine (docs/gpu-development.md):
 
     python3 bench/gpu/mma_peak.py [--warps 4,8] [--chains 4,8]
 

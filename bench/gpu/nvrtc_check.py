@@ -1,7 +1,6 @@
 """Compile markbase's custom CUDA kernels with NVRTC on a machine without a GPU.
 
-Device time is scarce (bench/gpu/README.md), so a kernel that does not compile should
-fail here, not there. This rebuilds the source ``mx.fast.cuda_kernel`` would hand to
+A kernel that does not compile should fail here, before any GPU run. This rebuilds the source ``mx.fast.cuda_kernel`` would hand to
 NVRTC (signature from the input/output names, template constants, the body; the
 same default header) and compiles it for sm_90a as MLX's JIT does.
 
@@ -25,41 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from engine.backends.cuda.kernels import CTYPES, minified  # noqa: E402
-
-DEFAULT_HEADER = (
-    '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
-)
-
-
-def build_source(spec) -> str:
-    """The kernel source as MLX's ``build_kernel`` (mlx/backend/cuda/custom_kernel.cpp)
-    writes it, from the spec as engine/cuda_kernels.make_kernel hands it over (minified)."""
-    spec = minified(spec)
-    out = DEFAULT_HEADER + spec.header
-    out += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-    out += f"__global__ void custom_kernel_{spec.name}(\n"
-    for name, dtype, ndim in spec.inputs:
-        out += f"    const {CTYPES[dtype]}* {name},\n"
-        if ndim > 0:
-            if f"{name}_shape" in spec.source:
-                out += f"    const __grid_constant__ Shape {name}_shape,\n"
-            if f"{name}_strides" in spec.source:
-                out += f"    const __grid_constant__ Strides {name}_strides,\n"
-            if f"{name}_ndim" in spec.source:
-                out += f"    const __grid_constant__ int {name}_ndim,\n"
-    outs = [f"    {CTYPES[dtype]}* {name}" for name, dtype in spec.outputs]
-    out += ",\n".join(outs) + ") {\n"
-    for name, value in spec.template:
-        if isinstance(value, bool):
-            out += f"  constexpr bool {name} = {'true' if value else 'false'};\n"
-        elif isinstance(value, int):
-            out += f"  constexpr int {name} = {value};\n"
-        else:
-            out += f"  using {name} = {CTYPES[value]};\n"
-    out += "\n" + spec.source + "\n}\n\n} // namespace mlx::core::cu\n"
-    return out
-
+from engine.backends.cuda.kernels import nvrtc_source as build_source  # noqa: E402
+from engine.backends.cuda.specs import all_specs  # noqa: E402
 
 # sm_90a SASS (not PTX) so that ptxas runs and reports registers and spills
 ARCH = b"--gpu-architecture=sm_90a"
@@ -114,40 +80,6 @@ def compile_source(
         text = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True)
         (sass / f"{name}.sass").write_text(text.stdout + text.stderr)
     return rc == 0, buf.value.decode(errors="replace")
-
-
-def all_specs() -> list:
-    """Every custom kernel's specs, as ``kernel_specs_for_check`` of each module gives
-    them (also tests/backends/cuda/test_kernel_sources.py's list)."""
-    from engine.backends.cuda import prefetch as gpu_prefetch
-    from engine.backends.cuda import sampler as gpu_sampler
-    from engine.backends.cuda.attention import decode as gpu_attention
-    from engine.backends.cuda.attention import decode_tc as gpu_attention_tc
-    from engine.backends.cuda.attention import prefill as gpu_prefill_attention
-    from engine.backends.cuda.products import dequant as gpu_dequant
-    from engine.backends.cuda.products import gemv as gpu_gemv
-    from engine.backends.cuda.products import mma as gpu_mma
-    from engine.backends.cuda.products import qblock as gpu_qblock
-    from engine.backends.cuda.products import qgemm as gpu_qgemm
-    from engine.backends.cuda.products import qlayer as gpu_qlayer
-    from engine.backends.cuda.products import qstream as gpu_qstream
-    from engine.backends.cuda.products import wgmma as gpu_wgmma
-
-    return (
-        gpu_attention.kernel_specs_for_check()
-        + gpu_attention_tc.kernel_specs_for_check()
-        + gpu_gemv.kernel_specs_for_check()
-        + gpu_mma.kernel_specs_for_check()
-        + gpu_qstream.kernel_specs_for_check()
-        + gpu_qlayer.kernel_specs_for_check()
-        + gpu_qblock.kernel_specs_for_check()
-        + gpu_prefill_attention.kernel_specs_for_check()
-        + gpu_qgemm.kernel_specs_for_check()
-        + gpu_dequant.kernel_specs_for_check()
-        + gpu_wgmma.kernel_specs_for_check()
-        + gpu_prefetch.kernel_specs_for_check()
-        + gpu_sampler.kernel_specs_for_check()
-    )
 
 
 def main() -> None:

@@ -1,13 +1,13 @@
-"""What a kernel pays for reading one scalar out of MLX's pool of tiny arrays (ON the GPU
-machine, after bench/gpu/env.sh).
+"""What a kernel pays for reading one scalar out of MLX's pool of tiny arrays (on the GPU
+machine, docs/gpu-development.md).
 
 Why: MLX's CUDA allocator puts every array of 8 bytes or less in one 64 KB pool of
 managed memory (mlx/backend/cuda/allocator.cpp, ``SmallSizePool``), the GPU only
 "accessed by" it. At one row the step's token, offset and start are such arrays, and
 the host reads the sampled token every step, so the pool's pages may sit in host memory
 and every block's read of a scalar there may cross PCIe. The norm-inside 1-row kernels
-(which read eps) were ~17 us a call slower inside the step than alone (bench/gpu/NOTES.md,
-session 23). This times one read kernel of o_proj's size (9 MiB, one 16-byte load a
+(which read eps) were ~17 us a call slower inside the step than alone (H100,
+2026-12-06). This times one read kernel of o_proj's size (9 MiB, one 16-byte load a
 thread) whose every block also reads one int32 scalar, the scalar being: none; a
 [1] array made on the host (pool); a [1] array a GPU op made (pool); a [4] array a GPU
 op made (device memory); each with and without the host reading a pool array between

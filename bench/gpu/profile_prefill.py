@@ -1,11 +1,11 @@
 """Where a prefill's GPU time goes: kernels and GPU busy time of one prompt chunk (CUPTI,
 through torch.profiler in the same process as MLX), per model, weights and route.
 
-Why: session 15 (bench/gpu/NOTES.md) measured a 2048-token prefill of the 1b model at
-14.2 ms in bf16 and 24.7 ms in 4-bit with the dequantize route, but the products alone
+Why: a 2048-token prefill of the 1b model measured 14.2 ms in bf16 and 24.7 ms in 4-bit
+with the dequantize route (H100, 2026-12-05), but the products alone
 (``matmul_rows.py``) explain ~1.4 ms of that 10.5 ms; this names the rest.
 
-Runs ON the GPU machine (after bench/gpu/remote_setup.sh b and bench/gpu/env.sh):
+Runs on the GPU machine (docs/gpu-development.md):
 
     python3 bench/gpu/profile_prefill.py --models 1b,8b --quants bf16,q4 --out $OUT/pp.json
 
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--variants", default="default,qmm,mlxattn")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--budget-s", type=float, default=150)
+    ap.add_argument("--time-limit-s", type=float, default=150)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -113,8 +113,8 @@ def main() -> None:
         cfg = CONFIGS[name]
         tokens = [(i * 7919 + 13) % cfg["vocab_size"] for i in range(args.tokens)]
         for quant in [q for q in args.quants.split(",") if q]:
-            if now() - t_start > args.budget_s:
-                log(f"[{name} {quant}] budget spent")
+            if now() - t_start > args.time_limit_s:
+                log(f"[{name} {quant}] time limit reached")
                 continue
             model = build_model(cfg, quant)
             runner = ModelRunner(model, fused_decode=False)
@@ -123,8 +123,8 @@ def main() -> None:
                     raise SystemExit(f"unknown variant {variant!r}: want some of {VARIANTS}")
                 if variant == "qmm" and quant == "bf16":
                     continue
-                if now() - t_start > args.budget_s:
-                    log(f"[{name} {quant}] {variant}: budget spent")
+                if now() - t_start > args.time_limit_s:
+                    log(f"[{name} {quant}] {variant}: time limit reached")
                     continue
                 set_variant(runner, model, variant, os.environ)
                 t = now()

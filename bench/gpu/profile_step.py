@@ -2,7 +2,7 @@
 CUPTI (through torch.profiler, in the same process as MLX), against the step's wall
 time in a pipelined loop like the worker's.
 
-Runs ON the GPU machine (after bench/gpu/remote_setup.sh b and bench/gpu/env.sh):
+Runs on the GPU machine (docs/gpu-development.md):
 
     python3 bench/gpu/profile_step.py --model 8b --quant q4 --batches 1,8,32 \\
         --variants kernel,mlx --out $OUT/profile-8b-q4.json
@@ -26,7 +26,6 @@ the host is.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -51,10 +50,9 @@ now = time.perf_counter
 
 # name -> (attention kernel, float plan, quantized plan)
 # suffixes: "-nojoint" = q and k through two RoPE calls (FusedDecodeStep.joint_rope
-# off); "-mt1"/"-mt2" = engine/backends/cuda/products/mma.py's blocks capped at 1/2 m-tiles (session 6
-# had 1); "-norm" = the RMSNorms inside qkv's and gate_up's products
-# (FusedDecodeStep.fold_norm, off by default until measured); "-noapp" = RoPE and the
-# KV write as separate ops again (FusedDecodeStep.rope off: session 8's append form);
+# off); "-mt1"/"-mt2" = engine/backends/cuda/products/mma.py's blocks capped at 1/2 m-tiles; "-norm" = the RMSNorms inside qkv's and gate_up's products
+# (FusedDecodeStep.fold_norm, off by default: measured slower); "-noapp" = RoPE and the
+# KV write as separate ops (FusedDecodeStep.rope off);
 # "-2pass" = split attention merged by a second kernel (MARKBASE_GPU_ATTN_TWO_PASS);
 # "-at<shape>" = the attention kernel's loop shape (gpu_attention.LoopShape.parse, e.g.
 # "-atl16u2v"; bench/gpu/attn_bench.py times the kernel alone); "-pin" = the product
@@ -62,12 +60,12 @@ now = time.perf_counter
 # "-qn1" = the RMSNorms inside the 1-row kernels (MARKBASE_GPU_QSTREAM_NORM=1); "-qe" =
 # their first weight loads before x's conversion (MARKBASE_GPU_QSTREAM_EARLY); "-pf<MB>"
 # = engine/backends/cuda/prefetch.py beside each one-row attention (o_proj and MB of gate/up);
-# both the engine's defaults since session 23, but here on only with their suffix (so
-# the engine as served at one row is "default-wc-qe-pf12"); "-ds" = the rows' offsets
+# both engine defaults, but here on only with their suffix (so the engine as served at
+# one row is "default-wc-qe-pf12"); "-ds" = the rows' offsets
 # and starts copied to device memory at 1-2 rows (MARKBASE_GPU_DEVICE_SCALARS=1); "-wc" =
-# the whole step under one mx.compile (FusedDecodeStep.step_compile; the engine's
-# default since session 15, but here only variants with "-wc" compile, so that
-# "default" stays the uncompiled baseline of earlier sessions' profiles); "-ql" = a layer's products after the attention as one
+# the whole step under one mx.compile (FusedDecodeStep.step_compile; an engine
+# default, but here only variants with "-wc" compile, so that "default" stays the
+# uncompiled baseline); "-ql" = a layer's products after the attention as one
 # kernel at one row (engine/backends/cuda/products/qlayer.py, FusedDecodeStep.qlayer,
 # MARKBASE_GPU_QSTREAM_LAYER=1); "-ql2" = with the next layer's RMSNorm + q/k/v product
 # inside it too (MARKBASE_GPU_QSTREAM_LAYER=2); "-ql3" = the attention too: one kernel a
@@ -82,14 +80,14 @@ VARIANTS = {
     # engine/backends/cuda/products/mma.py's tensor-core kernels: from 2 rows, up to 32; and from 1 row
     "mma": (True, "1:xwt,2:mma,33:xwt", "1:qmm,2:qmma,33:qmm"),
     "mma16": (True, "1:xwt,2:mma,17:xwt", "1:qmm,2:qmma,33:qmm"),
-    "s5": (True, "1:xwt", "1:qmm,2:qgemv,9:qmm"),  # session 5's defaults
+    "s5": (True, "1:xwt", "1:qmm,2:qgemv,9:qmm"),  # the plans before the tensor-core products
     "mmaall": (True, "1:mma,33:xwt", "1:qmma,33:qmm"),
-    "s6": (True, "1:xwt,2:mma,33:xwt", "1:qmm,2:qmma,33:qmm"),  # session 6's defaults
+    "s6": (True, "1:xwt,2:mma,33:xwt", "1:qmm,2:qmma,33:qmm"),  # tensor-core products at 2-32 rows
     # 4-bit products of 33-128 rows as 32-row calls of the tensor-core kernel too
     "qmma128": (True, "1:mma,33:xwt", "1:qmma"),
     # bf16 products of 33-128 rows on the kernel too (one call; the folding at B=128)
     "mma128": (True, "1:xwt,2:mma", None),
-    # session 15: 4-bit products of 33+ rows on engine/backends/cuda/products/qgemm.py (x in shared memory)
+    # 4-bit products of 33+ rows on engine/backends/cuda/products/qgemm.py (x in shared memory)
     "qgemm": (True, None, "1:qstream,2:qmma,33:qgemm"),
 }
 
@@ -186,7 +184,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--budget-s", type=float, default=100)
+    ap.add_argument("--time-limit-s", type=float, default=100)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -218,21 +216,15 @@ def main() -> None:
             lengths = ragged_lengths(args.prompt, b) if b > 1 else [args.prompt]
             order = variants if rep % 2 == 0 else variants[::-1]
             for v in order:
-                if now() - t_start > args.budget_s:
-                    log(f"B={b} {v}: budget spent")
+                if now() - t_start > args.time_limit_s:
+                    log(f"B={b} {v}: time limit reached")
                     continue
                 attn_kernel, float_text, quant_text = VARIANTS[v.split("-")[0]]
                 step.attention_kernel = attn_kernel and kernel_ok
                 if hasattr(step, "joint_rope"):
                     step.joint_rope = "-nojoint" not in v
-                if hasattr(step, "fold_norm"):
-                    step.fold_norm = "-norm" in v
                 if hasattr(step, "rope"):
                     step.rope = None if "-noapp" in v else rope_table
-                if hasattr(step, "qlayer"):
-                    step.qlayer = "-ql" in v and any(step._qlayer_ok)
-                    step.qlayer_next = "-ql2" in v or "-ql3" in v
-                    step.qblock = "-ql3" in v and any(step._block_ok)
                 if hasattr(step, "step_compile"):  # a fresh trace cache per variant
                     step.step_compile = "-wc" in v and step.rope is not None
                     step._whole = mx.compile(step._whole_step) if step.step_compile else None
@@ -243,21 +235,16 @@ def main() -> None:
                 pf = re.search(r"-pf(\d*)", v)  # engine/backends/cuda/prefetch.py, its MB of gate/up
                 if hasattr(step, "l2_prefetch"):
                     step.l2_prefetch = pf is not None
-                if hasattr(step, "device_scalars"):  # "-ds": offsets/starts in device memory
-                    step.device_scalars = "-ds" in v
                 if pf and pf.group(1):
                     os.environ["MARKBASE_GPU_L2_PREFETCH_MB"] = pf.group(1)
                 else:
                     os.environ.pop("MARKBASE_GPU_L2_PREFETCH_MB", None)
                 at = re.search(r"-at([a-z0-9]+)", v)  # none: the automatic shapes
                 shape = gpu_attention.LoopShape.parse(at.group(1)) if at else None
-                if "-2pass" in v:
-                    shape = dataclasses.replace(shape or gpu_attention.LoopShape(), two_pass=True)
                 gpu_attention.set_loop_shape(shape)
                 from engine.backends.cuda.products import mma as gpu_mma
 
                 gpu_mma.set_max_m_tiles(1 if "-mt1" in v else 2 if "-mt2" in v else None)
-                gpu_mma.set_pin_loads(True if "-pin" in v else None)
                 gpu_linear.reset_plans()
                 gpu_linear.set_plans(float_text, quant_text)
                 try:

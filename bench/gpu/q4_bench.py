@@ -1,9 +1,9 @@
 """4-bit products of one row (the single-stream decode step) on engine/backends/cuda/products/mma.py's
-kernel, per launch shape: GPU time a call and the weight read rate (ON the GPU
-machine, after bench/gpu/env.sh).
+kernel, per launch shape: GPU time a call and the weight read rate (on the GPU
+machine, docs/gpu-development.md).
 
 Why: at 8b 4-bit B=1 the products are 2.56 ms of a 3.5 ms step and read their
-weights at ~1.65 TB/s (bench/gpu/NOTES.md, session 8). This times each of a layer's
+weights at ~1.65 TB/s (H200, 2026-12-03). This times each of a layer's
 products as the decode step calls them (qkv; o_proj and down_proj with the residual;
 gate_up with the SwiGLU) with CUPTI, over distinct weight copies (from HBM, not L2),
 one call after another, for variants of the loads in flight a lane (u), warps a
@@ -219,7 +219,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--tail", action="store_true", help="also time a layer's tail as one kernel")
     ap.add_argument("--tail-only", action="store_true")
-    ap.add_argument("--budget-s", type=float, default=150)
+    ap.add_argument("--time-limit-s", type=float, default=150)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     cfg = CONFIGS[args.model]
@@ -232,8 +232,8 @@ def main() -> None:
         x = mx.random.normal((1, k)).astype(mx.bfloat16)
         nbytes = n * k // 2 + n * (k // GS) * 4
         for v in args.variants.split(","):
-            if time.perf_counter() - t0 > args.budget_s:
-                print(f"{name} {v}: budget spent", flush=True)
+            if time.perf_counter() - t0 > args.time_limit_s:
+                print(f"{name} {v}: time limit reached", flush=True)
                 continue
             stream = parse_stream(v)
             norm = None
@@ -244,7 +244,6 @@ def main() -> None:
             else:
                 knobs, pin = parse(v)
                 gpu_mma.set_q4_few_rows(**knobs)
-                gpu_mma.set_pin_loads(pin)
             kernel = "mb_qstream" if stream is not None else "mb_mma_q4"
             try:
                 args_ = (x, ws, n, k, residual, glu, stream is not None, norm)
@@ -259,7 +258,6 @@ def main() -> None:
         del ws
         mx.clear_cache()
     gpu_mma.set_q4_few_rows()
-    gpu_mma.set_pin_loads(None)
     gpu_qstream.set_knobs()
     # per variant: the layer's four products together
     layer = {}

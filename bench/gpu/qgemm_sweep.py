@@ -1,16 +1,16 @@
 """engine/backends/cuda/products/qgemm.py's launch geometry and pipeline depth, product by product, against
 engine/backends/cuda/products/mma.py's kernel (qmma): which knob moves a 4-bit product of 64-256 rows.
 
-Why: session 16 measured qgemm's 3-stage form at 0.82-0.90x qmma's time a layer, but
+Why: qgemm's 3-stage form measured 0.82-0.90x qmma's time a layer (H100, 2026-12-05), but
 its gate/up product at 128 rows still ran ~5,000 cycles a k-step a block where shared
-memory reads bound it at ~2,000 and the MMAs at ~1,500 (bench/gpu/NOTES.md). Which of
+memory reads bound it at ~2,000 and the MMAs at ~1,500. Which of
 block rows, warps a block (blocks an SM) and stages matters decides the next design.
 
-Runs ON the GPU machine (after bench/gpu/remote_setup.sh b and bench/gpu/env.sh):
+Runs on the GPU machine (docs/gpu-development.md):
 
     python3 bench/gpu/qgemm_sweep.py --out $OUT/qgemm_sweep.json
 
-The stream-K form (``--forms r:2:0,s:2:0``, session 20): each call is its own
+The stream-K form (``--forms r:2:0,s:2:0``): each call is its own
 ``mx.eval`` (``cupti_us``), so no two calls share its tile counters at once.
 
 Each row: one product (8b/1b llama shapes: fused qkv, o_proj + residual, gate/up with
@@ -47,7 +47,7 @@ def timed(fn, inputs_list, calls: int, reps: int) -> float:
     """Median seconds of one kernel of ``fn`` over rotating inputs, from CUPTI's kernel
     durations. Why not wall time over a batch of calls: the calls are independent, and
     MLX's CUDA graph may run them side by side, which made the small grids (64 blocks:
-    o_proj/down_proj) look ~2x faster than in the engine's step (session 17)."""
+    o_proj/down_proj) look ~2x faster than in the engine's step."""
     mx.eval(fn(inputs_list[0]))
     state = {"i": 0}
 
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--products", default="", help="only these (qkv,o,gate_up,down,lm_head)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--budget-s", type=float, default=100)
+    ap.add_argument("--time-limit-s", type=float, default=100)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     on_gpu = mx.cuda.is_available()
@@ -100,8 +100,8 @@ def main() -> None:
                     weights.append(mx.quantize(w, group_size=GS, bits=4))
                 mx.eval(weights)
             for rows in [int(r) for r in args.rows.split(",") if r]:
-                if time.perf_counter() - t0 > args.budget_s:
-                    print(f"budget spent at {name} {pname} {rows}")
+                if time.perf_counter() - t0 > args.time_limit_s:
+                    print(f"time limit reached at {name} {pname} {rows}")
                     break
                 shapes = [(bm, wm, mt) for bm, wm, mt in GEOMETRIES if (n // 16) % (wm * mt) == 0]
                 if not on_gpu:
@@ -127,10 +127,8 @@ def main() -> None:
                         forms.append((f"qgemm bm{bm} w{wm} mt{mt} st{st}", us))
                 for form in [f for f in args.forms.split(",") if f]:
                     pipe, st, blocks, *more = form.split(":")
-                    os.environ[gpu_qgemm.WS_ENV] = "1" if pipe == "w" else "0"
                     os.environ[gpu_qgemm.STAGES_ENV] = st
                     os.environ[gpu_qgemm.LB_ENV] = blocks
-                    os.environ[gpu_qgemm.ABL_ENV] = more[0] if more else "0"
                     pw = more[1][1:] if len(more) > 1 else str(gpu_qgemm.PAIR_WARPS)
                     os.environ[gpu_qgemm.PAIR_WARPS_ENV] = pw
                     bm, wm, mt = gpu_qgemm.geometry(rows, n // 16)
@@ -143,8 +141,7 @@ def main() -> None:
                         print(f"{form}: {e}")
                         us = float("nan")
                     forms.append((f"qgemm bm{bm} w{wm} mt{mt} {form}", us))
-                envs = (gpu_qgemm.STAGES_ENV, gpu_qgemm.WS_ENV, gpu_qgemm.LB_ENV, gpu_qgemm.ABL_ENV,
-                        gpu_qgemm.PAIR_WARPS_ENV)  # fmt: skip
+                envs = (gpu_qgemm.STAGES_ENV, gpu_qgemm.LB_ENV, gpu_qgemm.PAIR_WARPS_ENV)
                 for env in envs:
                     os.environ.pop(env, None)
                 for form, s in forms:

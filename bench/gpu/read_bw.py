@@ -2,11 +2,11 @@
 kernel (mx.fast.cuda_kernel), by loads in flight a thread, over device memory (an
 array a GPU op made) and managed memory (an array made from host data, as weights
 loaded from disk are), against PyTorch's sum over the same bytes in the same process
-(ON the GPU machine, after bench/gpu/env.sh).
+(on the GPU machine, docs/gpu-development.md).
 
 Why: every 1-row 4-bit product kernel tried (engine/backends/cuda/products/mma.py, engine/backends/cuda/products/qstream.py's
-two forms) tops out at 1.6-2.1 TB/s however its loads are kept in flight (NOTES.md,
-session 10), where PyTorch's copy measures 4.3 TB/s. This says whether that is the
+two forms) topped out at 1.6-2.1 TB/s however its loads were kept in flight (H200,
+2026-12-04), where PyTorch's copy measured 4.3 TB/s. This says whether that is the
 kernels or what an MLX kernel can read here at all.
 
     python3 bench/gpu/read_bw.py --out $OUT/read_bw.json
@@ -84,7 +84,7 @@ def sized(fn, sizes_mb: list, steps: int) -> list:
     """The fastest a plain read kernel gets through one buffer of each size in one
     launch (8 distinct buffers, or as many as fill ~600 MB, so L2 holds none of them):
     what one product kernel of that size could take at best, its start and end included
-    (session 23: the 1-row products run at ~2.3-2.7 TB/s, a copy at ~4.2)."""
+    (H100, 2026-12-06: the 1-row products ran at ~2.3-2.7 TB/s, a copy at ~4.2)."""
     rows = []
     for mb in sizes_mb:
         nbytes = int(mb * (1 << 20)) // 64 * 64

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Run ON the lent GPU machine, from the repo root, through `run` (see README.md).
+# Run on an offline GPU machine, from the repo root, after fetch_wheels.sh's two folders
+# were copied there one at a time (docs/gpu-development.md):
 #
-#   bash bench/gpu/remote_setup.sh a   # carry .whl-a: stash half A of mlx-cuda-13 in /tmp
-#   bash bench/gpu/remote_setup.sh b   # carry .whl-b: join, verify, install, link, smoke test
+#   bash bench/gpu/remote_setup.sh a   # with .whl-a present: stash half A of mlx-cuda-13 in /tmp
+#   bash bench/gpu/remote_setup.sh b   # with .whl-b present: join, verify, install, link, smoke test
 #
-# Part b must come while the machine is still warm (30 s after part a returned):
-# /tmp is all that survives between calls. Once installed, later calls only need
+# Everything goes to /tmp (the repo copy may be replaced between the two parts). Once
+# installed, a shell only needs
 #   export PYTHONPATH=/tmp/site:$PWD
 # (source bench/gpu/env.sh does that and a little more).
 set -euo pipefail
 STASH=/tmp/mb-wheels
 SITE=/tmp/site
-NVIDIA=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+# where the machine's CUDA 13 libraries (the nvidia-* wheels of a PyTorch install) live
+NVIDIA=${NVIDIA_LIBS:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia}
 part=${1:?usage: remote_setup.sh a|b}
 SECONDS=0
 
@@ -26,7 +28,7 @@ b)
         echo "setup b: already installed in $SITE"
     else
         if [ ! -f "$STASH/part-aa" ]; then
-            echo "setup b: half A is missing: the machine went cold; run part a again" >&2
+            echo "setup b: half A is missing from $STASH: run part a again" >&2
             exit 3
         fi
         cp .whl-b/* "$STASH/"

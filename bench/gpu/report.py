@@ -81,7 +81,7 @@ def main(paths) -> None:
         served = (row.get("worker") or row.get("markbase") or {}).get("tok_s")
         ref = tdec.get((key[0], "bf16", key[2]))
         vs_torch = f"{served / ref['tok_s']:.2f}x" if (served and ref) else "-"
-        # the step's time over the floor's (the "within 2x of the floor")
+        # the step's time over the floor's: how far from reading weights + KV at copy speed
         x_floor = f"{floor / served:.2f}x" if (served and floor) else "-"
         print(
             f"| {key[0]} | {key[1]} | {key[2]} | "

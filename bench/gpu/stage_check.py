@@ -3,9 +3,9 @@
 Prints, for random llama models of a few shapes and dtypes, the largest difference
 between two unstaged prefills of the same prompt (is the GPU path itself
 deterministic?) and between a staged and an unstaged one (logits, and every layer's
-keys and values). Written when tests/backends/cuda/test_prefill_stages.py failed on an H100 (session
-26): every difference here was 0 there; the failing assertion was the test's
-prefill-together comparison, which MLX's TF32 float32 matmuls put 7e-4 apart.
+keys and values). On an H100 (2026-12-06) every difference was 0; MLX's TF32 float32
+matmuls put a two-prompt forward 7e-4 from a one-prompt one, which is why
+tests/backends/cuda/test_prefill_stages.py compares those with a TF32 tolerance on a GPU.
 
     python3 bench/gpu/stage_check.py
 """

@@ -1,57 +1,26 @@
 #!/usr/bin/env bash
-# ON the GPU machine, after remote_setup.sh b: the measurements behind NOTES.md.
+# On a machine with an NVIDIA GPU and MLX's CUDA backend (docs/gpu-development.md):
+# measurement stages, run in the order given. Each python run has its own time limit and a
+# hard timeout, so one slow stage cannot hold up the rest. Results: $OUT/<stage>.json and
+# .log (OUT defaults to bench/results/gpu, git-ignored), merged into $OUT/all.json.
 #
-#   bash bench/gpu/suite.sh test 1b-bf16 env matmul 8b-bf16 1b-q4 8b-q4   (2nd call)
-#   bash bench/gpu/suite.sh test ragged-1b ragged-8b                        (3rd call)
-#   bash bench/gpu/suite.sh ab                                              (4th call)
-#   bash bench/gpu/suite.sh engine-1b save-ptx                              (README.md)
-#   bash bench/gpu/suite.sh test engine-table                                 (the issue's table)
-#   bash bench/gpu/suite.sh test engine-ab save-ptx                           (session 4: [B, D] step)
-#   bash bench/gpu/suite.sh kernel-test profile                               (session 5: attention kernel)
-#   bash bench/gpu/suite.sh engine-table first-request save-ptx               (session 5: the table)
-#   PROFILE_VARIANTS=default,mma,mmaall bash bench/gpu/suite.sh mma-test profile  (session 6)
-#   PROFILE_VARIANTS=default,s6-mt1,mma PROFILE_CONFIGS="8b:q4 1b:bf16 8b:bf16" \
-#       PROFILE_BATCHES=1,8,32 bash bench/gpu/suite.sh profile                    (session 7)
-#   TABLE_CONFIGS="8b:q4 1b:q4 8b:bf16" bash bench/gpu/suite.sh engine-table      (session 7)
-#   PROFILE_VARIANTS=default,default-noapp-2pass,default-norm PROFILE_CONFIGS="8b:q4 1b:bf16" \
-#       PROFILE_BATCHES=1,8,32 bash bench/gpu/suite.sh profile                    (session 8)
-#   bash bench/gpu/cpu_pin.sh 1b bf16 1,8; ENGINE_MODEL=8b ENGINE_QUANT=q4 \
-#       bash bench/gpu/suite.sh first-request engine-table                        (session 8)
-#   PROFILE_CONFIGS="8b:bf16 8b:q4" PROFILE_BATCHES=1,128 \
-#       bash bench/gpu/suite.sh attn-test attn-bench profile                      (session 9)
-#   bash bench/gpu/suite.sh qs-test q4-bench; TABLE_CONFIGS=8b:q4 TABLE_TAG=qstream \
-#       MARKBASE_GPU_QUANT_PLAN=1:qstream,2:qmma bash bench/gpu/suite.sh engine-table (session 10)
-#   bash bench/gpu/suite.sh s13-test tail-bench; PROFILE_CONFIGS="8b:q4 1b:q4" PROFILE_BATCHES=1,8 \
-#       PROFILE_VARIANTS=default,default-wc,default-wc-ql,default-wc-ql2,default-wc-ql3 bash bench/gpu/suite.sh profile
-#                                                                           (session 13, prepared)
-#   bash bench/gpu/suite.sh qgemm-test prefill-profile; MARKBASE_GPU_QUANT_PLAN=1:qstream,2:qmma,33:qgemm \
-#       TABLE_CONFIGS="8b:q4 1b:q4" TABLE_BATCHES=32,128 TABLE_TAG=qgemm bash bench/gpu/suite.sh engine-table
-#                                                                           (session 15, prepared)
-#   bash bench/gpu/suite.sh prefill-async qgemm-sweep                       (session 16, prepared)
-#   bash bench/gpu/suite.sh attn-tc; MARKBASE_GPU_ATTN_TC=1 TABLE_CONFIGS="8b:q4 1b:q4" \
-#       TABLE_BATCHES=64,128 TABLE_TAG=tc bash bench/gpu/suite.sh engine-table  (session 17, prepared)
-#   bash bench/gpu/suite.sh qgemm-ws                                          (session 18)
-#   bash bench/gpu/suite.sh mma-peak                                          (session 18; run in 19)
-#   MARKBASE_GPU_ATTN_TC_ABL=2 ATTN_ENV=0 ATTN_VARIANTS=tcsw8k16 bash bench/gpu/suite.sh attn-bench
-#                                         (session 19: where one row's attention call spends its time)
-#   bash bench/gpu/suite.sh qgemm-sk; MARKBASE_GPU_QGEMM_SK=2 TABLE_CONFIGS="8b:q4 1b:q4" \
-#       TABLE_BATCHES=64,128 TABLE_TAG=sk bash bench/gpu/suite.sh engine-table   (session 20, prepared)
-#   bash bench/gpu/suite.sh worker-timeline              (session 20, prepared: host vs GPU at B=128)
-#   bash bench/gpu/suite.sh dequant                      (session 20: prefill's 4-bit expansion)
-#   bash bench/gpu/suite.sh prefill-small                (session 20, prepared: short chunks on gpu_mma)
-#   bash bench/gpu/suite.sh issue-table                  (the issue's table: PyTorch, the engine, report.py)
-#   ENGINE_MODEL=8b ENGINE_QUANT=q4 bash bench/gpu/suite.sh prefill-together  (session 21, prepared)
-#   bash bench/gpu/suite.sh wgmma  (session 22, prepared)
-#   bash bench/gpu/suite.sh b1-test b1-q4 b1-read b1-profile b1-graph  (session 23, prepared: 8b 4-bit one row)
-#   bash bench/gpu/suite.sh b128-nx  (session 23: gpu_wgmma's x 2-3 steps ahead)
-#   bash bench/gpu/suite.sh b128-we  (session 23, prepared: gpu_wgmma's weight loads early)
+#   bash bench/gpu/suite.sh table                 # the performance table: compiled PyTorch,
+#                                                 # the engine as served, report.py over both
+#   bash bench/gpu/suite.sh test kernel-test      # the GPU tests that gate the later stages
+#   TABLE_CONFIGS=8b:q4 TABLE_BATCHES=1 bash bench/gpu/suite.sh engine-table
+#   PROFILE_CONFIGS=8b:q4 PROFILE_BATCHES=1 bash bench/gpu/suite.sh profile
 #
-# Stages run in the order given (put the important ones first); each python run has
-# its own time budget and a hard timeout, so one slow stage cannot eat the call.
-# Results: $OUT/<stage>.json and .log (at most 8 files come back from a call).
+# Stages: the engine as served (engine-table, table, engine-ab, engine-1b, engine-1b-cold,
+# first-request, prefill-together); tests (test, kernel-test, mma-test, attn-test, qs-test,
+# prefill-test, qgemm-test, b1-test, stage-check); kernels alone (attn-bench, attn-tc,
+# q4-bench, qgemm-sweep, qgemm-sk, wgmma, b128-nx, b128-we, dequant, mma-peak, read-bw,
+# b1-read, b1-q4, pool, sampler); prefill (prefill-ab, prefill-async, prefill-small,
+# prefill-profile, prefill-stages, rope-ab, cudnn); the step's kernels and host time
+# (profile, b1-profile, b1-graph, worker-timeline); MLX itself (1b-bf16, 1b-q4, 8b-bf16,
+# 8b-q4, env, matmul, ragged-1b, ragged-8b, ab, plans); save-ptx (the PTX cache as a tgz).
 set -uo pipefail
 source bench/gpu/env.sh
-OUT=${OUT:-/tmp/out}
+OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
 GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 B="python3 bench/gpu/bench_decode.py --gpu-name=${GPU// /_}"
@@ -87,18 +56,18 @@ for stage in "$@"; do
         ;;
     1b-bf16)
         timeout 200 $B --models 1b --quants bf16 --variants async,fused,fused_async,worker \
-            --variant-batches 1,8,32,128 --chunk 0 --budget-s 170 --out "$OUT/1b-bf16.json"
+            --variant-batches 1,8,32,128 --chunk 0 --time-limit-s 170 --out "$OUT/1b-bf16.json"
         ;;
     1b-q4)
         timeout 150 $B --models 1b --quants q4 --variants async,fused_async \
-            --variant-batches 1,8,32,128 --chunk 0 --budget-s 120 --out "$OUT/1b-q4.json"
+            --variant-batches 1,8,32,128 --chunk 0 --time-limit-s 120 --out "$OUT/1b-q4.json"
         ;;
     env)  # MLX's CUDA-graph knobs: one graph per step, and no graphs at all
         MLX_MAX_OPS_PER_BUFFER=4000 MLX_MAX_MB_PER_BUFFER=100000 timeout 90 $B --models 1b --quants bf16 \
-            --batches 1,32,128 --variants async --variant-batches 1,32,128 --prefill 0 --budget-s 70 \
+            --batches 1,32,128 --variants async --variant-batches 1,32,128 --prefill 0 --time-limit-s 70 \
             --tag ops4000 --out "$OUT/env-ops4000.json"
         MLX_USE_CUDA_GRAPHS=0 timeout 90 $B --models 1b --quants bf16 \
-            --batches 1,32,128 --variants async --variant-batches 1,32,128 --prefill 0 --budget-s 70 \
+            --batches 1,32,128 --variants async --variant-batches 1,32,128 --prefill 0 --time-limit-s 70 \
             --tag nographs --out "$OUT/env-nographs.json"
         ;;
     matmul)
@@ -106,26 +75,26 @@ for stage in "$@"; do
         ;;
     8b-bf16)
         timeout 200 $B --models 8b --quants bf16 --variants async,fused_async --variant-batches 1,32 \
-            --chunk 0 --budget-s 170 --out "$OUT/8b-bf16.json"
+            --chunk 0 --time-limit-s 170 --out "$OUT/8b-bf16.json"
         ;;
     8b-q4)
         timeout 150 $B --models 8b --quants q4 --batches 1,8,32 --steps 64 --variants async \
-            --variant-batches 1,32 --chunk 0 --budget-s 120 --out "$OUT/8b-q4.json"
+            --variant-batches 1,32 --chunk 0 --time-limit-s 120 --out "$OUT/8b-q4.json"
         ;;
     ragged-1b)  # rows of different lengths (a mask every step), the real worker, and fixes
         timeout 240 $B --models 1b --quants bf16 --batches 1,8,32,128 --variant-batches 8,32,128 \
             --variants ragged,ragged+gqa,ragged+gqa+fused,ragged+gqa+fused+async,fused+async,worker,worker+gqa,worker+gqa+fused \
-            --prefill 0 --budget-s 210 --out "$OUT/ragged-1b.json"
+            --prefill 0 --time-limit-s 210 --out "$OUT/ragged-1b.json"
         ;;
     ragged-8b)
         timeout 150 $B --models 8b --quants bf16 --batches 32,128 --variant-batches 32,128 \
             --variants ragged,ragged+gqa,ragged+gqa+fused+async,fused+async \
-            --prefill 0 --budget-s 120 --out "$OUT/ragged-8b.json"
+            --prefill 0 --time-limit-s 120 --out "$OUT/ragged-8b.json"
         ;;
     ab)  # the main variants interleaved three times in one process: how large is the noise?
         timeout 200 $B --models 1b --quants bf16 --batches 1,32,128 --variant-batches 1,32,128 --repeat 3 \
             --variants async,fused,fused+async,ragged,ragged+gqa,ragged+gqa+fused+async \
-            --prefill 0 --budget-s 170 --out "$OUT/ab.json"
+            --prefill 0 --time-limit-s 170 --out "$OUT/ab.json"
         ;;
     plans)  # which formulation of the decode products wins per row count (engine/backends/cuda/linear.py);
         # later stages of this call run with the winners (exported)
@@ -140,20 +109,20 @@ for stage in "$@"; do
             [ "$q" = q4 ] && [ "$m" = 8b ] && steps=48  # ~100+ ms steps
             timeout ${TABLE_TIMEOUT:-150} $PIN $B --models "$m" --quants "$q" --batches 1 --variants worker \
                 --variant-batches "${TABLE_BATCHES:-1,8,32,128}" --steps $steps --chunk 0 \
-                --budget-s $(( ${TABLE_TIMEOUT:-150} - 20 )) --out "$OUT/table-$m-$q${PIN:+-pinned}${TABLE_TAG:+-$TABLE_TAG}.json"
+                --time-limit-s $(( ${TABLE_TIMEOUT:-150} - 20 )) --out "$OUT/table-$m-$q${PIN:+-pinned}${TABLE_TAG:+-$TABLE_TAG}.json"
         done
         ;;
-    issue-table)  # the issue's table in one command: compiled PyTorch (static cache, CUDA
+    table)  # the performance table in one command: compiled PyTorch (static cache, CUDA
         # graphs, the copy bandwidth for the floor) first, then the engine as served for
         # 1b/8b x bf16/4-bit at B=1,8,32,128 with 2k prefill, then report.py over both
         timeout ${TORCH_TIMEOUT:-240} python3 bench/gpu/torch_ref.py --models 8b,1b \
             --batches "${TABLE_BATCHES:-1,8,32,128}" --out "$OUT/torch.json" 2>&1 | grep -v -i warn
-        cp "$OUT/torch.json" /tmp/issue-torch.json
+        cp "$OUT/torch.json" /tmp/table-torch.json
         TABLE_BATCHES=${TABLE_BATCHES:-1,8,32,128} bash "$0" engine-table
-        python3 bench/gpu/report.py "$OUT/all.json" /tmp/issue-torch.json | tee "$OUT/table.md"
+        python3 bench/gpu/report.py "$OUT/all.json" /tmp/table-torch.json | tee "$OUT/table.md"
         ;;
-    engine-ab)  # session 4: the fused step with the hidden state [B, 1, D] (before) vs [B, D]
-        # (now the GPU default), ragged rows, interleaved in one process per model; the
+    engine-ab)  # the fused step with the hidden state [B, 1, D] vs [B, D]
+        # (the GPU default), ragged rows, interleaved in one process per model; the
         # per-layer pieces under mx.compile ("compiled2d"); bf16 also with the float plan
         # wxt at 8-31 rows ("wxt8")
         for mq in ${AB_CONFIGS:-1b:q4 8b:q4 1b:bf16 8b:bf16}; do
@@ -162,11 +131,11 @@ for stage in "$@"; do
             [ "$mq" = 1b:q4 ] && to=$(( to + 60 ))  # first 4-bit kernels JIT-compile here
             timeout $to $E ab --model "$m" --quant "$q" --batches "${AB_BATCHES:-1,8,32,128}" \
                 --variants $v --shapes ragged --repeat "${AB_REPEAT:-2}" --steps "${AB_STEPS:-32}" \
-                --budget-s $(( to - 25 )) --out "$OUT/ab-$m-$q.json"
+                --time-limit-s $(( to - 25 )) --out "$OUT/ab-$m-$q.json"
         done
         ;;
     engine-1b)  # the engine's fused decode step vs unfused (ModelRunner), then warm-up off/on
-        timeout 70 $E ab $EM --batches 1,8,32 --repeat 3 --budget-s 40 \
+        timeout 70 $E ab $EM --batches 1,8,32 --repeat 3 --time-limit-s 40 \
             --out "$OUT/engine-ab.json"
         snapshot_caches off on  # both runs start from the caches the A/B run left
         for w in off on; do
@@ -182,7 +151,7 @@ for stage in "$@"; do
                 --warmup "${w#cold-}" $EM --out "$OUT/engine-first-$w.json"
         done
         ;;
-    kernel-test)  # session 5: the attention kernel against grouped attention, then the
+    kernel-test)  # the attention kernel against grouped attention, then the
         # end-to-end GPU test; if they fail, the later stages run MLX's attention
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests/backends/cuda/test_gpu_attention.py \
             tests/backends/cuda/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log"
@@ -197,7 +166,7 @@ for stage in "$@"; do
             export MARKBASE_GPU_FLOAT_PLAN=1:xwt MARKBASE_GPU_QUANT_PLAN=1:qmm
         fi
         ;;
-    mma-test)  # session 6: the tensor-core product kernels against float32 products, and
+    mma-test)  # the tensor-core product kernels against float32 products, and
         # the host time per call of each product formulation; if the tests fail, the
         # later stages keep the products off the new kernels
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests/backends/cuda/test_gpu_mma.py 2>&1 \
@@ -208,14 +177,14 @@ for stage in "$@"; do
         fi
         timeout 120 python3 bench/gpu/call_cost.py --out "$OUT/call_cost.json" 2>&1 | tee "$OUT/call_cost.log"
         ;;
-    attn-test)  # session 9: the attention kernel's tests, every loop shape (before attn-bench)
+    attn-test)  # the attention kernel's tests, every loop shape (before attn-bench)
         timeout 400 python3 -m pytest -q -p no:cacheprovider tests/backends/cuda/test_gpu_attention.py 2>&1 \
             | tee "$OUT/test_attn.log"
         ;;
-    attn-bench)  # session 9: the attention kernel alone per loop shape (CUPTI); the best
+    attn-bench)  # the attention kernel alone per loop shape (CUPTI); the best
         # shape over all shapes goes to /tmp/attn.env, which the later stages use
         to=${ATTN_TIMEOUT:-220}
-        timeout $to python3 bench/gpu/attn_bench.py --budget-s $(( to - 40 )) \
+        timeout $to python3 bench/gpu/attn_bench.py --time-limit-s $(( to - 40 )) \
             ${ATTN_VARIANTS:+--variants $ATTN_VARIANTS} ${ATTN_SHAPES:+--shapes $ATTN_SHAPES} \
             --out "$OUT/attn.json" --env /tmp/attn.env 2>&1 | tee "$OUT/attn.log"
         if [ -f /tmp/attn.env ]; then
@@ -223,22 +192,17 @@ for stage in "$@"; do
             cat /tmp/attn.env
         fi
         ;;
-    qs-test)  # session 10: the streamed 1-row 4-bit kernels' tests
+    qs-test)  # the streamed 1-row 4-bit kernels' tests
         timeout ${QS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --tb=short \
             tests/backends/cuda/test_gpu_qstream.py 2>&1 | tee "$OUT/test_qs.log"
         ;;
-    s13-test)  # session 13: the compiled step and the one-kernel layer tail
-        timeout ${S13_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/backends/cuda/test_gpu_qlayer.py "tests/backends/cuda/test_gpu_attention.py::test_compiled_step_equals_model_across_splits_and_growth" \
-            "tests/backends/cuda/test_gpu_attention.py::test_decode_step_append_form_equals_model" 2>&1 | tee "$OUT/test_s13.log"
-        ;;
-    prefill-test)  # session 14: the prefill attention kernel and the dequantize route
+    prefill-test)  # the prefill attention kernel and the dequantize route
         timeout ${PT_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short \
             tests/backends/cuda/test_gpu_prefill_attention.py tests/backends/cuda/test_gpu_prefill.py 2>&1 | tee "$OUT/test_prefill.log"
         ;;
-    prefill-ab)  # session 14: the prefill attention kernel's forms alone against MLX's; then
+    prefill-ab)  # the prefill attention kernel's forms alone against MLX's; then
         # 2048-token prefill with engine/backends/cuda/attention/prefill.py and engine/backends/cuda/prefill.py
-        # on and off (both on by default since session 15); then qmm vs deq by row count
+        # on and off (both on by default); then qmm vs deq by row count
         timeout ${PK_TIMEOUT:-90} python3 bench/gpu/prefill_attn_bench.py --out "$OUT/prefill_attn.json" \
             2>&1 | tee "$OUT/prefill_attn.log"
         for v in on off; do
@@ -246,38 +210,30 @@ for stage in "$@"; do
             [ $v = off ] && env="MARKBASE_GPU_PREFILL_ATTENTION=mlx MARKBASE_GPU_PREFILL_DEQ_ROWS=0"
             env $env timeout ${PA_TIMEOUT:-150} $B --models ${PA_MODELS:-1b,8b} --quants bf16,q4 \
                 --batches 1 --variants "" --steps 8 --prefill 2048 --chunk 512 \
-                --budget-s $(( ${PA_TIMEOUT:-150} - 20 )) --tag prefill-$v --out "$OUT/prefill-$v.json"
+                --time-limit-s $(( ${PA_TIMEOUT:-150} - 20 )) --tag prefill-$v --out "$OUT/prefill-$v.json"
         done
         timeout ${PR_TIMEOUT:-120} python3 bench/gpu/matmul_rows.py --models 8b,1b \
             --rows ${PR_ROWS:-64,128,256,512,2048} --forms xwt,qmm,deq --reps 3 --out "$OUT/prefill_rows.json"
         ;;
-    qgemm-test)  # session 15: engine/backends/cuda/products/qgemm.py's tests, then its products per layer
+    qgemm-test)  # engine/backends/cuda/products/qgemm.py's tests, then its products per layer
         # against gpu_mma's (qmma) at 33-128 rows
         timeout ${QG_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short \
             tests/backends/cuda/test_gpu_qgemm.py 2>&1 | tee "$OUT/test_qgemm.log"
         timeout ${QR_TIMEOUT:-120} python3 bench/gpu/matmul_rows.py --models 8b,1b \
             --rows 33,64,128 --forms qmma,qgemm --reps 3 --out "$OUT/qgemm_rows.json"
         ;;
-    qgemm-sweep)  # session 16: gpu_qgemm's geometry, stages and m-tiles a warp per product
+    qgemm-sweep)  # gpu_qgemm's geometry, stages and m-tiles a warp per product
         # (bench/gpu/qgemm_sweep.py), after the two-m-tile form's tests
         timeout ${QS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --tb=short \
             tests/backends/cuda/test_gpu_qgemm.py -k "two_m_tiles or exact" 2>&1 | tee "$OUT/test_qgemm_mt.log"
-        timeout ${QW_TIMEOUT:-150} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-150} - 20 )) \
+        timeout ${QW_TIMEOUT:-150} python3 bench/gpu/qgemm_sweep.py --time-limit-s $(( ${QW_TIMEOUT:-150} - 20 )) \
             --out "$OUT/qgemm_sweep.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_sweep.log"
         ;;
-    mma-peak)  # session 18 (prepared): mma.sync's and the dequantization's own rates here
+    mma-peak)  # mma.sync's and the dequantization's own rates here
         timeout ${MP_TIMEOUT:-120} python3 bench/gpu/mma_peak.py --out "$OUT/mma_peak.json" 2>&1 \
             | grep -v -i warn | tee "$OUT/mma_peak.log"
         ;;
-    qgemm-ws)  # session 18: gpu_qgemm with the weights in shared memory (MARKBASE_GPU_QGEMM_WS)
-        # and launch bounds (MARKBASE_GPU_QGEMM_LB): its tests, then the forms against qmma
-        timeout ${QT_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/backends/cuda/test_gpu_qgemm.py -k "weights_in_shared" 2>&1 | tail -15 | tee "$OUT/test_qgemm_ws.log"
-        timeout ${QW_TIMEOUT:-200} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-200} - 20 )) \
-            --rows ${QW_ROWS:-128} --forms ${QW_FORMS:-r:2:0,r:2:3,w:3:0,w:4:0,w:3:3,w:2:4} \
-            --out "$OUT/qgemm_ws.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_ws.log"
-        ;;
-    dequant)  # session 20 (prepared): engine/backends/cuda/products/dequant.py (MARKBASE_GPU_DEQUANT=1): its tests
+    dequant)  # engine/backends/cuda/products/dequant.py (MARKBASE_GPU_DEQUANT=1): its tests
         # (mx.dequantize's weights bit for bit), the kernel alone against MLX's per product,
         # then 2048-token 4-bit prefill (one chunk and chunks of 512) with it on and off
         timeout ${DQ_TEST_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --tb=short \
@@ -287,10 +243,10 @@ for stage in "$@"; do
         for v in 1 0; do
             MARKBASE_GPU_DEQUANT=$v timeout ${PA_TIMEOUT:-150} $B --models ${PA_MODELS:-1b,8b} --quants q4 \
                 --batches 1 --variants "" --steps 8 --prefill 2048 --chunk 512 \
-                --budget-s $(( ${PA_TIMEOUT:-150} - 20 )) --tag dequant-$v --out "$OUT/prefill-dequant-$v.json"
+                --time-limit-s $(( ${PA_TIMEOUT:-150} - 20 )) --tag dequant-$v --out "$OUT/prefill-dequant-$v.json"
         done
         ;;
-    prefill-small)  # session 20 (prepared): prompt chunks under 256 rows on MLX's quantized_matmul
+    prefill-small)  # prompt chunks under 256 rows on MLX's quantized_matmul
         # or gpu_mma's kernel (MARKBASE_GPU_PREFILL_SMALL=qmma): its tests, then one-chunk
         # prefill of 24 / 100 / 200 tokens each way (tok/s, and the first call's compile)
         timeout ${PS_TEST_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --tb=short \
@@ -299,12 +255,12 @@ for stage in "$@"; do
             for n in ${PS_TOKENS:-24 100 200}; do
                 MARKBASE_GPU_PREFILL_SMALL=$v timeout ${PS_TIMEOUT:-90} $B --models ${PS_MODELS:-8b,1b} \
                     --quants q4 --batches 1 --variants "" --steps 4 --prefill $n --chunk 0 \
-                    --budget-s $(( ${PS_TIMEOUT:-90} - 15 )) --tag small-$v-$n \
+                    --time-limit-s $(( ${PS_TIMEOUT:-90} - 15 )) --tag small-$v-$n \
                     --out "$OUT/prefill-small-$v-$n.json" 2>&1 | grep -E "prefill|rror"
             done
         done
         ;;
-    prefill-together)  # session 21 (prepared): whole new prompts of a step in one forward
+    prefill-together)  # whole new prompts of a step in one forward
         # (ModelRunner.prefill_together): its GPU tests, then the first-request run's bursts
         # (8 and 48 requests of 256-token prompts) with it on and off
         timeout ${PG_TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short \
@@ -315,8 +271,8 @@ for stage in "$@"; do
                 --lengths 97,300 --out "$OUT/first-together-$v.json" 2>&1 | grep -E "burst|start"
         done
         ;;
-    worker-timeline)  # session 20 (prepared): the served engine's step, host phases and GPU
-        # kernels on one clock (bench/gpu/worker_timeline.py): is a slow B=128 lease the host?
+    worker-timeline)  # the served engine's step, host phases and GPU
+        # kernels on one clock (bench/gpu/worker_timeline.py): does the host bind at B=128?
         for mqb in ${TL_CONFIGS:-8b:q4:128 1b:q4:128}; do
             m=${mqb%%:*} rest=${mqb#*:} q=${rest%%:*} b=${rest##*:}
             timeout ${TL_TIMEOUT:-150} python3 bench/gpu/worker_timeline.py --model "$m" --quant "$q" \
@@ -324,72 +280,61 @@ for stage in "$@"; do
                 | tee -a "$OUT/timeline.log"
         done
         ;;
-    qgemm-sk)  # session 20 (prepared): gpu_qgemm's stream-K form (MARKBASE_GPU_QGEMM_SK): its
+    qgemm-sk)  # gpu_qgemm's stream-K form (MARKBASE_GPU_QGEMM_SK): its
         # tests (exact, deterministic, counters left at zero, the decode step), then every
         # product of the 8b and 1b models at 64 and 128 rows, one tile a block vs stream-K
         timeout ${QT_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=short \
             tests/backends/cuda/test_gpu_qgemm.py -k "stream_k or decode_step or warm" 2>&1 | tail -15 \
             | tee "$OUT/test_qgemm_sk.log"
-        timeout ${QW_TIMEOUT:-280} python3 bench/gpu/qgemm_sweep.py --budget-s $(( ${QW_TIMEOUT:-280} - 20 )) \
+        timeout ${QW_TIMEOUT:-280} python3 bench/gpu/qgemm_sweep.py --time-limit-s $(( ${QW_TIMEOUT:-280} - 20 )) \
             --rows ${QW_ROWS:-128,64} --forms ${QW_FORMS:-r:2:0,s:2:0,r:2:0:0:w8,s:2:0:0:w8} \
             --products ${QW_PRODUCTS:-qkv,o,gate_up,down,lm_head} \
             --out "$OUT/qgemm_sk.json" 2>&1 | grep -v -i warn | tee "$OUT/qgemm_sk.log"
         ;;
-    b1-test)  # session 23 (prepared): the 1-row products' early loads, the L2 prefetch
+    b1-test)  # the 1-row products' early loads, the L2 prefetch
         timeout ${B1_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=short \
             tests/backends/cuda/test_gpu_prefetch.py tests/backends/cuda/test_gpu_qstream.py -k "prefetch or early or decode_step" \
             2>&1 | tail -25 | tee "$OUT/test_b1.log"
         ;;
-    b1-read)  # session 23 (prepared): the fastest one read kernel gets through each 8b product
+    b1-read)  # the fastest one read kernel gets through each 8b product
         timeout ${B1_READ_TIMEOUT:-150} python3 bench/gpu/read_bw.py --sizes-mb 9.0,13.5,31.5,63.0,281.8 \
             --out "$OUT/read_sizes.json" 2>&1 | grep -v -i warn | tee "$OUT/read_sizes.log"
         ;;
-    b1-profile)  # session 23 (prepared): 8b 4-bit one row, the step's kernels (CUPTI) with
+    b1-profile)  # 8b 4-bit one row, the step's kernels (CUPTI) with
         # the early loads (-qe), the L2 prefetch (-pf<MB>) and the RMSNorm folded in (-qn1)
         PROFILE_CONFIGS=8b:q4 PROFILE_BATCHES=1 PROFILE_TIMEOUT=${B1_TIMEOUT:-300} \
             PROFILE_VARIANTS=${B1_VARIANTS:-default-wc,default-wc-qe,default-wc-pf12,default-wc-qe-pf12,default-wc-qe-qn1,default-wc-qe-qn1-pf12} \
             bash "$0" profile
         ;;
-    b1-q4)  # session 23 (prepared): each 8b 1-row product alone (CUPTI): as now, its first
+    b1-q4)  # each 8b 1-row product alone (CUPTI): as now, its first
         # loads early (e), and the stream without the math (a: issue-bound or not?)
         Q4_VARIANTS=${B1_Q4:-qi,qie,qia,qiea} bash "$0" q4-bench
         ;;
-    b1-graph)  # session 23 (prepared): the same with one CUDA graph a step (MLX commits one
+    b1-graph)  # the same with one CUDA graph a step (MLX commits one
         # every 100 nodes or 1,000 MB of inputs on sm_90: ~5 a step at 8b 4-bit)
         PROFILE_TAG=graph MLX_MAX_OPS_PER_BUFFER=2000 MLX_MAX_MB_PER_BUFFER=100000 B1_VARIANTS=${B1_GRAPH_VARIANTS:-default-wc} \
             bash "$0" b1-profile
         ;;
-    b128-nx)  # session 23 (prepared): gpu_wgmma with x copied 2-3 steps ahead (4 warpgroups;
-        # session 22 timed only 1 step ahead): exactness, then 8b gate/up and the output layer
+    b128-nx)  # gpu_wgmma with x copied 2-3 steps ahead (4 warpgroups):
+        # exactness, then 8b gate/up and the output layer
         # at 128 rows, then the engine at 8b 4-bit B=128 with 5 buffers and with 3
         timeout ${NX_CHECK_TIMEOUT:-100} python3 bench/gpu/wgmma_bench.py --check-only \
             --check-forms 4:4,5:4 2>&1 | grep -v -i warn | tail -32 | tee "$OUT/wgmma_nx_check.log"
         timeout ${NX_TIMEOUT:-150} python3 bench/gpu/wgmma_bench.py --skip-check --models 8b \
             --rows 128 --forms 3:4,4:4,5:4 --products gate_up,lm_head --reps 3 --calls 10 \
-            --budget-s $(( ${NX_TIMEOUT:-150} - 30 )) --out "$OUT/wgmma_nx.json" 2>&1 | grep -v -i warn | tee "$OUT/wgmma_nx.log"
+            --time-limit-s $(( ${NX_TIMEOUT:-150} - 30 )) --out "$OUT/wgmma_nx.json" 2>&1 | grep -v -i warn | tee "$OUT/wgmma_nx.log"
         for nx in ${NX_ENGINE:-5 3}; do
             MARKBASE_GPU_WGMMA_NX=$nx TABLE_CONFIGS=8b:q4 TABLE_BATCHES=128 TABLE_TAG=nx$nx \
                 bash "$0" engine-table
         done
         ;;
-    pool)  # session 24 (prepared): what one scalar read out of MLX's pool of tiny arrays
+    pool)  # what one scalar read out of MLX's pool of tiny arrays
         # (managed memory) costs a read kernel of o_proj's size, with and without the host
         # reading that pool between evaluations
         timeout ${POOL_TIMEOUT:-60} python3 bench/gpu/pool_cost.py --out "$OUT/pool_cost.json" \
             2>&1 | grep -v -i warn | tee "$OUT/pool_cost.log"
         ;;
-    b1-ql)  # session 24 (prepared): session 13's layer kernels (engine/backends/cuda/products/qlayer.py,
-        # gpu_qblock.py: o_proj..down_proj as one launch with grid barriers; -ql2 with the
-        # next layer's norm + q/k/v; -ql3 the attention too) against the served default, now
-        # that their epsilon is no longer in MLX's pool of tiny arrays (session 14 measured
-        # them slower while every block read it across PCIe). Each phase now meets its grid
-        # barrier after its first weight loads are issued (session 24). Their GPU tests first.
-        timeout ${QL_TEST_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --tb=short \
-            tests/backends/cuda/test_gpu_qlayer.py -k "equals or matches" 2>&1 | tail -8 | tee "$OUT/test_ql.log"
-        B1_VARIANTS=${B1_QL_VARIANTS:-default-wc-qe-pf12-qn1,default-wc-qe-qn1-ql,default-wc-qe-qn1-ql2,default-wc-qe-qn1-ql3} \
-            bash "$0" b1-profile
-        ;;
-    prefill-stages)  # session 25 (prepared): a prompt chunk's forward queued at some layers
+    prefill-stages)  # a prompt chunk's forward queued at some layers
         # (engine/backends/cuda/prefill_stages.py) so the GPU starts while the host builds the rest,
         # against none (the profile showed the GPU idle ~3.3 ms of an 11 ms 1b chunk),
         # interleaved in one process; then the 1b 4-bit default with the RoPE offset as
@@ -398,34 +343,31 @@ for stage in "$@"; do
             2>&1 | grep -v -i warn | tail -4 | tee "$OUT/test_stages.log"  # staged = unstaged, on the GPU
         timeout ${PS_TIMEOUT:-150} python3 bench/gpu/profile_prefill.py --models ${PS_MODELS:-1b,8b} \
             --quants ${PS_QUANTS:-bf16,q4} --variants ${PS_VARIANTS:-unstaged,default,unstaged,default} \
-            --budget-s $(( ${PS_TIMEOUT:-150} - 30 )) --out "$OUT/prefill_stages.json" 2>&1 \
+            --time-limit-s $(( ${PS_TIMEOUT:-150} - 30 )) --out "$OUT/prefill_stages.json" 2>&1 \
             | grep -v -i warn | tee "$OUT/prefill_stages.log"
         MARKBASE_GPU_ROPE_DEVICE_OFFSET=0 timeout ${PS_ROPE_TIMEOUT:-60} python3 bench/gpu/profile_prefill.py \
-            --models 1b --quants q4 --variants default --budget-s 40 --out "$OUT/prefill_rope0.json" 2>&1 \
+            --models 1b --quants q4 --variants default --time-limit-s 40 --out "$OUT/prefill_rope0.json" 2>&1 \
             | grep -v -i warn | tee "$OUT/prefill_rope0.log"
         ;;
-    stage-check)  # session 26: staged prompt chunks on the GPU: the differences, unstaged
+    stage-check)  # staged prompt chunks on the GPU: the differences, unstaged
         # twice and staged vs unstaged (all 0 on an H100), then the stages' test in full
         timeout ${SC_TIMEOUT:-120} python3 bench/gpu/stage_check.py 2>&1 | grep -v -i warn \
             | tee "$OUT/stage_check.log"
         timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=long -x tests/backends/cuda/test_prefill_stages.py \
             2>&1 | grep -v -i warn | tail -60 > "$OUT/test_stages_long.log"
         ;;
-    sampler)  # session 24: engine/sampler.py's batched draw on the GPU against its
-        # per-row form before and mlx-lm's make_sampler, llama-3 vocabulary, B=1..128
-        # (session 25: engine/backends/cuda/sampler.py's kernel for the plain rows, its tests first,
-        # then the bench with bf16 logits as the output layer gives them, the MLX ops beside)
+    sampler)  # engine/sampler.py's batched draw on the GPU against a per-row form and
+        # mlx-lm's make_sampler, llama-3 vocabulary, B=1..128, bf16 logits as the output
+        # layer gives them (engine/backends/cuda/sampler.py's kernel at every B: MIN_ROWS 1);
+        # the sampler's tests first
         timeout ${SAMPLER_TEST_TIMEOUT:-90} python3 -m pytest -q -p no:cacheprovider --tb=short \
             tests/engine/test_sampler.py 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/test_sampler.log"
-        # (the kernel at every B, MIN_ROWS 1; its two-pass form, then the one-pass form)
-        for one in ${SAMPLER_ONEPASS:-0 1}; do
-            MARKBASE_GPU_SAMPLER_MIN_ROWS=1 MARKBASE_GPU_SAMPLER_ONEPASS=$one \
-                timeout ${SAMPLER_TIMEOUT:-120} python3 bench/sampler_bench.py --vocab 128256 \
-                --dtype ${SAMPLER_DTYPE:-bfloat16} --batches 1,8,32,128 --reps 10 2>&1 \
-                | grep -v -i warn | tee "$OUT/sampler$one.md"
-        done
+        MARKBASE_GPU_SAMPLER_MIN_ROWS=1 \
+            timeout ${SAMPLER_TIMEOUT:-120} python3 bench/cpu/sampler_bench.py --vocab 128256 \
+            --dtype ${SAMPLER_DTYPE:-bfloat16} --batches 1,8,32,128 --reps 10 2>&1 \
+            | grep -v -i warn | tee "$OUT/sampler.md"
         ;;
-    rope-ab)  # session 24 (prepared): prompt chunks' RoPE offsets in device memory
+    rope-ab)  # prompt chunks' RoPE offsets in device memory
         # (engine/backends/cuda/rope_offsets.py) or as mx.fast.rope's pool scalar: 2k prefill and B=1,
         # off/on twice, one process each
         for v in 0 1 0 1; do
@@ -433,20 +375,20 @@ for stage in "$@"; do
                 TABLE_TIMEOUT=${ROPE_TIMEOUT:-80} TABLE_TAG=rope$v bash "$0" engine-table 2>&1 | grep -E "prefill|worker "
         done
         ;;
-    b128-we)  # session 23 (prepared): gpu_wgmma with each k-step's weight loads right after
+    b128-we)  # gpu_wgmma with each k-step's weight loads right after
         # its wgmma (MARKBASE_GPU_WGMMA_WEARLY=1): exactness, the 8b products at 128 rows,
         # then the engine at 8b 4-bit B=128 with it and without
         timeout ${WE_CHECK_TIMEOUT:-100} python3 bench/gpu/wgmma_bench.py --check-only \
             --check-forms 3:4w 2>&1 | grep -v -i warn | tail -17 | tee "$OUT/wgmma_we_check.log"
         timeout ${WE_TIMEOUT:-150} python3 bench/gpu/wgmma_bench.py --skip-check --models 8b \
             --rows 128 --forms 3:4,3:4w,4:4w --products gate_up,lm_head --reps 3 --calls 10 \
-            --budget-s $(( ${WE_TIMEOUT:-150} - 30 )) --out "$OUT/wgmma_we.json" 2>&1 | grep -v -i warn | tee "$OUT/wgmma_we.log"
+            --time-limit-s $(( ${WE_TIMEOUT:-150} - 30 )) --out "$OUT/wgmma_we.json" 2>&1 | grep -v -i warn | tee "$OUT/wgmma_we.log"
         for we in ${WE_ENGINE:-1 0}; do
             MARKBASE_GPU_WGMMA_WEARLY=$we TABLE_CONFIGS=8b:q4 TABLE_BATCHES=128 TABLE_TAG=we$we \
                 bash "$0" engine-table
         done
         ;;
-    wgmma)  # session 22 (prepared): engine/backends/cuda/products/wgmma.py (Hopper warpgroup MMA for the 4-bit
+    wgmma)  # engine/backends/cuda/products/wgmma.py (Hopper warpgroup MMA for the 4-bit
         # products of 33-128 rows): the exactness table of every form (both descriptor
         # readings, both x pipelines), its tests, then each 8b/1b product at 128 and 64 rows
         # against the kernel the step uses now
@@ -454,57 +396,53 @@ for stage in "$@"; do
             --out "$OUT/wgmma_check.json" 2>&1 | grep -v -i warn | tee "$OUT/wgmma_check.log"
         [ "${WG_TEST:-1}" = 1 ] && timeout ${WG_TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider \
             --tb=short -x tests/backends/cuda/test_gpu_wgmma.py 2>&1 | tail -15 | tee "$OUT/test_wgmma.log"
-        timeout ${WG_TIMEOUT:-200} python3 bench/gpu/wgmma_bench.py --budget-s $(( ${WG_TIMEOUT:-200} - 40 )) \
+        timeout ${WG_TIMEOUT:-200} python3 bench/gpu/wgmma_bench.py --time-limit-s $(( ${WG_TIMEOUT:-200} - 40 )) \
             --rows ${WG_ROWS:-128,64} --forms ${WG_FORMS:-3:2,4:2,3:4} --models ${WG_MODELS:-8b,1b} \
             --skip-check --out "$OUT/wgmma.json" 2>&1 | grep -v -i warn | tee "$OUT/wgmma.log"
         ;;
-    attn-tc)  # session 17: engine/backends/cuda/attention/decode_tc.py's tests, then the kernel alone against
+    attn-tc)  # engine/backends/cuda/attention/decode_tc.py's tests, then the kernel alone against
         # the CUDA-core shapes at the batch sizes it would take (unsplit launches)
         timeout ${TC_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=short \
             tests/backends/cuda/test_gpu_attention.py -k "tensor_core or cp100000 or cs" 2>&1 | tail -15 | tee "$OUT/test_attn_tc.log"
         to=${TC_TIMEOUT:-150}
-        timeout $to python3 bench/gpu/attn_bench.py --budget-s $(( to - 30 )) \
+        timeout $to python3 bench/gpu/attn_bench.py --time-limit-s $(( to - 30 )) \
             --variants ${TC_VARIANTS:-auto,tcw4k16,tcw2k32,tcw8k16,tcw4k32,tcsw8k16,tcsw4k32,tcsw4k16} \
             --shapes ${TC_SHAPES:-8b:128:512,1b:128:512,8b:64:512,8b:1:600,8b:8:600,1b:1:600,8b:1:2000} \
             --out "$OUT/attn_tc.json" 2>&1 | grep -v -i warn | tee "$OUT/attn_tc.log"
         ;;
-    prefill-async)  # session 16: MARKBASE_PREFILL_ASYNC=0/1 (engine/runner.py): an 8192-token
+    prefill-async)  # MARKBASE_PREFILL_ASYNC=0/1 (engine/runner.py): an 8192-token
         # prompt in chunks of 512, each chunk waited on (0) or queued (1)
         for v in 0 1; do
             MARKBASE_PREFILL_ASYNC=$v timeout ${PS_TIMEOUT:-120} $B --models ${PS_MODELS:-1b,8b} \
                 --quants bf16,q4 --batches 1 --variants "" --steps 8 --prefill 8192 --chunk 512 \
-                --budget-s $(( ${PS_TIMEOUT:-120} - 20 )) --tag prefill-async$v --out "$OUT/prefill-async$v.json"
+                --time-limit-s $(( ${PS_TIMEOUT:-120} - 20 )) --tag prefill-async$v --out "$OUT/prefill-async$v.json"
         done
         ;;
-    prefill-profile)  # session 15: a 2048-token chunk's kernels (CUPTI): bf16 vs 4-bit, the
+    prefill-profile)  # a 2048-token chunk's kernels (CUPTI): bf16 vs 4-bit, the
         # dequantize route vs quantized_matmul, the prompt attention kernel vs MLX's
         timeout ${PP_TIMEOUT:-200} python3 bench/gpu/profile_prefill.py --models ${PP_MODELS:-1b,8b} \
-            --budget-s $(( ${PP_TIMEOUT:-200} - 30 )) --out "$OUT/prefill_profile.json" 2>&1 \
+            --time-limit-s $(( ${PP_TIMEOUT:-200} - 30 )) --out "$OUT/prefill_profile.json" 2>&1 \
             | grep -v Warn | tee "$OUT/prefill_profile.log"
         ;;
-    tail-bench)  # session 13: a layer's tail as separate kernels vs one (CUPTI)
-        timeout ${TAIL_TIMEOUT:-150} python3 bench/gpu/q4_bench.py --model ${Q4_MODEL:-8b} \
-            --tail-only --out "$OUT/tail.json" 2>&1 | tee "$OUT/tail.log"
-        ;;
-    read-bw)  # session 10: what an MLX kernel reads from HBM here, device vs managed memory,
+    read-bw)  # what an MLX kernel reads from HBM here, device vs managed memory,
         # against PyTorch's sum and copy in the same process
         timeout ${READ_TIMEOUT:-150} python3 bench/gpu/read_bw.py --out "$OUT/read_bw.json" 2>&1 \
             | grep -v Warn | tee "$OUT/read_bw.log"
         ;;
-    q4-bench)  # session 9: 1-row 4-bit products per launch shape (u = loads in flight a
+    q4-bench)  # 1-row 4-bit products per launch shape (u = loads in flight a
         # lane, w = warps a block, p1 = PIN), CUPTI
         timeout ${Q4_TIMEOUT:-200} python3 bench/gpu/q4_bench.py --model ${Q4_MODEL:-8b} \
-            --budget-s $(( ${Q4_TIMEOUT:-200} - 40 )) ${Q4_VARIANTS:+--variants $Q4_VARIANTS} \
+            --time-limit-s $(( ${Q4_TIMEOUT:-200} - 40 )) ${Q4_VARIANTS:+--variants $Q4_VARIANTS} \
             --out "$OUT/q4.json" 2>&1 | tee "$OUT/q4.log"
         ;;
-    profile)  # session 5: kernels and GPU busy time per step (CUPTI), attention kernel vs MLX's
+    profile)  # kernels and GPU busy time per step (CUPTI), attention kernel vs MLX's
         for mq in ${PROFILE_CONFIGS:-8b:q4 1b:bf16 8b:bf16 1b:q4}; do
             m=${mq%%:*} q=${mq##*:} to=${PROFILE_TIMEOUT:-100}
             timeout $to python3 bench/gpu/profile_step.py --model "$m" --quant "$q" \
                 --batches "${PROFILE_BATCHES:-1,8,32,128}" \
                 --variants "${PROFILE_VARIANTS:-default${ATTN_BEST:+,default-at$ATTN_BEST}}" \
                 --steps "${PROFILE_STEPS:-48}" --repeat "${PROFILE_REPEAT:-2}" \
-                --budget-s $(( to - 20 )) --out "$OUT/profile-$m-$q${PROFILE_TAG:+-$PROFILE_TAG}.json"
+                --time-limit-s $(( to - 20 )) --out "$OUT/profile-$m-$q${PROFILE_TAG:+-$PROFILE_TAG}.json"
         done
         ;;
     first-request)  # the first request after start, warm-up off and on (fresh processes,
@@ -518,23 +456,23 @@ for stage in "$@"; do
         MLX_CUDA_USE_CUDNN_SDPA=0 MLX_PTX_CACHE_DIR=/tmp/ptx-cudnn0 CUDA_CACHE_PATH=/tmp/nv-cudnn0 \
             timeout ${FR_TIMEOUT:-150} $E first-request --warmup on $EM --out "$OUT/engine-first-on-cudnn0.json"
         ;;
-    cudnn)  # session 5: prefill with MLX's cuDNN attention on (MLX's default) and off
-        # (markbase's default since session 5): what the per-shape-compile fix costs
+    cudnn)  # prefill with MLX's cuDNN attention on (MLX's default) and off
+        # (markbase's default): what avoiding cuDNN's per-shape graph costs prefill
         for v in 1 0; do
             MLX_CUDA_USE_CUDNN_SDPA=$v timeout 120 $B --models ${CUDNN_MODELS:-1b,8b} --quants bf16 \
-                --batches 1 --variants "" --steps 16 --prefill 2048 --chunk 512 --budget-s 100 \
+                --batches 1 --variants "" --steps 16 --prefill 2048 --chunk 512 --time-limit-s 100 \
                 --tag cudnn$v --out "$OUT/cudnn$v.json"
         done
         ;;
-    save-ptx)  # bring the PTX cache back: cp /work/.device/<n>/ptx.tgz .gpu-cache/ (README.md)
+    save-ptx)  # the PTX cache as $OUT/ptx.tgz, to restore on a fresh machine (env.sh)
         tar czf "$OUT/ptx.tgz" -C "$(dirname "$MLX_PTX_CACHE_DIR")" "$(basename "$MLX_PTX_CACHE_DIR")"
         ls -l "$OUT/ptx.tgz"
         ;;
     *) echo "unknown stage $stage" ;;
     esac
 done
-# one file for all stages (a call brings back at most 8 files); a later suite.sh in the
-# same call adds to it (session 8 lost two profiles when the second one overwrote it)
+# one file for all stages; a later suite.sh with the same OUT adds to it rather than
+# overwriting it
 python3 - "$OUT" <<'PY'
 import glob, json, os, sys
 out = sys.argv[1]

@@ -270,7 +270,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=2048)
-    ap.add_argument("--budget-s", type=float, default=300)
+    ap.add_argument("--time-limit-s", type=float, default=300)
     ap.add_argument("--out", default=None)
     ap.add_argument(
         "--selfcheck", action="store_true", help="CPU: compare with mlx-lm on tiny weights"
@@ -311,8 +311,8 @@ def main() -> None:
             f"[{name}] prefill {args.prefill}: {pf['tok_s']:.0f} tok/s (first call {pf['first_s']:.2f} s)"
         )
         for b in map(int, args.batches.split(",")):
-            if time.perf_counter() - t_start > args.budget_s:
-                print(f"[{name}] budget spent: skipping B={b}")
+            if time.perf_counter() - t_start > args.time_limit_s:
+                print(f"[{name}] time limit reached: skipping B={b}")
                 continue
             with torch.no_grad():
                 r = bench_decode(model, b, args.prompt, args.steps)

@@ -1,14 +1,14 @@
 """engine/backends/cuda/products/wgmma.py against the kernels the decode step uses now (gpu_qgemm where
 ``gpu_qgemm.takes``, else gpu_mma): exactness of each form, then each product's time.
 
-Why: the 8b 4-bit B=128 cell is level with compiled PyTorch (bench/gpu/NOTES.md,
-session 21) and its 4-bit products run at ~175 TFLOP/s; the wgmma kernel is meant to
+Why: without it, the 8b 4-bit B=128 cell was level with compiled PyTorch (H100,
+2026-12-05) and its 4-bit products ran at ~175 TFLOP/s; the wgmma kernel is meant to
 take them well past that. Its descriptor layout was written without a GPU, so the
 first part prints the largest error of every form on small integers (exact products:
 0 is right, anything else is a layout error) for both readings of the descriptor's
 offsets (``MARKBASE_GPU_WGMMA_SWAP``) and both x pipelines (``_NX``).
 
-Runs ON the GPU machine (after bench/gpu/remote_setup.sh b and bench/gpu/env.sh):
+Runs on the GPU machine (docs/gpu-development.md):
 
     python3 bench/gpu/wgmma_bench.py [--check-only] [--out $OUT/wgmma.json]
 
@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from qgemm_emulation import pack  # noqa: E402  (MLX's 4-bit packing)
 
 from engine.backends.cuda.products import qgemm as gpu_qgemm
 from engine.backends.cuda.products import wgmma as gpu_wgmma  # noqa: E402
+from tests.backends.cuda.emulation.qgemm import pack  # noqa: E402  (MLX's 4-bit packing)
 
 GS = 64
 
@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--products", default="qkv,o,gate_up,down,lm_head")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--budget-s", type=float, default=200)
+    ap.add_argument("--time-limit-s", type=float, default=200)
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--check-forms", default="", help="only these nx:wg in the check (no probes)")
@@ -185,8 +185,8 @@ def main() -> None:
                 weights.append(mx.quantize(w, group_size=GS, bits=4))
             mx.eval(weights)
             for rows in [int(r) for r in args.rows.split(",") if r]:
-                if time.perf_counter() - t0 > args.budget_s:
-                    print(f"budget spent at {name} {pname} {rows}")
+                if time.perf_counter() - t0 > args.time_limit_s:
+                    print(f"time limit reached at {name} {pname} {rows}")
                     break
                 x = mx.random.normal((rows, k)).astype(mx.bfloat16) * 0.1
                 extra = [mx.zeros((rows, n), dtype=mx.bfloat16)] if residual else []

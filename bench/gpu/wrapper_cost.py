@@ -1,7 +1,7 @@
 """Python time a decode-step product spends in markbase's own code, before MLX.
 
-On the H200 a 1b decode step is host-bound: ~1.1-1.7 ms of Python graph building and
-~1.2-1.5 ms of MLX encoding for 182 kernels (bench/gpu/NOTES.md, session 7). Four of
+Without the compiled step, a 1b decode step on an H200 was host-bound: ~1.1-1.7 ms of
+Python graph building and ~1.2-1.5 ms of MLX encoding for 182 kernels (2026-12-03). Four of
 a layer's ~11 kernels are engine/backends/cuda/products/mma.py products reached through
 engine/backends/cuda/linear.py (plan lookup, support check, template, launch geometry). This
 measures that wrapper cost on any machine: the CUDA kernel launch is replaced by a

@@ -21,12 +21,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from engine import envs
+
 LOADER_VERSION = "1"
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
     if cache_dir is None:
-        cache_dir = os.environ.get("MARKBASE_CACHE_DIR") or Path.home() / ".cache" / "markbase"
+        cache_dir = envs.MARKBASE_CACHE_DIR or Path.home() / ".cache" / "markbase"
     root = Path(cache_dir).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     return root

@@ -20,6 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from engine import platform
+from engine.backends import cpu
 from engine.loading.loaded_model import ModelLoadError
 
 WEIGHT_FORMATS = ("native", "q4", "float32", "bfloat16", "float16")
@@ -38,13 +40,10 @@ def resolve_weight_format(requested: str) -> str:
     - Metal: native (4-bit kernels are MLX's strength there).
     """
     if requested == "auto":
-        if mx.default_device() == mx.cpu:
-            from engine.backends.cpu.tuning import best_cpu_weight_format
-
-            return best_cpu_weight_format()
-        if mx.cuda.is_available():
-            return "bfloat16"
-        return "native"
+        backend = platform.backend()
+        if backend == "cpu":
+            return cpu.best_cpu_weight_format()
+        return "bfloat16" if backend == "cuda" else "native"
     if requested not in WEIGHT_FORMATS:
         raise ModelLoadError(
             f"unknown weight_format {requested!r}; expected 'auto' or one of {WEIGHT_FORMATS}"
@@ -60,7 +59,7 @@ def resolve_compute_dtype(weight_format: str, requested: str | None = None) -> m
         if requested not in DTYPES:
             raise ModelLoadError(f"unknown compute_dtype {requested!r}")
         return DTYPES[requested]
-    return mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
+    return mx.float32 if platform.on_cpu() else mx.bfloat16
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -165,12 +164,10 @@ def apply_format(
 
 
 def _shadow(ws: WeightSet, module: str):
-    from engine.backends.cpu.qgemm import shadow_of
-
     q = ws.quant[module]
     if q.get("mode", "affine") != "affine":
         return None
-    return shadow_of(
+    return cpu.shadow_of(
         ws.arrays[f"{module}.weight"],
         ws.arrays[f"{module}.scales"],
         ws.arrays.get(f"{module}.biases"),

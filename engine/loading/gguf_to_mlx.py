@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from engine.backends.cpu.qgemm import shadow_of
+from engine.backends import cpu
 from engine.loading import gguf_quants as gq
 from engine.loading.formats import WeightSet
 from engine.loading.gguf_reader import GGUFFile, GGUFTensor
@@ -353,7 +353,7 @@ def gguf_weights(
             and gq.EXACT_BITS.get(t.ggml_type)
         ):
             p = gq.transcode(raw, t.ggml_type)
-            shadow = shadow_of(fix(p.weight), fix(p.scales), fix(p.biases), p.bits, p.group_size)
+            shadow = cpu.shadow_of(fix(p.weight), fix(p.scales), fix(p.biases), p.bits, p.group_size)
             if shadow is not None:
                 shadows[module] = shadow
         a = gq.dequantize(raw, t.ggml_type, t.ne[0]).reshape(shape)

@@ -21,6 +21,7 @@ import mlx.nn as nn
 import tokenizers
 import transformers
 
+from engine.backends import cpu
 from engine.loading import convert_cache
 from engine.loading.builtin import BUILTINS, resolve_builtin
 from engine.loading.formats import (
@@ -113,9 +114,7 @@ def load_model(
 def _shadow_dict(fmt: str) -> dict | None:
     """A dict to collect quantized shadows of float32 weights in, when the CPU's
     quantized decode products can use them (engine.backends.cpu.qgemm), else None."""
-    from engine.backends.cpu.qgemm import available as qgemm_available
-
-    return {} if fmt == "float32" and qgemm_available() is None else None
+    return {} if fmt == "float32" and cpu.qgemm_available() is None else None
 
 
 def _finish(

@@ -23,7 +23,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 from mlx_lm.models import base as mlx_lm_base
 
-from engine.backends.cuda.attention import prefill as gpu_prefill_attention
+from engine import platform
+from engine.backends import cuda
 
 _ORIGINAL = mlx_lm_base.scaled_dot_product_attention
 
@@ -49,7 +50,7 @@ def _use_grouped(queries: mx.array, mask) -> bool:
         return False
     if mask is not None and mask.ndim == 4 and mask.shape[1] != 1:
         return False  # a mask per head (MLA's RoPE scores): the heads are folded here
-    if mx.default_device().type == mx.DeviceType.gpu:
+    if platform.on_gpu():
         # the fused kernel is best when it accepts the call: no mask at all
         return isinstance(mask, mx.array)
     return True
@@ -59,8 +60,8 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
     if sinks is None and not hasattr(cache, "bits"):
         if _use_grouped(queries, mask):
             return grouped_decode_attention(queries, keys, values, scale, mask)
-        if gpu_prefill_attention.supported(queries, keys, values, mask):
-            return gpu_prefill_attention.prefill_attention(queries, keys, values, scale)
+        if cuda.prefill_attention_supported(queries, keys, values, mask):
+            return cuda.prefill_attention(queries, keys, values, scale)
     return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 

@@ -105,8 +105,8 @@ def test_quantized_fuse_equals_the_parts():
 
 
 def test_cpu_configuration_is_unchanged():
-    """On the CPU: compiled, float weights fused, quantized ones left alone (as the
-    step was before it ran on GPUs too)."""
+    """On the CPU: compiled, float weights fused, quantized ones left alone (the GPU
+    configuration differs)."""
     if mx.default_device().type == mx.DeviceType.gpu:
         pytest.skip("checks the CPU configuration")
     model = build_random_model("llama", TINY, seed=5).model
@@ -213,7 +213,7 @@ def test_gpu_mma_m_tiles_rule():
 def test_gpu_step_rope_variants(variant, joint):
     """The GPU configuration's 2-D step (q and k through one RoPE call, or two) equals
     the model's own call for every RoPE variant mlx-lm's llama takes; run on the CPU."""
-    from test_cpu_step import ROPES
+    from tests.helpers.models import ROPES
 
     cfg = {**TINY, **ROPES[variant]}
     model = build_random_model("llama", cfg, seed=8).model
@@ -227,9 +227,8 @@ def test_gpu_fold_switch_routes_the_products(monkeypatch):
     """``fold`` (MARKBASE_GPU_FOLD) decides whether the 2-D step's o_proj, gate_up and
     down_proj go through ``fused`` (residual adds and SwiGLU inside the products), and
     with it qkv and gate_up get their RMSNorm handed in (the route folds it into the
-    1-row kernel, and into engine/backends/cuda/products/mma.py's only with ``fold_norm``, i.e.
-    MARKBASE_GPU_NORM_FOLD); every way the step equals the model (on the CPU ``fused``
-    computes with MLX ops)."""
+    1-row kernel); every way the step equals the model (on the CPU ``fused`` computes
+    with MLX ops)."""
     from engine.backends.cuda import linear as gpu_linear
 
     calls = []
@@ -244,13 +243,12 @@ def test_gpu_fold_switch_routes_the_products(monkeypatch):
     step = FusedDecodeStep(model, compile=False, gpu_plans=True)
     layers = len(model.model.layers)
     # 3 steps: qkv, o_proj, gate_up and down_proj through fused
-    for fold, fold_norm, want in ((False, True, 0), (True, False, 12 * layers), (True, True, 12 * layers)):  # fmt: skip
-        step.fold, step.fold_norm = fold, fold_norm
+    for fold, want in ((False, 0), (True, 12 * layers)):
+        step.fold = fold
         calls.clear()
         _check_against_model(model, step, atol=2e-4)
         assert len(calls) == want
         normed = [c for c in calls if c.get("norm") is not None]
         assert len(normed) == (6 * layers if fold else 0)  # qkv, gate_up
-        assert all(c["mma_norm"] is fold_norm for c in normed)
     assert any(c.get("glu") for c in calls) and any("residual" in c for c in calls)
     assert all(c.get("norm") is None for c in calls if "residual" in c)

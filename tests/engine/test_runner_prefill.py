@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.loading.random_model import build_random_model
-from engine.model.decode_step import on_gpu
+from engine.platform import on_gpu
 from engine.runner import ModelRunner, output_head
 from tests.helpers.models import TINY_CONFIGS
 

@@ -22,14 +22,13 @@ N = 12000  # draws per test
 ON_CUDA = mx.cuda.is_available()
 
 
-@pytest.fixture(params=["numpy", "mlx"] + (["kernel", "kernel-onepass"] if ON_CUDA else []))
+@pytest.fixture(params=["numpy", "mlx"] + (["kernel"] if ON_CUDA else []))
 def route(request, monkeypatch):
     """A test taking it runs on every route: the CPU's numpy draw, the MLX ops, and on
-    a CUDA GPU engine/backends/cuda/sampler.py's kernel in both its forms."""
+    a CUDA GPU engine/backends/cuda/sampler.py's kernel."""
     monkeypatch.setattr(sampler, "use_numpy_on_cpu", request.param == "numpy")
     monkeypatch.setattr(sampler, "use_kernel_on_gpu", request.param.startswith("kernel"))
     monkeypatch.setattr(gpu_sampler, "MIN_ROWS", 1)  # the kernel at every batch size
-    monkeypatch.setenv("MARKBASE_GPU_SAMPLER_ONEPASS", "1" if "onepass" in request.param else "0")
     return request.param
 
 
@@ -210,8 +209,7 @@ def test_candidates_and_whole_rows_draw_the_same(top_p, top_k):
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-@pytest.mark.parametrize("onepass", ["0", "1"])
-def test_kernel_and_mlx_ops_draw_the_same(dtype, onepass, monkeypatch):
+def test_kernel_and_mlx_ops_draw_the_same(dtype, monkeypatch):
     """engine/backends/cuda/sampler.py's kernel against the MLX ops for the same uniforms, the
     llama-3 vocabulary, sampled rows beside greedy ones: the same tokens but where a
     float sum's order moves a boundary."""
@@ -219,7 +217,6 @@ def test_kernel_and_mlx_ops_draw_the_same(dtype, onepass, monkeypatch):
     b, v = 64, 128256
     logits = mx.array((rng.normal(size=(b, v)) * 3).astype(np.float32)).astype(dtype)
     logits[5, 1000:1003] = 40.0  # a tie: the first index, as mx.argmax
-    monkeypatch.setenv("MARKBASE_GPU_SAMPLER_ONEPASS", onepass)
 
     def tokens(kernel: bool) -> np.ndarray:
         monkeypatch.setattr(sampler, "use_kernel_on_gpu", kernel)

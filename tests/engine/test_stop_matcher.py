@@ -46,7 +46,7 @@ def test_no_stops_passes_through():
 
 
 class ReferenceMatcher:
-    """The first StopMatcher, which tried every tail length: the reference."""
+    """A plain StopMatcher that tries every tail length: the reference."""
 
     def __init__(self, stops):
         self.stops = tuple(s for s in stops if s)

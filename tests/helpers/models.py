@@ -286,3 +286,24 @@ LLAMA_HD64 = dict(
     tie_word_embeddings=False,
 )
 RAGGED_PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7, 8]]
+
+
+# RoPE variants mlx-lm's llama takes (config keys over TINY-like configs): the decode
+# steps and the attention kernel are checked against the model for each
+ROPES = {
+    "default": {},
+    "traditional": {"rope_traditional": True, "rope_theta": 100000.0},
+    "llama3": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        "max_position_embeddings": 1024,
+    },
+    "linear": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "untied": {"tie_word_embeddings": False},
+    "mha": {"num_key_value_heads": 4},
+}

@@ -525,7 +525,7 @@ def _corpus() -> list[Bad]:
 CORPUS = _corpus()
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- shared checks
 
 
 def send(client: httpx.Client, i: int, bad: Bad) -> httpx.Response:

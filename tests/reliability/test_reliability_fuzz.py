@@ -185,7 +185,7 @@ def _servable_message(m):
 
 def _send(server, case, checks, label: str) -> None:
     if time.monotonic() > _deadline[0]:
-        STATS["skipped (budget spent)"] += 1
+        STATS["skipped (time limit reached)"] += 1
         return
     response = case.call(base_url=server.url, headers=AUTH, timeout=90)
     STATS["sent"] += 1

@@ -1,7 +1,7 @@
 """Request limits and input hardening of the HTTP layer, in process (no model):
 every limit answers 400/413 with a message naming the limit and its value, and
 a request exactly at a limit gets past it; the limit settings are validated;
-values that used to crash the engine (seed outside uint64, top_k past int32,
+values that would crash the engine unmapped (seed outside uint64, top_k past int32,
 a temperature that is 0 in float32) are mapped before it; a client that hangs
 up mid-upload is a 499, not a logged server error; /openapi.json describes the
 request bodies and every reference in it resolves.

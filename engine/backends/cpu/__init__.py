@@ -1,1 +1,54 @@
-"""backends/cpu"""
+"""The CPU backend's public face: the only names generic code (engine/*.py,
+engine/model/, engine/loading/, server/) imports from engine/backends/cpu.
+
+Inside: ``blas`` (MLX's float32 matmuls bound to a fast system BLAS, and the C shim in
+``native/``), ``qgemm`` (4-bit decode products from quantized copies of float32
+weights), ``step`` (the lean decode step), ``fast_math`` (exp and SwiGLU without MLX's
+slow exp), ``tuning`` (the weight format per machine).
+
+Importing this package imports no MLX: each name loads its module at first use (PEP
+562), so server/cli.py can bind the BLAS before MLX is first imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> (module under engine.backends.cpu, its attribute)
+_EXPORTS = {
+    "ensure_fast_blas": ("blas", "ensure_fast_blas"),
+    "warn_if_slow": ("blas", "warn_if_slow"),
+    "install_fast_math": ("fast_math", "install"),
+    "qgemm_available": ("qgemm", "available"),
+    "register_qgemm_model": ("qgemm", "register_model"),
+    "shadow_of": ("qgemm", "shadow_of"),
+    "CpuDecodeStep": ("step", "CpuDecodeStep"),
+    "best_cpu_weight_format": ("tuning", "best_cpu_weight_format"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attr = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:
+    from engine.backends.cpu.blas import ensure_fast_blas, warn_if_slow
+    from engine.backends.cpu.fast_math import install as install_fast_math
+    from engine.backends.cpu.qgemm import available as qgemm_available
+    from engine.backends.cpu.qgemm import register_model as register_qgemm_model
+    from engine.backends.cpu.qgemm import shadow_of
+    from engine.backends.cpu.step import CpuDecodeStep
+    from engine.backends.cpu.tuning import best_cpu_weight_format

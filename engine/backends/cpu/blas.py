@@ -75,6 +75,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from engine import envs
+
 log = logging.getLogger("markbase.cpu_blas")
 
 ENV_MODE = "MARKBASE_BLAS"  # "auto" (default) or "off"
@@ -179,7 +181,7 @@ def _exports_cblas_sgemm(path: str) -> bool:
 
 def find_fast_blas() -> str | None:
     """The first fast BLAS library on this machine that exports plain ``cblas_sgemm``."""
-    explicit = os.environ.get(ENV_LIB)
+    explicit = envs.value(ENV_LIB)
     if explicit:
         return explicit if _exports_cblas_sgemm(explicit) else None
     triplet = _triplet()
@@ -200,7 +202,7 @@ def find_fast_blas() -> str | None:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("MARKBASE_CACHE_DIR")
+    base = envs.MARKBASE_CACHE_DIR
     if base:
         return Path(base) / "cpu_blas"
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -280,7 +282,7 @@ def _thread_env() -> None:
         except (AttributeError, OSError):
             n = os.cpu_count() or 1
         os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, n))
-    if "libmkl_rt" in os.environ.get(ENV_LIB, ""):
+    if "libmkl_rt" in (envs.value(ENV_LIB) or ""):
         os.environ.setdefault("MKL_THREADING_LAYER", "GNU")
 
 
@@ -297,11 +299,11 @@ def ensure_fast_blas(*, allow_reexec: bool = True, gemv_shim: bool | None = None
     global _setup, _shim_handle
     if _setup is not None:
         return _setup
-    if os.environ.get(ENV_REEXEC) == "1" and os.environ.get("LD_PRELOAD"):
+    if envs.value(ENV_REEXEC) and os.environ.get("LD_PRELOAD"):
         # We are the child of the re-exec: the loader already bound MLX to LD_PRELOAD.
         pre = os.environ["LD_PRELOAD"].replace(":", " ").split()
         shim = next((p for p in pre if "markbase_sgemm" in p), None)
-        lib = os.environ.get(ENV_REAL) or next((p for p in pre if p != shim), None)
+        lib = envs.value(ENV_REAL) or next((p for p in pre if p != shim), None)
         _setup = BlasSetup("ld-preload", library=lib, shim=shim, reason="re-executed once")
         # The loader has bound MLX; keep our libraries out of child processes (the g++
         # that mx.compile runs, test servers...). ENV_REEXEC stays set: no second re-exec.
@@ -321,7 +323,7 @@ def ensure_fast_blas(*, allow_reexec: bool = True, gemv_shim: bool | None = None
     if not sys.platform.startswith("linux"):
         _setup = BlasSetup("none", reason=f"{sys.platform}: MLX brings its own BLAS")
         return _setup
-    if os.environ.get(ENV_MODE, "auto").lower() in ("off", "0", "none", "vendored"):
+    if envs.value(ENV_MODE) in ("off", "0", "none", "vendored"):
         _setup = BlasSetup("none", reason=f"{ENV_MODE}=off")
         return _setup
     if _mlx_is_cuda_build():
@@ -340,13 +342,13 @@ def ensure_fast_blas(*, allow_reexec: bool = True, gemv_shim: bool | None = None
         )
         return _setup
     want_shim = (
-        gemv_shim if gemv_shim is not None else os.environ.get(ENV_GEMV, "1") not in ("0", "off")
+        gemv_shim if gemv_shim is not None else envs.value(ENV_GEMV) == "1"
     )
     shim = build_gemv_shim() if want_shim else None
     _thread_env()
 
     if _mlx_core_loaded():
-        if not allow_reexec or os.environ.get(ENV_REEXEC) == "1":
+        if not allow_reexec or envs.value(ENV_REEXEC):
             _setup = BlasSetup(
                 "none",
                 library=lib,
@@ -428,17 +430,11 @@ def set_blas_threads(
 
 
 def _threads_from_env() -> None:
-    def num(name: str, default: int) -> int:
-        try:
-            return int(os.environ.get(name, default))
-        except ValueError:
-            return default
-
     set_blas_threads(
-        gemv=num("MARKBASE_BLAS_GEMV_THREADS", 0),
-        small_gemm=num("MARKBASE_BLAS_SMALL_GEMM_THREADS", 1),
-        gemm=num("MARKBASE_BLAS_GEMM_THREADS", 0),
-        small_m=num("MARKBASE_BLAS_SMALL_M", 16),
+        gemv=envs.MARKBASE_BLAS_GEMV_THREADS,
+        small_gemm=envs.MARKBASE_BLAS_SMALL_GEMM_THREADS,
+        gemm=envs.MARKBASE_BLAS_GEMM_THREADS,
+        small_m=envs.MARKBASE_BLAS_SMALL_M,
     )
 
 

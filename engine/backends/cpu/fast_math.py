@@ -17,6 +17,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine import platform
+
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693359375  # ln 2 split in two: n * _LN2_HI is exact for |n| < 2**10
 _LN2_LO = -2.12194440e-4
@@ -60,7 +62,7 @@ def install(model) -> bool:
     the CPU; False where that module has none or MLX runs on a GPU."""
     import sys
 
-    if mx.default_device() != mx.cpu:
+    if not platform.on_cpu():
         return False
     module = sys.modules.get(type(model).__module__)
     if module is None or not hasattr(module, "swiglu"):

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import weakref
 from dataclasses import dataclass
 
 import numpy as np
+
+from engine import envs, platform
 
 log = logging.getLogger("markbase.cpu_qgemm")
 
@@ -119,32 +120,23 @@ def _lib():
     return lib
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
 def available() -> str | None:
     """None when quantized decode matmuls can run here, else why not."""
-    if os.environ.get(ENV_ON, "1").lower() in ("0", "off", "no"):
+    if envs.value(ENV_ON) in ("0", "off", "no"):
         return f"{ENV_ON}=0"
     try:
-        import mlx.core as mx
-
-        if mx.default_device() != mx.cpu:
+        if not platform.on_cpu():
             return "MLX runs on a GPU"
     except ImportError:
         return "MLX is not installed"
     lib = _lib()
     if lib is None:
         return "the sgemm shim is not loaded (no fast BLAS or no C compiler)"
-    if lib.markbase_qw_simd() not in (256, 512) and os.environ.get(ENV_ON) != "force":
+    if lib.markbase_qw_simd() not in (256, 512) and envs.value(ENV_ON) != "force":
         return "the CPU has neither AVX2+FMA nor AVX-512 (the portable kernel is slower than float32 BLAS)"
-    lib.markbase_qw_set_int8(1 if os.environ.get(ENV_INT8, "0") == "1" else 0)
+    lib.markbase_qw_set_int8(1 if envs.value(ENV_INT8) else 0)
     lib.markbase_qw_config(
-        1, _env_int(ENV_MAX_M, 16), _env_int(ENV_THREADS, 0), _env_int(ENV_SPIN, 30)
+        1, envs.value(ENV_MAX_M), envs.value(ENV_THREADS), envs.value(ENV_SPIN)
     )
     return None
 

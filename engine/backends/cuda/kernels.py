@@ -12,8 +12,13 @@ templated product kernels 10-16 us).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cache
+from pathlib import Path
+
+from engine import envs
 
 SMS = 132  # an H100/H200's SMs: how the kernels size grids and split work (not correctness)
+CSRC = Path(__file__).resolve().parent / "csrc"
 
 CTYPES = {
     "float32": "float",
@@ -34,6 +39,14 @@ class KernelSpec:
     source: str = ""
     header: str = ""
     template: list = field(default_factory=list)  # (name, int | bool | dtype name)
+
+
+@cache
+def source(name: str) -> str:
+    """The CUDA text of ``csrc/<name>``: a kernel body fragment (``.cu``) or device
+    functions and macros for a kernel's header (``.cuh``), as the kernel modules join
+    them into what ``mx.fast.cuda_kernel`` compiles. Read once, at the module's import."""
+    return (CSRC / name).read_text()
 
 
 def dtype_name(dtype) -> str:
@@ -91,9 +104,7 @@ def minify(code: str) -> str:
 def minified(spec: KernelSpec) -> KernelSpec:
     """``spec`` with its source and header through ``minify``, unless
     MARKBASE_GPU_KERNEL_MINIFY=0 (the sources as written, for A/B runs)."""
-    import os
-
-    if os.environ.get("MARKBASE_GPU_KERNEL_MINIFY", "1") == "0":
+    if not envs.MARKBASE_GPU_KERNEL_MINIFY:
         return spec
     return replace(spec, source=minify(spec.source), header=minify(spec.header))
 
@@ -177,3 +188,41 @@ def one_output_call(fn, grid: tuple, threadgroup: tuple, shape: tuple, dtype):
         )[0]
 
     return call
+
+
+# ---------------------------------------------------------------- checks without a GPU
+
+# what MLX's build_kernel (mlx/backend/cuda/custom_kernel.cpp) puts before a kernel
+DEFAULT_HEADER = (
+    '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+)
+
+
+def nvrtc_source(spec: KernelSpec) -> str:
+    """The whole translation unit MLX hands NVRTC for ``spec`` (minified as
+    ``make_kernel`` hands it over): header, signature from the input/output names,
+    template constants, the body."""
+    spec = minified(spec)
+    out = DEFAULT_HEADER + spec.header
+    out += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    out += f"__global__ void custom_kernel_{spec.name}(\n"
+    for name, dtype, ndim in spec.inputs:
+        out += f"    const {CTYPES[dtype]}* {name},\n"
+        if ndim > 0:
+            if f"{name}_shape" in spec.source:
+                out += f"    const __grid_constant__ Shape {name}_shape,\n"
+            if f"{name}_strides" in spec.source:
+                out += f"    const __grid_constant__ Strides {name}_strides,\n"
+            if f"{name}_ndim" in spec.source:
+                out += f"    const __grid_constant__ int {name}_ndim,\n"
+    outs = [f"    {CTYPES[dtype]}* {name}" for name, dtype in spec.outputs]
+    out += ",\n".join(outs) + ") {\n"
+    for name, value in spec.template:
+        if isinstance(value, bool):
+            out += f"  constexpr bool {name} = {'true' if value else 'false'};\n"
+        elif isinstance(value, int):
+            out += f"  constexpr int {name} = {value};\n"
+        else:
+            out += f"  using {name} = {CTYPES[value]};\n"
+    out += "\n" + spec.source + "\n}\n\n} // namespace mlx::core::cu\n"
+    return out

@@ -1,5 +1,7 @@
 """How the decode step's linear layers multiply on a GPU, by the number of rows.
 
+from engine import envs
+
 MLX 0.32.4's CUDA matmuls are fast for one row but slow for the skinny products of
 a batched decode step: bench/gpu/NOTES.md measured its bf16 products moving the
 weights at 1.47 TB/s for 1 row and 0.8 TB/s for 8-128 rows, and its 4-bit
@@ -38,8 +40,9 @@ go through BLAS and engine/backends/cpu/qgemm.py, which need ``x @ w.T`` as it i
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from engine import envs
 
 FLOAT_FORMS = ("xwt", "wxt", "gemv", "mma")
 QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv", "qmma", "qstream", "qgemm")
@@ -98,14 +101,14 @@ _generation = [0]
 
 def float_plan() -> Plan:
     if "float" not in _current:
-        text = os.environ.get("MARKBASE_GPU_FLOAT_PLAN", DEFAULT_FLOAT_PLAN)
+        text = envs.MARKBASE_GPU_FLOAT_PLAN
         _current["float"] = parse_plan(text, FLOAT_FORMS)
     return _current["float"]
 
 
 def quant_plan() -> Plan:
     if "quant" not in _current:
-        text = os.environ.get("MARKBASE_GPU_QUANT_PLAN", DEFAULT_QUANT_PLAN)
+        text = envs.MARKBASE_GPU_QUANT_PLAN
         _current["quant"] = parse_plan(text, QUANT_FORMS)
     return _current["quant"]
 
@@ -188,13 +191,13 @@ class _Routes:
     _routes: dict
     _generation: int = -1
 
-    def _route(self, x, residual: bool, glu: bool, norm: bool, mma_norm: bool = True):
+    def _route(self, x, residual: bool, glu: bool, norm: bool):
         if self._generation != _generation[0]:  # the plans changed (benchmarks)
             self._routes, self._generation = {}, _generation[0]
-        key = (x.shape[0], x.dtype, residual, glu, norm, mma_norm)
+        key = (x.shape[0], x.dtype, residual, glu, norm)
         route = self._routes.get(key)
         if route is None:
-            route = self._routes[key] = self._make_route(x, residual, glu, norm, mma_norm)
+            route = self._routes[key] = self._make_route(x, residual, glu, norm)
         return route
 
     def set_plan(self, plan: Plan | None) -> None:
@@ -210,24 +213,25 @@ class _Routes:
             return self._route(x, False, False, False)(x, None, None)
         return self._call_form(x, self.plan.form(_rows(x)))
 
-    def fused(self, x, residual=None, glu: bool = False, norm=None, mma_norm: bool = True):
+    def fused(self, x, residual=None, glu: bool = False, norm=None):
         """``residual + x @ w.T``, or with ``glu`` (w = [gate; up]) ``silu(x @ gate.T) *
         (x @ up.T)``; ``norm`` (an ``nn.RMSNorm``, not with ``residual``): x goes
         through it first. One kernel call (engine/backends/cuda/products/mma.py, engine/backends/cuda/products/qstream.py)
         when the plan sends these rows there (x [B, K], the 2-D decode step), else the
-        same math as MLX ops. ``mma_norm=False``: the norm goes inside only the 1-row
-        kernel's call, a separate op before engine/backends/cuda/products/mma.py's (whose blocks each
-        recompute it: the decode step's default, bench/gpu/NOTES.md session 8)."""
+        same math as MLX ops. The norm goes inside only the 1-row kernel's call
+        (engine/backends/cuda/products/qstream.py); before the other kernels it is a
+        separate op (inside engine/backends/cuda/products/mma.py's, whose blocks each
+        recompute it, the step's GPU time went up 45-60%: bench/gpu/NOTES.md session 8)."""
         if x.ndim == 2:
-            route = self._route(x, residual is not None, glu, norm is not None, mma_norm)
+            route = self._route(x, residual is not None, glu, norm is not None)
             return route(x, residual, norm)
         return _unfused(self, x, residual, glu, norm)
 
-    def _make_route(self, x, residual: bool, glu: bool, norm: bool, mma_norm: bool = True):
+    def _make_route(self, x, residual: bool, glu: bool, norm: bool):
         """``route(x, residual, norm)`` for these rows: the kernel when the plan says
         so and it takes the shape, else MLX ops."""
         rows = x.shape[0]
-        launch = self._launcher(x.dtype, rows, residual, glu, norm, mma_norm)
+        launch = self._launcher(x.dtype, rows, residual, glu, norm)
         if launch is None and norm:  # the norm as its own op, the rest as without it
             inner = self._make_route(x, residual, glu, False)
             return lambda x, r, nm: inner(nm(x), r, None)
@@ -269,17 +273,15 @@ class GpuLinear(_Routes):
     def _kernel_arrays(self) -> list:
         return [self.weight]
 
-    def _launcher(
-        self, dtype, rows: int, residual: bool, glu: bool, norm: bool, mma_norm: bool = True
-    ):
+    def _launcher(self, dtype, rows: int, residual: bool, glu: bool, norm: bool):
         if self.plan.form(rows) != "mma" or not _float_kernel_ok("mma", dtype, self.weight):
             return None
-        if norm and not mma_norm:
+        if norm:  # the norm as its own op (_make_route)
             return None
         from engine.backends.cuda.products import mma as gpu_mma
 
         n, k = self.weight.shape
-        return gpu_mma.launcher("float", dtype, rows, n, k, 0, residual, glu, norm)
+        return gpu_mma.launcher("float", dtype, rows, n, k, 0, residual, glu)
 
 
 class GpuQuantizedLinear(_Routes):
@@ -303,9 +305,7 @@ class GpuQuantizedLinear(_Routes):
     def _kernel_arrays(self) -> list:
         return [self.weight, self.scales, self.biases]
 
-    def _launcher(
-        self, dtype, rows: int, residual: bool, glu: bool, norm: bool, mma_norm: bool = True
-    ):
+    def _launcher(self, dtype, rows: int, residual: bool, glu: bool, norm: bool):
         form = self.plan.form(rows)
         n, k = self.weight.shape[0], self.scales.shape[-1] * self.group_size
         if form == "qstream":
@@ -331,11 +331,11 @@ class GpuQuantizedLinear(_Routes):
             return gpu_qgemm.launcher(dtype, rows, n, k, self.group_size, residual, glu)
         if form != "qmma" or not self._kernel_ok("qmma", dtype):
             return None
-        if norm and not mma_norm:
+        if norm:  # the norm as its own op (_make_route)
             return None
         from engine.backends.cuda.products import mma as gpu_mma
 
-        return gpu_mma.launcher("q4", dtype, rows, n, k, self.group_size, residual, glu, norm)
+        return gpu_mma.launcher("q4", dtype, rows, n, k, self.group_size, residual, glu)
 
     def _qgemm_or_qmma(self, form: str, rows: int, dtype, glu: bool, k: int, residual: bool) -> str:
         """``form``, except ``qgemm`` where its kernel does not take this layer or the

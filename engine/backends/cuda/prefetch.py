@@ -30,53 +30,16 @@ measured on an H200.
 
 from __future__ import annotations
 
-import os
-
+from engine import envs, platform
 from engine.backends.cuda.kernels import SMS, Baked, KernelSpec, for_dtype, one_output_call
+from engine.backends.cuda.kernels import source as _source
 
 THREADS = 256
 DEFAULT_MB = 12  # of the gate/up weight (with its scales and biases), besides all of o_proj
 
-_HEADER = r"""
-__device__ __forceinline__ void mb_pf_l2(const void* p, const size_t bytes, const size_t t,
-                                         const size_t nt) {
-  const char* c = static_cast<const char*>(p);
-  for (size_t o = t * 128; o < bytes; o += nt * 128) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + o));
-  }
-}
-"""
+_HEADER = _source("prefetch/header.cuh")
 
-_BODY = r"""
-  const size_t t = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const size_t nt = static_cast<size_t>(gridDim.x) * blockDim.x;
-  if (blockIdx.x == 0) {  // the layer's input, for o_proj's residual
-    const int d = r_shape[1];
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-      out[i] = r[i];
-    }
-  }
-  // o_proj: all of it
-  mb_pf_l2(wo, static_cast<size_t>(wo_shape[0]) * wo_shape[1] * 4, t, nt);
-  mb_pf_l2(so, static_cast<size_t>(so_shape[0]) * so_shape[1] * sizeof(T), t, nt);
-  mb_pf_l2(bo, static_cast<size_t>(bo_shape[0]) * bo_shape[1] * sizeof(T), t, nt);
-  // gate/up ([gate; up] rows): the first ROWS of each half, the rows its kernel's warps
-  // take first (engine/backends/cuda/products/qstream.py: warp g takes output g, then g + all warps, ...)
-  const size_t n = static_cast<size_t>(wgu_shape[0]) / 2;
-  const size_t rows = ROWS < n ? static_cast<size_t>(ROWS) : n;
-  const size_t wr = static_cast<size_t>(wgu_shape[1]) * 4;
-  const size_t sr = static_cast<size_t>(sgu_shape[1]) * sizeof(T);
-  const char* w = reinterpret_cast<const char*>(wgu);
-  const char* s = reinterpret_cast<const char*>(sgu);
-  const char* b = reinterpret_cast<const char*>(bgu);
-  mb_pf_l2(w, rows * wr, t, nt);
-  mb_pf_l2(w + n * wr, rows * wr, t, nt);
-  mb_pf_l2(s, rows * sr, t, nt);
-  mb_pf_l2(s + n * sr, rows * sr, t, nt);
-  mb_pf_l2(b, rows * sr, t, nt);
-  mb_pf_l2(b + n * sr, rows * sr, t, nt);
-  (void)dep;
-"""
+_BODY = _source("prefetch/body.cu")
 
 _INPUTS = [
     ("r", "T", 2),
@@ -98,13 +61,13 @@ _kernel = Baked(_specs, ensure_row_contiguous=True)
 
 
 def enabled() -> bool:
-    return os.environ.get("MARKBASE_GPU_L2_PREFETCH", "1") != "0"
+    return envs.MARKBASE_GPU_L2_PREFETCH
 
 
 def gate_up_rows(gate_up) -> int:
     """Rows of each half of gate/up to prefetch: ``MARKBASE_GPU_L2_PREFETCH_MB``
     (default ``DEFAULT_MB``) of weights, scales and biases, split over the two halves."""
-    mb = float(os.environ.get("MARKBASE_GPU_L2_PREFETCH_MB", DEFAULT_MB))
+    mb = envs.MARKBASE_GPU_L2_PREFETCH_MB
     row_bytes = gate_up.weight.shape[1] * 4 + 2 * gate_up.scales.shape[1] * 2
     return max(0, int(mb * (1 << 20) / (2 * row_bytes)))
 
@@ -113,7 +76,7 @@ def takes(x, o_proj, gate_up) -> bool:
     """One row, and both products 4-bit with scales and biases in x's dtype."""
     import mlx.core as mx
 
-    if x.ndim != 2 or x.shape[0] != 1 or not mx.cuda.is_available():
+    if x.ndim != 2 or x.shape[0] != 1 or not platform.cuda_available():
         return False
     for lin in (o_proj, gate_up):
         if not all(hasattr(lin, a) for a in ("weight", "scales", "biases")):

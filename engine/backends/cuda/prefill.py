@@ -29,13 +29,11 @@ engine/backends/cuda/attention/prefill.py: 8,741 -> 24,694 tok/s.
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine import envs
 from engine.backends.cuda.products import dequant as gpu_dequant
-from engine.config import env_choice
 
 ROWS_ENV = "MARKBASE_GPU_PREFILL_DEQ_ROWS"
 # where dequantizing first starts to win (bench/gpu/matmul_rows.py --forms qmm,deq)
@@ -97,7 +95,7 @@ def small_route() -> str:
     time to first token in a chat. Measured (H100, session 21, 8b 4-bit, one chunk):
     24 tokens 23.2 -> 10.7 ms, 100 tokens 28.5 -> 19.9, 200 tokens 39.9 -> 29.9; and
     from an empty PTX cache the engine's warm-up took 60 s instead of 130 s."""
-    return env_choice(SMALL_ENV, "qmma", ("mlx", "qmma"))
+    return envs.value(SMALL_ENV)
 
 
 def is_plain_quantized(module) -> bool:
@@ -112,12 +110,8 @@ def is_plain_quantized(module) -> bool:
 
 def min_rows_from_env(env=None) -> int:
     """The row threshold in effect: ``MARKBASE_GPU_PREFILL_DEQ_ROWS``, else the default."""
-    text = (os.environ if env is None else env).get(ROWS_ENV, "")
-    if not text:
-        return DEFAULT_MIN_ROWS
-    if not text.isdigit():
-        raise ValueError(f"{ROWS_ENV}={text!r}: want a row count (0 turns the route off)")
-    return int(text)
+    rows = envs.value(ROWS_ENV, env)
+    return DEFAULT_MIN_ROWS if rows is None else rows
 
 
 def install(model: nn.Module, min_rows: int | None = None) -> int:

@@ -22,16 +22,17 @@ and only for chunks of ``MIN_ROWS`` rows or more (a short chunk's build is short
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+
+from engine import envs
 
 ENV = "MARKBASE_GPU_PREFILL_STAGES"
 MIN_ROWS = 128
 
 
 def every_from_env() -> int:
-    return int(os.environ.get(ENV, "4"))
+    return envs.value(ENV)
 
 
 def stage_layers(num_layers: int, every: int) -> list[int]:

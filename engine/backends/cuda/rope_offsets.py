@@ -22,12 +22,12 @@ while MLX's default device is a GPU. ``MARKBASE_GPU_ROPE_DEVICE_OFFSET=0`` turns
 
 from __future__ import annotations
 
-import os
 import threading
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine import envs, platform
 from engine.backends.cuda.products.mma import (
     SCALAR_WORDS,  # 16 bytes: past MLX's CUDA pool of tiny arrays
 )
@@ -53,7 +53,7 @@ force_on_cpu = False  # tests: convert on the CPU too
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+    return envs.value(ENV)
 
 
 def device_offset(offset: int) -> mx.array:
@@ -71,7 +71,7 @@ def device_offset(offset: int) -> mx.array:
 
 
 def _converting() -> bool:
-    return force_on_cpu or mx.default_device().type == mx.DeviceType.gpu
+    return force_on_cpu or platform.on_gpu()
 
 
 def install(model) -> int:

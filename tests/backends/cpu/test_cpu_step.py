@@ -11,7 +11,11 @@ mx = pytest.importorskip("mlx.core")
 from engine.backends.cpu.step import CpuDecodeStep  # noqa: E402
 from engine.loading import build_random_model  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
-from tests.helpers.models import RANDOM_LLAMA, prefilled_batch  # noqa: E402
+from tests.helpers.models import (  # noqa: E402
+    RANDOM_LLAMA,
+    ROPES,  # noqa: E402
+    prefilled_batch,
+)
 
 TINY = {**RANDOM_LLAMA, "vocab_size": 97}
 PROMPTS = ([5, 6, 7, 8, 9, 10], [11, 12, 13], [14])  # ragged: an array mask
@@ -31,23 +35,6 @@ def _check(model, step, prompts, steps=4):
         assert mx.allclose(a.keys[:, :, : a.length], b.keys[:, :, : b.length], atol=1e-5).item()
 
 
-ROPES = {
-    "default": {},
-    "traditional": {"rope_traditional": True, "rope_theta": 100000.0},
-    "llama3": {
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-        "max_position_embeddings": 1024,
-    },
-    "linear": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-    "untied": {"tie_word_embeddings": False},
-    "mha": {"num_key_value_heads": 4},
-}
 
 
 @pytest.mark.parametrize("flavour", sorted(ROPES))

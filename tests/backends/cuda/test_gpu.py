@@ -58,7 +58,7 @@ def on_gpu() -> bool:
 
 FORCE = os.environ.get("MARKBASE_GPU_TEST_ON_CPU") == "1"
 pytestmark = [
-    pytest.mark.gpu,
+    pytest.mark.cpu,  # its own condition: a GPU (CUDA or Metal), or forced
     pytest.mark.skipif(
         not (on_gpu() or FORCE), reason="needs an MLX GPU device (mlx[cuda13] or Metal)"
     ),

@@ -20,8 +20,6 @@ import pytest  # noqa: E402
 from engine.backends.cuda.attention import decode as gpu_attention  # noqa: E402
 from engine.model.attention import grouped_decode_attention  # noqa: E402
 
-cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
-
 
 @pytest.fixture(autouse=True)
 def default_loop_shape():
@@ -31,6 +29,7 @@ def default_loop_shape():
     gpu_attention.set_loop_shape(None)
 
 
+@pytest.mark.cpu
 def test_splits_give_enough_blocks_and_enough_work_per_block():
     # one row of an 8-KV-head model at 600 positions: 5 blocks of ~120 positions per head
     assert gpu_attention.splits(1, 8, 600) == 5
@@ -42,6 +41,7 @@ def test_splits_give_enough_blocks_and_enough_work_per_block():
     assert gpu_attention.splits(1, 1, 100_000) == 64
 
 
+@pytest.mark.cpu
 def test_supported_shapes():
     assert gpu_attention.supported(32, 8, 128, mx.bfloat16) is None
     assert gpu_attention.supported(32, 8, 64, mx.float32) is None
@@ -79,20 +79,17 @@ CASES = [
 ]
 
 
-@cuda
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("two_pass", [False, True])
-def test_kernel_equals_grouped_attention(case, dtype, two_pass):
-    """Split rows merged by their last block (default) or by the merge kernel."""
-    gpu_attention.set_loop_shape(gpu_attention.LoopShape(two_pass=two_pass))
+def test_kernel_equals_grouped_attention(case, dtype):
+    """Split rows merged by their last block."""
+    gpu_attention.set_loop_shape(gpu_attention.LoopShape())
     b, hq, hkv, t, d, starts = case
     got, want = _case(b, hq, hkv, t, d, dtype, starts, capacity=t + 64)
     tol = 1e-5 if dtype == mx.float32 else 2e-2
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
-@cuda
 def test_decode_step_with_kernel_equals_model():
     """The fused GPU decode step with the kernel gives the model's own logits on a
     ragged batch (head_dim 64, so the kernel is used)."""
@@ -142,6 +139,7 @@ def _rotate(x, table, pos):
     return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("kind", ["plain", "traditional", "scaled", "llama3"])
 def test_rope_table_is_the_modules_rope(kind):
     """The table the append kernel uses rotates like the module itself (runs on any
@@ -172,12 +170,9 @@ SHAPES = [
     "l8u2vp32",
     "l16u4vw4",
     "l32u4p16w2",
-    "l32u8m",  # the last block's merge through shared memory (pmerge)
-    "l32u4p16w2m",  # many splits: several rounds of the pmerge buffers
 ]
 
 
-@cuda
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3], CASES[5]])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -190,8 +185,9 @@ def test_loop_shapes_give_the_same_attention(shape, case, dtype):
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.cpu
 def test_loop_shape_knobs(monkeypatch):
-    for name in ("U", "VEC", "LANES", "PPB", "WARPS", "TWO_PASS", "PMERGE"):
+    for name in ("U", "VEC", "LANES", "PPB", "WARPS"):
         monkeypatch.delenv(f"MARKBASE_GPU_ATTN_{name}", raising=False)
     gpu_attention.set_loop_shape(None)
     assert gpu_attention.fixed_shape() is None  # each launch: auto_shape
@@ -210,12 +206,8 @@ def test_loop_shape_knobs(monkeypatch):
     monkeypatch.delenv(tc.SPLIT_ENV)
     gpu_attention.set_loop_shape(None)
     assert gpu_attention.fixed_shape() == gpu_attention.LoopShape.parse("l16u8vcs")
-    want = gpu_attention.LoopShape(lanes=8, u=2, ppb=64, warps=4, two_pass=True)
-    assert gpu_attention.LoopShape.parse("l8u2p64w4t") == want
-    assert gpu_attention.LoopShape.parse("l32u8m") == gpu_attention.LoopShape(u=8, pmerge=True)
-    monkeypatch.setenv("MARKBASE_GPU_ATTN_PMERGE", "1")
-    gpu_attention.set_loop_shape(None)
-    assert gpu_attention.fixed_shape().pmerge
+    want = gpu_attention.LoopShape(lanes=8, u=2, ppb=64, warps=4)
+    assert gpu_attention.LoopShape.parse("l8u2p64w4") == want
     monkeypatch.setenv("MARKBASE_GPU_ATTN_U", "3")
     gpu_attention.set_loop_shape(None)
     with pytest.raises(ValueError, match="1, 2, 4 or 8"):
@@ -224,6 +216,7 @@ def test_loop_shape_knobs(monkeypatch):
         gpu_attention.LoopShape.parse("l16x3")
 
 
+@pytest.mark.cpu
 def test_auto_shape_follows_the_measurements():
     """Few blocks (one row split over time): 8 positions in flight, scalar loads, 8
     warps; many: vector loads, with 8 in flight and 4 warps at head_dim 128."""
@@ -234,7 +227,6 @@ def test_auto_shape_follows_the_measurements():
     assert len(gpu_attention.auto_shapes(128)) == 2
 
 
-@cuda
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_automatic_shapes_give_the_same_attention(case, dtype):
@@ -248,6 +240,7 @@ def test_automatic_shapes_give_the_same_attention(case, dtype):
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.cpu
 def test_rope_table_refuses_what_the_kernel_cannot_apply():
     import mlx.nn as nn
 
@@ -267,12 +260,11 @@ APPEND_CASES = [
 ]
 
 
-@cuda
 @pytest.mark.parametrize("case", APPEND_CASES)
 @pytest.mark.parametrize("kind", ["plain", "traditional", "llama3"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize(
-    "shape", ["auto", "l16u2v", "l8u4vp32", "l32u8p16m", "c", "cp100000", "cs", "csp16"]
+    "shape", ["auto", "l16u2v", "l8u4vp32", "l32u8p16", "c", "cp100000", "cs", "csp16"]
 )
 def test_append_kernel_equals_rope_write_and_attention(case, kind, dtype, shape):
     """decode_attention_append == RoPE on q and k, k and v written at slot T, then the
@@ -345,7 +337,6 @@ TC_CASES = [
 ]
 
 
-@cuda
 @pytest.mark.parametrize("case", TC_CASES)
 @pytest.mark.parametrize("geometry", ["4,16", "1,32", "8,16", "2,32"])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
@@ -372,7 +363,6 @@ SPLIT_CASES = [
 ]
 
 
-@cuda
 @pytest.mark.parametrize("case", SPLIT_CASES)
 @pytest.mark.parametrize("geometry", ["8,16", "4,32", "1,16", "2,16"])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
@@ -391,35 +381,6 @@ def test_tensor_core_split_form_equals_rope_write_and_attention(case, geometry, 
     _append_case(case, "traditional" if d == 128 else "plain", dtype)
 
 
-MULTI_CASES = SPLIT_CASES + [
-    (1, 32, 8, 2600, 128, [0]),  # 21 blocks a KV head: past MAX_SPLITS
-    (2, 32, 8, 5000, 64, [0, 4000]),  # 17, one row mostly before its start
-]
-
-
-@cuda
-@pytest.mark.parametrize("case", MULTI_CASES)
-@pytest.mark.parametrize("geometry", ["8,16", "4,32"])
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-def test_tensor_core_multi_block_form_equals_rope_write_and_attention(
-    case, geometry, dtype, monkeypatch
-):
-    """The split form over several blocks a (row, KV head) (MARKBASE_GPU_ATTN_TC_MULTI=1):
-    each block a contiguous share of the tiles (some without any), merged by the last
-    block through the counters, which are zero again after (``_append_case``)."""
-    from engine.backends.cuda.attention import decode_tc as gpu_attention_tc
-
-    warps, bk = geometry.split(",")
-    monkeypatch.setenv(gpu_attention_tc.SPLIT_ENV, "1")
-    monkeypatch.setenv(gpu_attention_tc.MULTI_ENV, "1")
-    monkeypatch.setenv(gpu_attention_tc.SPLIT_WARPS_ENV, warps)
-    monkeypatch.setenv(gpu_attention_tc.BK_ENV, bk)
-    b, hq, hkv, t, d, starts = case
-    assert gpu_attention.splits(b, hkv, t + 1) > 1
-    _append_case(case, "traditional" if d == 64 else "plain", dtype)
-
-
-@cuda
 @pytest.mark.parametrize("stages", ["3", "4"])
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
@@ -441,24 +402,18 @@ def test_tensor_core_forms_with_more_stages(stages, split, dtype, monkeypatch):
             _append_case(case, "plain", dtype)
 
 
+@pytest.mark.cpu
 def test_tensor_core_form_emulated_equals_attention():
     """bench/gpu/attn_tc_emulation.py: the tensor-core kernel's statements lane by lane
     (numpy) equal RoPE + attention, one warp a (row, KV head) and the split form (tiles
-    from each row's start, the new slot patched in, a row with only it, the merge),
-    also over several blocks a (row, KV head) merged as the last block does."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "gpu"))
-    from attn_tc_emulation import check
+    from each row's start, the new slot patched in, a row with only it, the merge)."""
+    from tests.backends.cuda.emulation.attn_tc import check
 
     assert check(2, 1, 4, 40, 64, [0, 30], 4, 16, True, False) < 1e-9
     assert check(2, 1, 2, 20, 64, [0, 20], 2, 16, False, True) < 1e-9
-    # several blocks a (row, KV head) (MB_TC_MULTI): 3 tiles over 4 parts, one row
-    # with only the new slot
-    assert check(2, 1, 4, 40, 64, [0, 40], 2, 16, True, False, parts=4) < 1e-9
 
 
+@pytest.mark.cpu
 def test_tensor_core_form_rules(monkeypatch):
     """Which launches the tensor-core form takes, and its knobs, checked."""
     from engine.backends.cuda.attention import decode_tc as tc
@@ -480,7 +435,7 @@ def test_tensor_core_form_rules(monkeypatch):
     monkeypatch.setenv(tc.ENV, "0")
     assert not tc.enabled()
     monkeypatch.setenv(tc.WARPS_ENV, "3")
-    with pytest.raises(ValueError, match="want 1/2/4/8"):
+    with pytest.raises(ValueError, match="want 1, 2, 4 or 8"):
         tc.geometry()
     monkeypatch.setenv(tc.WARPS_ENV, "2")
     monkeypatch.setenv(tc.BK_ENV, "32")
@@ -500,12 +455,9 @@ def test_tensor_core_form_rules(monkeypatch):
         tc.stages(False, 4, 16, 4, 128)
 
 
-@cuda
-@pytest.mark.parametrize("form", ["unsplit", "multi"])
-def test_decode_step_on_tensor_cores_equals_model(form, monkeypatch):
+def test_decode_step_on_tensor_cores_equals_model(monkeypatch):
     """The bf16 decode step with MARKBASE_GPU_ATTN_TC=1 and a loop shape that never
-    splits (every launch on tensor cores; ``multi``: one that splits every launch into
-    blocks of 16 positions, on the multi-block form) gives the model's logits over
+    splits (every launch on tensor cores) gives the model's logits over
     several steps, ragged rows, and the cache the kernel filled equals the model's."""
     from engine.backends.cuda.attention import decode_tc as gpu_attention_tc
     from engine.loading import build_random_model
@@ -513,11 +465,7 @@ def test_decode_step_on_tensor_cores_equals_model(form, monkeypatch):
     from tests.helpers.models import RAGGED_PROMPTS, prefilled_batch
 
     monkeypatch.setenv(gpu_attention_tc.ENV, "1")
-    if form == "multi":
-        monkeypatch.setenv(gpu_attention_tc.MULTI_ENV, "1")
-        gpu_attention.set_loop_shape(gpu_attention.LoopShape(ppb=16, tc=True, tc_split=True))
-    else:
-        gpu_attention.set_loop_shape(gpu_attention.LoopShape(ppb=100_000, tc=True))
+    gpu_attention.set_loop_shape(gpu_attention.LoopShape(ppb=100_000, tc=True))
     cfg = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
                vocab_size=512, tie_word_embeddings=False)  # fmt: skip
@@ -542,22 +490,17 @@ def test_decode_step_on_tensor_cores_equals_model(form, monkeypatch):
         )
 
 
-@cuda
 @pytest.mark.parametrize("compiled", [True, False])
-@pytest.mark.parametrize("multi", [False, True])
-def test_warm_up_compiles_both_tensor_core_forms(compiled, multi, monkeypatch):
+def test_warm_up_compiles_both_tensor_core_forms(compiled, monkeypatch):
     """With the tensor-core forms on (the default), the step's warm-up compiles the
     unsplit and the split one (a 200-token row at B=1 takes the split one: it must not
-    wait on NVRTC), besides the CUDA-core forms of every automatic shape; with
-    MARKBASE_GPU_ATTN_TC_MULTI=1 the split one is the multi-block kernel."""
+    wait on NVRTC), besides the CUDA-core forms of every automatic shape."""
     from engine.backends.cuda.attention import decode_tc as tc
     from engine.loading import build_random_model
     from engine.model.decode_step import make_decode_step
 
-    for env in (tc.ENV, tc.SPLIT_ENV, tc.MULTI_ENV):
+    for env in (tc.ENV, tc.SPLIT_ENV):
         monkeypatch.delenv(env, raising=False)
-    if multi:
-        monkeypatch.setenv(tc.MULTI_ENV, "1")
     gpu_attention.set_loop_shape(None)
     cfg = dict(hidden_size=256, num_hidden_layers=1, intermediate_size=512,
                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
@@ -574,22 +517,19 @@ def test_warm_up_compiles_both_tensor_core_forms(compiled, multi, monkeypatch):
     made = {dict(t)["SPLIT"] for _, t in kern._made}
     assert made == {False, True}, made
     split_kinds = {kind for kind, t in kern._made if dict(t)["SPLIT"]}
-    assert split_kinds == {"append_tc_multi" if multi else "append_tc"}, split_kinds
+    assert split_kinds == {"append_tc"}, split_kinds
     assert all(dict(t)["TPOS"] == compiled for _, t in kern._made)
 
 
-@cuda
 @pytest.mark.parametrize("variant", ["default", "traditional", "llama3", "linear", "mha"])
 def test_decode_step_append_form_equals_model(variant):
     """The GPU decode step with RoPE and the KV write inside the attention kernel gives
     the model's own logits over several steps (each step reads the slots the previous
     ones wrote), ragged rows, for every RoPE variant mlx-lm's llama takes; and the
     cache the kernel filled equals the one the model filled."""
-    from test_cpu_step import ROPES
-
     from engine.loading import build_random_model
     from engine.model.decode_step import make_decode_step
-    from tests.helpers.models import RAGGED_PROMPTS, prefilled_batch
+    from tests.helpers.models import RAGGED_PROMPTS, ROPES, prefilled_batch
 
     cfg = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
@@ -612,7 +552,6 @@ def test_decode_step_append_form_equals_model(variant):
             )
 
 
-@cuda
 def test_compiled_step_equals_model_across_splits_and_growth(monkeypatch):
     """The whole decode step under one mx.compile (MARKBASE_GPU_STEP_COMPILE=1, the
     attention over the whole cache buffers with T from each row's position) gives the
@@ -655,6 +594,7 @@ def test_compiled_step_equals_model_across_splits_and_growth(monkeypatch):
         )
 
 
+@pytest.mark.cpu
 def test_batch_kv_reserve_counts_the_slot_and_keeps_the_rows():
     """BatchKV.reserve: the append kernel's slot is counted (length, per-row offsets),
     the buffer grows when full and keeps what it held, the views end at the new slot."""

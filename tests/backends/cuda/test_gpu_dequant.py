@@ -15,8 +15,6 @@ import pytest
 from engine.backends.cuda import prefill as gpu_prefill
 from engine.backends.cuda.products import dequant as gpu_dequant
 
-needs_gpu = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
-
 
 def _quantized(n: int, k: int, group_size: int, dtype, seed: int = 0):
     rng = np.random.default_rng(seed)
@@ -24,6 +22,7 @@ def _quantized(n: int, k: int, group_size: int, dtype, seed: int = 0):
     return mx.quantize(w, group_size=group_size, bits=4)
 
 
+@pytest.mark.cpu
 def test_switch_and_fallback(monkeypatch):
     """On unless MARKBASE_GPU_DEQUANT=0 (checked); where the kernel does not apply (no
     CUDA, 8 bits, no biases) the result is mx.dequantize's."""
@@ -43,7 +42,6 @@ def test_switch_and_fallback(monkeypatch):
     assert mx.array_equal(got, mx.dequantize(wq, s, b, group_size=64, bits=4)).item()
 
 
-@needs_gpu
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("shape", [(7, 256), (96, 1024), (2048, 640), (4096, 4096)])
@@ -61,7 +59,6 @@ def test_kernel_equals_mx_dequantize_bit_for_bit(shape, group_size, dtype, monke
     assert diff == 0, f"{diff} of {got.size} weights differ from mx.dequantize"
 
 
-@needs_gpu
 def test_prefill_route_with_the_kernel_equals_quantized_matmul(monkeypatch):
     monkeypatch.setenv(gpu_dequant.ENV, "1")
     mx.random.seed(3)

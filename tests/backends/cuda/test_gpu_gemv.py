@@ -18,8 +18,6 @@ import pytest  # noqa: E402
 
 from engine.backends.cuda.products import gemv as gpu_gemv  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
-
 SHAPES = [(1, 4096, 4096), (2, 64, 256), (3, 128, 1024), (5, 6144, 2048), (8, 4096, 14336),
           (12, 256, 512), (17, 64, 256)]  # fmt: skip
 

@@ -21,8 +21,6 @@ import pytest  # noqa: E402
 from engine.backends.cuda import linear as gpu_linear
 from engine.backends.cuda import prefetch as gpu_prefetch  # noqa: E402
 
-gpu = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
-
 
 def _quantized(n: int, k: int, dtype, seed: int) -> nn.QuantizedLinear:
     rng = np.random.default_rng(seed)
@@ -33,6 +31,7 @@ def _quantized(n: int, k: int, dtype, seed: int) -> nn.QuantizedLinear:
     return q
 
 
+@pytest.mark.cpu
 def test_switch_and_rows(monkeypatch):
     """On unless MARKBASE_GPU_L2_PREFETCH=0; the gate/up rows follow the MB knob (two
     halves, each row's weight words, scales and biases)."""
@@ -48,6 +47,7 @@ def test_switch_and_rows(monkeypatch):
     assert gpu_prefetch.gate_up_rows(gu) == 0
 
 
+@pytest.mark.cpu
 def test_takes_only_one_row_of_4_bit_products():
     o, gu = _quantized(256, 256, mx.bfloat16, 2), _quantized(512, 256, mx.bfloat16, 3)
     lin = nn.Linear(256, 256, bias=False)
@@ -57,7 +57,6 @@ def test_takes_only_one_row_of_4_bit_products():
     assert gpu_prefetch.takes(one, o, gu) == mx.cuda.is_available()
 
 
-@gpu
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("rows", [0, 100, 10**6])
 def test_kernel_hands_back_the_layer_input(dtype, rows):
@@ -71,12 +70,9 @@ def test_kernel_hands_back_the_layer_input(dtype, rows):
     assert mx.array_equal(got, x).item()
 
 
-@gpu
-@pytest.mark.parametrize("device_scalars", ["0", "1"])
-def test_decode_step_with_prefetch_matches_the_model(monkeypatch, device_scalars):
+def test_decode_step_with_prefetch_matches_the_model(monkeypatch):
     """The GPU decode step at one row with the prefetch kernel beside each attention
-    (its copy of x as o_proj's residual) equals the model's own call; also with the
-    row's offset and start copied to device memory (MARKBASE_GPU_DEVICE_SCALARS=1)."""
+    (its copy of x as o_proj's residual) equals the model's own call."""
     from test_gpu_gemv import check_step_matches_model
 
     from engine.loading import build_random_model
@@ -89,11 +85,10 @@ def test_decode_step_with_prefetch_matches_the_model(monkeypatch, device_scalars
     model.set_dtype(mx.bfloat16)
     monkeypatch.setenv("MARKBASE_GPU_L2_PREFETCH", "1")
     monkeypatch.setenv("MARKBASE_GPU_L2_PREFETCH_MB", "1")
-    monkeypatch.setenv("MARKBASE_GPU_DEVICE_SCALARS", device_scalars)
     try:
         gpu_linear.set_plans("1:xwt,2:mma,33:xwt", "1:qstream,2:qmma")
         step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
-        assert step.l2_prefetch and step.device_scalars == (device_scalars == "1")
+        assert step.l2_prefetch
         step.warm_up()
         check_step_matches_model(step, model, ([5, 6, 7, 8, 9, 10],))
     finally:

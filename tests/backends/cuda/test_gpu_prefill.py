@@ -29,6 +29,7 @@ TINY = {
 }
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 64)])
 def test_route_equals_quantized_matmul_above_and_only_above_the_threshold(bits, group_size):
     mx.random.seed(3)
@@ -52,6 +53,7 @@ def test_route_equals_quantized_matmul_above_and_only_above_the_threshold(bits, 
         mx.dequantize = original
 
 
+@pytest.mark.cpu
 def test_prefill_logits_unchanged_by_the_route():
     loaded = build_random_model("llama", TINY, seed=5, quantize_bits=4)
     model = loaded.model
@@ -62,6 +64,7 @@ def test_prefill_logits_unchanged_by_the_route():
     np.testing.assert_allclose(got, want, rtol=10 * TOL, atol=10 * TOL)
 
 
+@pytest.mark.cpu
 def test_threshold_from_the_environment():
     assert gpu_prefill.min_rows_from_env({}) == gpu_prefill.DEFAULT_MIN_ROWS
     assert gpu_prefill.min_rows_from_env({gpu_prefill.ROWS_ENV: "0"}) == 0
@@ -70,6 +73,7 @@ def test_threshold_from_the_environment():
         gpu_prefill.min_rows_from_env({gpu_prefill.ROWS_ENV: "many"})
 
 
+@pytest.mark.cpu
 def test_the_decode_step_still_fuses_and_replans_the_routes_modules():
     """A second runner on one model (the benchmarks build one per variant) meets the
     first one's routed modules: the decode step must still fuse and plan them, else
@@ -87,6 +91,7 @@ def test_the_decode_step_still_fuses_and_replans_the_routes_modules():
     assert not gpu_prefill.is_plain_quantized(nn.Linear(8, 8))
 
 
+@pytest.mark.cpu
 def test_small_route_switch(monkeypatch):
     """MARKBASE_GPU_PREFILL_SMALL: qmma (default) or mlx, checked; on the CPU the qmma
     route does not apply (the result is quantized_matmul's either way)."""
@@ -97,7 +102,6 @@ def test_small_route_switch(monkeypatch):
         gpu_prefill.small_route()
 
 
-@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
 @pytest.mark.parametrize("rows", [2, 8, 12, 33, 100, 255])
 def test_small_chunks_on_the_mma_kernel_equal_quantized_matmul(rows, monkeypatch):
     """With MARKBASE_GPU_PREFILL_SMALL=qmma, chunks of 2-255 rows run on gpu_mma's
@@ -126,7 +130,6 @@ def test_small_chunks_on_the_mma_kernel_equal_quantized_matmul(rows, monkeypatch
     assert calls == [1]
 
 
-@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
 def test_prompt_logits_with_small_chunks_on_the_mma_kernel(monkeypatch):
     """A 4-bit bf16 model's logits over a 40-token prompt (every product below the
     dequantize route) are the same within bf16 rounding on either small-chunk route."""
@@ -143,7 +146,6 @@ def test_prompt_logits_with_small_chunks_on_the_mma_kernel(monkeypatch):
     np.testing.assert_allclose(out["qmma"], out["mlx"], rtol=5e-2, atol=5e-2)
 
 
-@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
 @pytest.mark.parametrize("lengths", [(40, 7, 23), (300, 120, 64)], ids=["small", "dequantized"])
 def test_prompts_prefilled_together_on_the_gpu_routes(lengths):
     """A 4-bit bf16 model on the GPU's prefill routes (gpu_mma's kernel below 256 rows,

@@ -19,8 +19,6 @@ from engine.kv import SequenceKV
 from engine.loading import build_random_model
 from engine.model import attention
 
-cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
-
 
 def _qkv(b, hq, hkv, lq, s, d, dtype, seed=0):
     mx.random.seed(seed)
@@ -51,6 +49,7 @@ def reference(q, k, v, scale):
     )
 
 
+@pytest.mark.cpu
 def test_support_rule():
     q, k, v = _qkv(1, 8, 2, 16, 40, 128, mx.bfloat16)
     ok = gpu_prefill_attention.shape_supported
@@ -68,6 +67,7 @@ def test_support_rule():
         assert not gpu_prefill_attention.supported(q, k, v, "causal")
 
 
+@pytest.mark.cpu
 def test_switch(monkeypatch):
     monkeypatch.setenv(gpu_prefill_attention.ENV, "fast")
     with pytest.raises(ValueError, match=gpu_prefill_attention.ENV):
@@ -78,6 +78,7 @@ def test_switch(monkeypatch):
     assert not gpu_prefill_attention.enabled()
 
 
+@pytest.mark.cpu
 def test_stages_and_shared_memory(monkeypatch):
     monkeypatch.setenv(gpu_prefill_attention.STAGES_ENV, "3")
     with pytest.raises(ValueError, match=gpu_prefill_attention.STAGES_ENV):
@@ -99,7 +100,6 @@ CASES = [
 ]
 
 
-@cuda
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("form", ["2-ldm", "1-ldm", "2-lds"])
@@ -118,7 +118,6 @@ def test_kernel_equals_float_attention(monkeypatch, case, dtype, form):
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
-@cuda
 def test_strided_queries_and_cache_views():
     """q as mlx-lm makes it ([B, L, H, D] transposed) and K/V as views of a larger
     cache buffer (SequenceKV's slices)."""
@@ -132,7 +131,6 @@ def test_strided_queries_and_cache_views():
     np.testing.assert_allclose(got, reference(q, k, v, 0.1), atol=3e-2, rtol=3e-2)
 
 
-@cuda
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_model_prefill_logits_unchanged(monkeypatch, head_dim):
     heads = 4

@@ -12,8 +12,6 @@ GPU machine, after bench/gpu/env.sh: ``python3 -m pytest -q tests/backends/cuda/
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
@@ -25,15 +23,12 @@ from test_gpu_gemv import _close, check_quantized_product, check_step_matches_mo
 from engine.backends.cuda import linear as gpu_linear
 from engine.backends.cuda.products import qgemm as gpu_qgemm  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "gpu"))
-
-needs_gpu = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
-
 # (rows, N, K)
 SHAPES = [(33, 256, 512), (64, 64, 256), (65, 2048, 1024), (100, 16, 128), (128, 6144, 4096),
           (130, 256, 384), (257, 512, 256), (8, 256, 512)]  # fmt: skip
 
 
+@pytest.mark.cpu
 def test_geometry_keeps_the_gpu_busy(monkeypatch):
     """64-row blocks of 8 warps x 2 m-tiles where the m-tiles split so (4 warps with
     MARKBASE_GPU_QGEMM_PAIR_WARPS=4); otherwise 128-row blocks from 65 rows, 8 warps for
@@ -55,10 +50,11 @@ def test_geometry_keeps_the_gpu_busy(monkeypatch):
             assert mt == 1 or bm == 64  # 128-row blocks with 2 m-tiles a warp spill
 
 
+@pytest.mark.cpu
 def test_emulated_layout_equals_the_product():
     """The kernel's copies, fragments and epilogue, lane by lane (numpy), give the
     product, the residual form and the SwiGLU form (64- and 128-row blocks)."""
-    from qgemm_emulation import pack, run
+    from tests.backends.cuda.emulation.qgemm import pack, run
 
     rng = np.random.default_rng(1)
     for m, nw, k, gs, shape in [(70, 64, 256, 64, (128, 2)), (40, 32, 128, 32, (64, 1))]:
@@ -73,9 +69,6 @@ def test_emulated_layout_equals_the_product():
         gate, up = x @ wd[: nw // 2].T, x @ wd[nw // 2 :].T
         got = run(x, pack(q), s, b, gs, shape, glu=True)
         np.testing.assert_allclose(got, gate / (1 + np.exp(-gate)) * up, atol=1e-9)
-        # the weights-in-shared-memory form's copies and reads (MB_STAGE_W)
-        got = run(x, pack(q), s, b, gs, (64, 2, 2) if nw % 64 == 0 else shape, ws=True)
-        np.testing.assert_allclose(got, x @ wd.T, atol=1e-9)
     # stream-K: 2 tiles of 4 k-steps over 3 blocks (cut tiles, a block with two cut
     # passes), the blocks in two orders: the same sums to the bit, and the product
     x = 0.1 * rng.standard_normal((40, 512))
@@ -88,13 +81,13 @@ def test_emulated_layout_equals_the_product():
     np.testing.assert_allclose(first, res + x @ wd.T, atol=1e-9)
 
 
-@needs_gpu
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_quantized_qgemm(shape, dtype):
     check_quantized_product(gpu_qgemm.quantized_matmul, shape, dtype)
 
 
+@pytest.mark.cpu
 def test_wide_enough_and_stages_switch(monkeypatch):
     """One tile a block (MARKBASE_GPU_QGEMM_SK=0, 4 warps a pair block): qgemm only for
     products whose blocks get 4+ warps (the 8b model's gate/up at 128 rows, not its
@@ -126,7 +119,6 @@ def test_wide_enough_and_stages_switch(monkeypatch):
     assert gpu_qgemm.stages(mt=2) == 2
 
 
-@needs_gpu
 @pytest.mark.parametrize("stages", ["2", "3"])
 @pytest.mark.parametrize("k", [128, 256, 384, 640])
 def test_exact_on_small_integers(k, stages, monkeypatch):
@@ -134,7 +126,7 @@ def test_exact_on_small_integers(k, stages, monkeypatch):
     and sum is exact in float32, so the kernel must equal the exact result rounded
     once to bf16 (a layout error cannot hide in a tolerance). K from 1 step (fewer
     than the pipeline's depth) to 5, both pipeline depths."""
-    from qgemm_emulation import pack
+    from tests.backends.cuda.emulation.qgemm import pack
 
     monkeypatch.setenv(gpu_qgemm.STAGES_ENV, stages)
     rng = np.random.default_rng(4)
@@ -152,13 +144,12 @@ def test_exact_on_small_integers(k, stages, monkeypatch):
         )
 
 
-@needs_gpu
 @pytest.mark.parametrize("stages", ["2", "3"])
 @pytest.mark.parametrize("shape", [(64, 4), (64, 8), (64, 1)])
 def test_two_m_tiles_a_warp_exact(shape, stages, monkeypatch):
     """``mt=2`` (bench/gpu/qgemm_sweep.py's form: each x fragment feeds two weight
     tiles): exact on small integers, plain, residual and SwiGLU, 1-3 row chunks."""
-    from qgemm_emulation import pack
+    from tests.backends.cuda.emulation.qgemm import pack
 
     monkeypatch.setenv(gpu_qgemm.STAGES_ENV, stages)
     bm, wm = shape
@@ -184,62 +175,7 @@ def test_two_m_tiles_a_warp_exact(shape, stages, monkeypatch):
         _close(glu, mx.array(gate / (1 + np.exp(-gate)) * up))
 
 
-@needs_gpu
-@pytest.mark.parametrize("gs", [64, 32])
-@pytest.mark.parametrize("form", ["3", "4", "2:4", "3:3", "3:2"])  # stages[:blocks an SM]
-@pytest.mark.parametrize("shape", [(64, 4, 2), (128, 8, 1), (64, 2, 1)])
-def test_weights_in_shared_memory_exact(shape, form, gs, monkeypatch):
-    """``MARKBASE_GPU_QGEMM_WS=1`` (weight words and scales by ``cp.async`` through
-    shared memory, 2-4 stages, with and without launch bounds): exact on small integers
-    with scales and biases that differ by row and group (powers of two and integers, so
-    that every dequantized weight and sum is exact), so a row or group taken from the
-    wrong place changes the result; plain, residual and SwiGLU; 1 to 5 k-steps."""
-    from qgemm_emulation import pack
-
-    st, _, blocks = form.partition(":")
-    monkeypatch.setenv(gpu_qgemm.WS_ENV, "1")
-    monkeypatch.setenv(gpu_qgemm.STAGES_ENV, st)
-    monkeypatch.setenv(gpu_qgemm.LB_ENV, blocks or "0")
-    bm, wm, mt = shape
-    rng = np.random.default_rng(11)
-    n = 16 * wm * mt * 2  # two blocks' worth of m-tiles
-    for k in (128, 640):
-        q = rng.integers(0, 16, (n, k))
-        s = 2.0 ** rng.integers(-1, 2, (n, k // gs))
-        b = rng.integers(-8, 1, (n, k // gs)).astype(np.float64)
-        wint = (q * np.repeat(s, gs, axis=1) + np.repeat(b, gs, axis=1)).astype(np.float32)
-        ins = [mx.array(pack(q)), mx.array(s).astype(mx.bfloat16), mx.array(b).astype(mx.bfloat16)]
-        for m in (33, 150):
-            x = rng.integers(-3, 4, (m, k)).astype(np.float32)
-            xb = mx.array(x).astype(mx.bfloat16)
-            r = rng.integers(-3, 4, (m, n)).astype(np.float32)
-            want = x @ wint.T
-            got = gpu_qgemm._launch(mx.bfloat16, m, n, gs, False, False, bm, wm, mt)([xb, *ins])
-            np.testing.assert_array_equal(np.array(got.astype(mx.float32)), _bf16(want))
-            res = gpu_qgemm._launch(mx.bfloat16, m, n, gs, True, False, bm, wm, mt)(
-                [xb, *ins, mx.array(r).astype(mx.bfloat16)]
-            )
-            np.testing.assert_array_equal(np.array(res.astype(mx.float32)), _bf16(want + r))
-            glu = gpu_qgemm._launch(mx.bfloat16, m, n, gs, False, True, bm, wm, mt)([xb, *ins])
-            gate, up = want[:, : n // 2], want[:, n // 2 :]
-            _close(glu, mx.array(gate / (1 + np.exp(-gate)) * up))
-
-
-def test_weights_in_shared_memory_switch(monkeypatch):
-    """The switch takes groups of 32/64 only; stages 4 only with it; the shared memory
-    a launch asks for counts the weight and scale buffers."""
-    monkeypatch.setenv(gpu_qgemm.WS_ENV, "1")
-    assert gpu_qgemm.weights_in_shared(64) and gpu_qgemm.weights_in_shared(32)
-    assert not gpu_qgemm.weights_in_shared(128)
-    monkeypatch.setenv(gpu_qgemm.STAGES_ENV, "4")
-    assert gpu_qgemm.stages(2, ws=True) == 4
-    with pytest.raises(ValueError, match="want 2 or 3"):
-        gpu_qgemm.stages(2)
-    # 64 rows x 128 inputs x 2 bytes of x, 8 m-tiles x 1 KB of words, 256 scale words
-    assert gpu_qgemm.shared_bytes(64, 3, 4, 2, True, 64) == 3 * (16384 + 8192 + 1024)
-    assert gpu_qgemm.shared_bytes(64, 3) == 3 * 16384
-
-
+@pytest.mark.cpu
 def test_stream_k_switch(monkeypatch):
     """``MARKBASE_GPU_QGEMM_SK``: 0/1/2, checked; at 2 every product whose m-tiles
     split into the 2-m-tile geometry is the kernel's (o_proj and down_proj too); the
@@ -273,9 +209,9 @@ def test_stream_k_switch(monkeypatch):
     monkeypatch.setenv(gpu_qgemm.SK_ENV, "1")
     assert gpu_qgemm.takes(128, 28672 // 16, glu=True)
     assert not gpu_qgemm.takes(128, 4096 // 16, False, 14336, residual=True)
-    from engine.backends.cuda.products import qlayer as gpu_qlayer
+    from engine import platform
 
-    slots = (gpu_qlayer.sm_count() or gpu_qgemm.SMS) * 2
+    slots = (platform.sm_count() or gpu_qgemm.SMS) * 2
     assert gpu_qgemm.stream_k_grid(448, 32, 4, 2) == slots  # 8b gate/up at 128 rows
     assert gpu_qgemm.stream_k_grid(2, 3, 4, 2) == 6  # a k-step a block at least
     with pytest.raises(ValueError, match="needs the input size"):
@@ -290,7 +226,6 @@ def test_stream_k_switch(monkeypatch):
         gpu_qgemm.pair_warps()
 
 
-@needs_gpu
 @pytest.mark.parametrize("grid", [1, 3, 0])  # 0: as the launch sizes it
 @pytest.mark.parametrize("shape", [(64, 4, 2), (64, 8, 2), (128, 8, 1), (64, 2, 1)])
 def test_stream_k_exact(shape, grid, monkeypatch):
@@ -299,7 +234,7 @@ def test_stream_k_exact(shape, grid, monkeypatch):
     one block doing every tile, 3 blocks cutting tiles, and the SMs' worth; called
     twice in a row (the tile counters are left at zero for the next launch) and equal
     to the bit each time; the thread's counters are all zero after."""
-    from qgemm_emulation import pack
+    from tests.backends.cuda.emulation.qgemm import pack
 
     if grid:
         # never more blocks than k-steps in all: the kernel's contract (stream_k_grid)
@@ -336,7 +271,6 @@ def test_stream_k_exact(shape, grid, monkeypatch):
     assert int(mx.abs(counters).sum().item()) == 0
 
 
-@needs_gpu
 def test_stream_k_equals_one_tile_a_block_on_model_shapes(monkeypatch):
     """8b-like gate/up (28,672 x 4,096) and down_proj (4,096 x 14,336, residual) at 128
     and 64 rows, random weights: the stream-K form within a rounding of the one-tile
@@ -378,7 +312,6 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return np.array(mx.array(a).astype(mx.bfloat16).astype(mx.float32))
 
 
-@needs_gpu
 @pytest.mark.parametrize("m", [33, 64, 100, 128, 200])
 def test_residual_and_glu(m):
     rng = np.random.default_rng(m)
@@ -399,7 +332,6 @@ def test_residual_and_glu(m):
         gpu_qgemm.quantized_matmul(x, wq, s, b, 64, residual=r, glu=True)
 
 
-@needs_gpu
 def test_plan_form_reaches_the_kernel_for_gate_up_only(monkeypatch):
     """The plan's ``qgemm`` runs a SwiGLU gate/up product with enough blocks (16384
     weight rows at 40 rows: 128 blocks); a plain product (the module route) goes to
@@ -431,12 +363,10 @@ def test_plan_form_reaches_the_kernel_for_gate_up_only(monkeypatch):
         gpu_linear.reset_plans()
 
 
-@needs_gpu
 def test_warm_compiles_without_error():
     gpu_qgemm.warm(mx.bfloat16, [(64, 512, 4096, True, False), (64, 512, 28672, False, True)])
 
 
-@needs_gpu
 @pytest.mark.parametrize("sk", ["0", "2", "3"])
 @pytest.mark.parametrize("head_on_kernel", [False, True])
 def test_gpu_decode_step_with_the_kernel_matches_the_model(head_on_kernel, sk, monkeypatch):
@@ -470,6 +400,7 @@ def test_gpu_decode_step_with_the_kernel_matches_the_model(head_on_kernel, sk, m
         gpu_linear.reset_plans()
 
 
+@pytest.mark.cpu
 def test_counters_and_partials_are_per_thread():
     """The attention's split counters and the stream-K buffers are one set per thread
     (each model's worker thread has its own MLX stream, whose launches may run at the

@@ -27,8 +27,6 @@ from test_gpu_gemv import (  # noqa: E402
 from engine.backends.cuda import linear as gpu_linear
 from engine.backends.cuda.products import qstream as gpu_qstream  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
-
 # (N, K): one chunk a lane a row (1024) to the 8b down_proj's 14 (14336, 16 warps);
 # N from one output (most warps idle) to more outputs than the grid has warps
 SHAPES = [(1, 1024), (7, 2048), (300, 1024), (4096, 4096), (4096, 14336), (8000, 3072)]
@@ -253,7 +251,10 @@ def test_decode_step_on_the_kernel_matches_the_model(monkeypatch, qnorm, early):
         gpu_linear.set_plans("1:xwt,2:mma,33:xwt", "1:qstream,2:qmma")
         step = FusedDecodeStep(model, fuse_quantized=True, compile=False, gpu_plans=True)
         step.warm_up()
-        products = step._qstream_products()
+        from engine.backends.cuda.products import warmup
+
+        with_head = step._products + [(step._lm_head, False, False, True)]
+        products = warmup._qstream_products(mx.bfloat16, with_head, step.fold)
         # qkv (and the lm_head: the same K) and gate_up with their RMSNorm inside;
         # o_proj and down_proj with the residual, no norm
         on = qnorm == "1"

@@ -13,6 +13,8 @@ import pytest
 from engine.backends.cuda import linear as gpu_linear
 from engine.backends.cuda.products import mma as gpu_mma
 
+pytestmark = pytest.mark.cpu  # runs without a CUDA device
+
 
 @pytest.fixture
 def recorded(monkeypatch):
@@ -93,23 +95,6 @@ def test_plan_changes_rebuild_the_routes(recorded):
     assert len(made) == 2
 
 
-def test_quantized_and_norm_inputs(recorded):
-    import mlx.nn as nn
-
-    made, launches = recorded
-    wq, s, b = mx.quantize(mx.zeros((128, 256), dtype=mx.bfloat16), group_size=64, bits=4)
-    q = gpu_linear.GpuQuantizedLinear(wq, s, b, 64, 4, "affine")
-    norm = nn.RMSNorm(256, eps=1e-6)
-    x = mx.ones((3, 256), dtype=mx.bfloat16)
-    y = q.fused(x, glu=True, norm=norm)
-    assert y.shape == (3, 64) and made[-1][0] == "q4_glu_norm" and made[-1][1]["GS"] == 64
-    ins = launches[-1]["inputs"]
-    assert [a is c for a, c in zip(ins, [x, wq, s, b, norm.weight])] == [True] * 5
-    assert ins[5] is gpu_mma.device_scalar(1e-6) and ins[5].dtype == mx.float32
-    with pytest.raises(ValueError, match="norm and residual"):
-        q.fused(x, residual=mx.ones((3, 128), dtype=mx.bfloat16), norm=norm)
-
-
 def test_eps_is_one_array_a_value_past_the_scalar_pool():
     """The RMSNorm's epsilon input: float32, element 0 the value, more than 8 bytes (MLX's
     CUDA allocator keeps arrays of 8 bytes or less in a managed-memory pool the host
@@ -122,19 +107,6 @@ def test_eps_is_one_array_a_value_past_the_scalar_pool():
     got = mx.compile(lambda x: x + gpu_mma.device_scalar(2e-6)[0])(mx.array([1.0]))
     assert got.item() == pytest.approx(1.000002)
     assert gpu_mma.device_scalar(2e-6).nbytes > 8 and gpu_mma.device_scalar(2e-6)[0].item() > 0
-
-
-def test_device_scalars_keep_values_and_shape():
-    """engine/model/decode_step.py's copy of 1-2 rows' offsets into a 16-byte array: the same
-    values and shape, a view of more than 8 bytes; 3+ rows are passed through."""
-    from engine.model.decode_step import _device_scalars
-
-    for vals in ([7], [3, 9]):
-        a = mx.array(vals, dtype=mx.int32)
-        got = _device_scalars(a)
-        assert got.shape == a.shape and got.dtype == mx.int32 and got.tolist() == vals
-    big = mx.array([1, 2, 3], dtype=mx.int32)
-    assert _device_scalars(big) is big
 
 
 def test_qstream_blocks_fit_the_gpu(monkeypatch):
@@ -193,9 +165,8 @@ def test_qstream_integer_form_shapes(monkeypatch):
 def test_one_row_norm_goes_into_the_stream_kernel(monkeypatch, recorded):
     """By default (MARKBASE_GPU_QSTREAM_NORM unset), at one row the RMSNorm before
     qkv/gate_up goes inside engine/backends/cuda/products/qstream.py's
-    integer-form call (its weight and epsilon after the weight's arrays); at 3 rows with
-    ``mma_norm=False`` (the decode step's default) it is its own op before the plain
-    tensor-core kernel; with MARKBASE_GPU_QSTREAM_NORM=0, or a form without it, also at
+    integer-form call (its weight and epsilon after the weight's arrays); at 3 rows it is
+    its own op before the plain tensor-core kernel; with MARKBASE_GPU_QSTREAM_NORM=0, or a form without it, also at
     one row."""
     import mlx.nn as nn
 
@@ -222,20 +193,20 @@ def test_one_row_norm_goes_into_the_stream_kernel(monkeypatch, recorded):
     q = gpu_linear.GpuQuantizedLinear(wq, s, b, 64, 4, "affine")
     norm = nn.RMSNorm(1024, eps=1e-6)
     x = mx.ones((1, 1024), dtype=mx.bfloat16)
-    assert q.fused(x, glu=True, norm=norm, mma_norm=False).shape == (1, 64)
+    assert q.fused(x, glu=True, norm=norm).shape == (1, 64)
     assert qmade[-1] == "q4i_glu_norm"
     ins = launches[-1]["inputs"]
     assert [a is c for a, c in zip(ins, [x, wq, s, b, norm.weight])] == [True] * 5
     assert ins[5] is gpu_mma.device_scalar(1e-6)
-    q.fused(x, norm=norm, mma_norm=False)
+    q.fused(x, norm=norm)
     assert qmade[-1] == "q4i_norm" and len(launches[-1]["inputs"]) == 6
     x3 = mx.ones((3, 1024), dtype=mx.bfloat16)
-    q.fused(x3, glu=True, norm=norm, mma_norm=False)
+    q.fused(x3, glu=True, norm=norm)
     assert made[-1][0] == "q4_glu" and len(launches[-1]["inputs"]) == 4  # norm(x) first
     assert launches[-1]["inputs"][0] is not x3
     monkeypatch.setenv("MARKBASE_GPU_QSTREAM_NORM", "0")
     q2 = gpu_linear.GpuQuantizedLinear(wq, s, b, 64, 4, "affine")
-    q2.fused(x, glu=True, norm=norm, mma_norm=False)
+    q2.fused(x, glu=True, norm=norm)
     assert qmade[-1] == "q4i_glu" and len(launches[-1]["inputs"]) == 4
     monkeypatch.setenv("MARKBASE_GPU_QSTREAM_NORM", "1")
     gpu_qstream.set_knobs(form="q4")
@@ -245,26 +216,6 @@ def test_one_row_norm_goes_into_the_stream_kernel(monkeypatch, recorded):
             gpu_qstream.launcher(mx.bfloat16, 128, 1024, 64, glu=True, norm=True)
     finally:
         gpu_qstream.set_knobs()
-
-
-def test_layer_kernel_shape_and_source():
-    """engine/backends/cuda/products/qlayer.py (CPU): its phases are gpu_qstream's integer body with the
-    inputs read through L2, and one block a SM holds 8b's tail (K 4096 and 14336) with
-    the most slots that fit an H200's shared memory; no GPU: the kernel is not used."""
-    from engine.backends.cuda.products import qlayer as gpu_qlayer
-    from engine.backends.cuda.products import qstream as gpu_qstream
-
-    src = gpu_qlayer._phase_function()
-    assert "w_shape" not in src and src.count("__ldcg(") == 2
-    s = gpu_qlayer.shape(4096, 14336, 64, sm_bytes=228 << 10)
-    assert (s["CA"], s["CC"], s["SA"], s["SC"]) == (2, 2, 8, 7)
-    assert s["smem"] == gpu_qstream.smem_bytes("q4i", 14336, 64, 7, 16, 2)
-    assert s["smem"] + 2048 <= 228 << 10 < s["smem"] + 24 * 1024 + 2048
-    s = gpu_qlayer.shape(2048, 3072, 32, sm_bytes=228 << 10)
-    assert s["CC"] == 1 and s["SC"] == 16  # K / 1024 odd: one chunk a slot, twice the slots
-    if not mx.cuda.is_available():
-        assert gpu_qlayer.sm_count() is None
-        assert not gpu_qlayer.supported(mx.bfloat16, 1, 1024, 1024, None, None, None)
 
 
 def test_compiled_step_plumbing_on_the_cpu(monkeypatch):
@@ -304,76 +255,6 @@ def test_compiled_step_plumbing_on_the_cpu(monkeypatch):
     assert {n for n, _ in seen if n is not None} == {1, 2, 3}
     assert all(cap > 256 for n, cap in seen if n == 3)  # the whole (grown) buffer
     assert 3 <= len(traces) <= 5, traces
-
-
-@pytest.mark.parametrize("level", [1, 2, 3])
-def test_one_kernel_layer_plumbing_on_the_cpu(monkeypatch, level):
-    """The decode step's routes to engine/backends/cuda/products/qlayer.py (1: a layer's tail; 2: with the
-    next layer's q/k/v product) and engine/backends/cuda/products/qblock.py (3: the attention too) hand
-    each kernel its layer's weights, norms and slot, carry the next q/k/v product to
-    the next layer, and give the plain step's logits, compiled and not. The CUDA
-    kernels are replaced by MLX stand-ins of their contracts (the kernels themselves
-    are tests/backends/cuda/test_gpu_qlayer.py's, on a GPU)."""
-    from engine.backends.cuda.attention import decode as gpu_attention
-    from engine.backends.cuda.products import qblock as gpu_qblock
-    from engine.backends.cuda.products import qlayer as gpu_qlayer
-    from tests.helpers.models import prefilled_batch
-
-    calls = []
-
-    attention = _append_stand_in([])
-
-    def qmm(lin, v):
-        return mx.quantized_matmul(v, lin.weight, lin.scales, lin.biases, transpose=True,
-                                   group_size=lin.group_size, bits=4)  # fmt: skip
-
-    def post(o, x, o_proj, gate_up, down_proj, nw, eps, slot=0, all_outputs=False,
-             next_qkv=None):  # fmt: skip
-        calls.append(("post", slot, next_qkv is not None))
-        return tail(o, x, o_proj, gate_up, down_proj, nw, eps, next_qkv)
-
-    def tail(o, x, o_proj, gate_up, down_proj, nw, eps, next_qkv):
-        h = x + qmm(o_proj, o)
-        g, u = mx.split(qmm(gate_up, mx.fast.rms_norm(h, nw, eps)), 2, axis=-1)
-        y = h + qmm(down_proj, nn.silu(g) * u)
-        if next_qkv is None:
-            return y
-        wq, nw1, eps1 = next_qkv
-        return y, qmm(wq, mx.fast.rms_norm(y, nw1, eps1))
-
-    def block(qkv, keys, values, start, pos, rope, scale, n_heads, x, o_proj, gate_up,
-              down_proj, nw, eps, slot=0, next_qkv=None, all_outputs=False):  # fmt: skip
-        calls.append(("block", slot, next_qkv is not None))
-        o = attention(qkv, keys, values, start, pos, rope, scale, n_heads)
-        return tail(o.reshape(1, -1), x, o_proj, gate_up, down_proj, nw, eps, next_qkv)
-
-    import mlx.nn as nn
-
-    monkeypatch.setattr(gpu_attention, "decode_attention_append", attention)
-    monkeypatch.setattr(gpu_qlayer, "post", post)
-    monkeypatch.setattr(gpu_qblock, "block", block)
-    model, step = _append_step(layers=3, seed=5)
-    n = len(model.model.layers)
-    # what a GPU that takes every layer would have (engine/gpu_qlayer.supported)
-    step._qlayer_ok, step._block_ok = [True] * n, [True] * n
-    step._next_ok = [True] * (n - 1) + [False]
-    mine, plain = prefilled_batch(model, [[5, 6, 7]]), prefilled_batch(model, [[5, 6, 7]])
-    tokens = mx.array([[9]], dtype=mx.int32)
-    compiled = mx.compile(step._whole_step)
-    for i in range(6):
-        step.qlayer = step.qlayer_next = step.qblock = False
-        step._whole = None
-        want = step(tokens, plain)
-        step.qlayer, step.qlayer_next, step.qblock = True, level >= 2, level == 3
-        step._whole = compiled if i % 2 else None
-        calls.clear()
-        got = step(tokens, mine)
-        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
-        kind = "block" if level == 3 else "post"
-        nxt = [level >= 2 and j < n - 1 for j in range(n)]
-        if not (i % 2 and i > 1):  # (a compiled call after its trace runs no Python)
-            assert calls == [(kind, j, nxt[j]) for j in range(n)]
-        tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
 
 
 def _append_stand_in(seen: list):

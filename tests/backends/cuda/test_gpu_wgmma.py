@@ -11,26 +11,24 @@ GPU machine, after bench/gpu/env.sh: ``python3 -m pytest -q tests/backends/cuda/
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "gpu"))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from qgemm_emulation import pack  # noqa: E402  (MLX's 4-bit packing)
 
 from engine.backends.cuda import linear as gpu_linear
 from engine.backends.cuda.products import qgemm as gpu_qgemm
 from engine.backends.cuda.products import wgmma as gpu_wgmma  # noqa: E402
+from tests.backends.cuda.emulation.qgemm import pack  # noqa: E402  (MLX's 4-bit packing)
 
 needs_hopper = pytest.mark.skipif(
     not (mx.cuda.is_available() and gpu_wgmma.hopper()), reason="needs an sm_90 GPU (wgmma)"
 )
 
 
+@pytest.mark.cpu
 def test_splits_fill_the_slots_within_the_partials():
     """8b shapes on 132 SMs x 2 blocks: gate/up's 224 tiles run unsplit, o_proj's and
     down_proj's 32 tiles split 8 ways, never below MIN_SPLIT_STEPS k-steps a split, and
@@ -49,6 +47,7 @@ def test_splits_fill_the_slots_within_the_partials():
             assert s == 1 or tiles * s * values <= room
 
 
+@pytest.mark.cpu
 def test_geometry_and_shared_memory(monkeypatch):
     """64-row blocks to 64 rows, 128 above; four warpgroups by default, only where the
     weight rows split into 256s (else two); two blocks of two warpgroups an SM at 3 x
@@ -71,11 +70,12 @@ def test_geometry_and_shared_memory(monkeypatch):
                 assert geo.shared_bytes <= 227 * 1024 and geo.per_sm in (1, 2)
 
 
+@pytest.mark.cpu
 def test_emulated_addressing_equals_the_product():
     """The kernel's shared-memory writes, descriptor reads, fragments, split K and
     epilogues, transcribed to numpy (bench/gpu/wgmma_emulation.py), give the product,
     the residual and SwiGLU forms; the descriptor's offsets exchanged do not."""
-    from wgmma_emulation import main, run
+    from tests.backends.cuda.emulation.wgmma import main, run
 
     main()
     rng = np.random.default_rng(1)
@@ -85,6 +85,7 @@ def test_emulated_addressing_equals_the_product():
     assert not np.allclose(got, x @ q.T, atol=1e-6)
 
 
+@pytest.mark.cpu
 def test_switches(monkeypatch):
     monkeypatch.delenv(gpu_wgmma.ENV, raising=False)
     assert gpu_wgmma.mode() == "auto"

@@ -1,22 +1,22 @@
 """Every custom CUDA kernel's source, as MLX would hand it to NVRTC, defines each
 compile-time switch it branches on (CPU: no compiler needed).
 
-Why: the kernels share bodies (engine/backends/cuda/products/qlayer.py and gpu_qblock.py reuse
-gpu_qstream.py's integer body as a device function), and a switch added to a body
-for one kernel (session 23's ``ABL``) left the others' sources failing to compile, which
-only NVRTC or a GPU would have shown (bench/gpu/NOTES.md, session 24). Each name in
+Why: the kernels share headers and bodies (csrc/), and a switch added to a shared part
+for one kernel once left the others' sources failing to compile, which only NVRTC or a
+GPU would have shown. Each name in
 ``if constexpr (NAME)`` must be a template constant, a ``constexpr`` of the body, a
 template parameter or a macro of the source."""
 
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "gpu"))
+import pytest
 
-from nvrtc_check import all_specs, build_source  # noqa: E402
+from engine.backends.cuda.kernels import nvrtc_source as build_source
+from engine.backends.cuda.specs import all_specs
+
+pytestmark = pytest.mark.cpu  # runs without a CUDA device
 
 SWITCH = re.compile(r"if\s+constexpr\s*\(\s*!?\s*([A-Za-z_]\w*)\s*\)")
 

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from engine.backends.cuda import prefill_stages
 from engine.loading import build_random_model
 from engine.runner import ModelRunner
+
+pytestmark = pytest.mark.cpu  # runs without a CUDA device
 
 CFG = dict(hidden_size=64, num_hidden_layers=7, intermediate_size=128, num_attention_heads=4,
            num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=128)  # fmt: skip

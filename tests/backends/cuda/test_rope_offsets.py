@@ -13,6 +13,8 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 from engine.backends.cuda import rope_offsets
 from engine.loading import build_random_model
 
+pytestmark = pytest.mark.cpu  # runs without a CUDA device
+
 LLAMA3 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=8192, rope_type="llama3")  # fmt: skip
 

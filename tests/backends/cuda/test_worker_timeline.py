@@ -1,16 +1,15 @@
-"""bench/gpu/worker_timeline.py's reading of a profiler trace: the GPU's idle stretches
-inside a step are charged to the host phase running at their midpoint (the innermost
-one), busy time is the union of kernel intervals, and steps without every row decoding
-are not counted. A synthetic trace: the analysis is what a GPU lease would rely on."""
+"""tests/helpers/trace.py, bench/gpu/worker_timeline.py's reading of a profiler trace:
+the GPU's idle stretches inside a step are charged to the host phase running at their
+midpoint (the innermost one), busy time is the union of kernel intervals, and steps
+without every row decoding are not counted. Synthetic traces."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "gpu"))
+from tests.helpers.trace import analyse
 
-from worker_timeline import analyse  # noqa: E402
+pytestmark = pytest.mark.cpu  # runs without a CUDA device
 
 
 def _range(name: str, ts: float, dur: float) -> dict:

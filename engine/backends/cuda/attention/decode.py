@@ -13,8 +13,7 @@ Layout: one block per (time split, KV head, row); each warp walks its share of t
 positions four at a time (loads first, so several are in flight), keeping an online
 softmax per query head; the block's warps are merged in shared memory. When rows are
 few, the time axis is split over several blocks (``splits``) so that enough blocks
-run, and the last block of each (row, KV head) to finish merges the splits (before
-session 8 a second small kernel did; ``MARKBASE_GPU_ATTN_TWO_PASS=1`` brings it back).
+run, and the last block of each (row, KV head) to finish merges the splits.
 
 The append form (``decode_attention_append``) takes the fused q/k/v product before
 RoPE, applies RoPE itself and writes the new position's k and v into the cache: RoPE
@@ -29,50 +28,19 @@ one.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from functools import cache
 
+from engine import envs
+from engine.backends.cuda.attention import decode_tc as tc
+from engine.backends.cuda.attention.common import APPEND_INPUTS, CACHE_INPUTS
 from engine.backends.cuda.kernels import SMS, Baked, KernelSpec, for_dtype
+from engine.backends.cuda.kernels import source as _source
 
-_SETUP = r"""
-  constexpr int PER = HD / LP;  // a lane's values of one position
-  constexpr int PW = 32 / LP;  // positions a warp loads at once (one per LP lanes)
-  constexpr int WORDS = (PER * static_cast<int>(sizeof(T)) + 3) / 4;
-  const int split = blockIdx.x;
-  const int hkv = blockIdx.y;
-  const int b = blockIdx.z;
-  const int nsplit = gridDim.x;
-  const int n_kv = gridDim.y;
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const int sub = lane / LP;  // which of the warp's PW positions this lane reads
-  const int sl = lane % LP;   // which PER values of it
-  const int row0 = start[b];
-  const int t_len = MB_T_LEN;
-  const int valid = t_len - row0;
-  const int chunk = (valid + nsplit - 1) / nsplit;
-  const int t0 = row0 + split * chunk;
-  const int t1 = min(t_len, t0 + chunk);
-  const T* kb = keys + b * keys_strides[0] + hkv * keys_strides[1] + sl * PER;
-  const T* vb = values + b * values_strides[0] + hkv * values_strides[1] + sl * PER;
-  const int64_t ts_k = keys_strides[2];
-  const int64_t ts_v = values_strides[2];
-  float qr[G][PER];
-"""
+_SETUP = _source("attention/decode/setup.cu")
 
 # q as the decode step hands it (RoPE'd, [B, Hq, 1, D]); every position from the cache
-_Q_LOAD = r"""
-  const int t_end = t1;
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const T* qp = q + b * q_strides[0] + (hkv * G + g) * q_strides[1] + sl * PER;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      qr[g][i] = static_cast<float>(qp[i]) * MB_SCALE;
-    }
-  }
-"""
+_Q_LOAD = _source("attention/decode/q_load.cu")
 
 # The append form: q, k and v of the new position (t_len - 1) come straight from the
 # row's qkv product and get their RoPE here (MLX's formula: angle = scale * position *
@@ -80,397 +48,32 @@ _Q_LOAD = r"""
 # the new position writes its k and v into the cache buffer behind keys/values (an
 # input: MLX orders it by the stream, see decode_attention_append) and takes that
 # position into the softmax from registers, so no block reads the slot being written.
-_Q_ROPE = r"""
-  const int t_new = t_len - 1;
-  const int t_end = min(t1, t_new);
-  const bool owner = t0 <= t_new && t_new < t1;
-  const int nq = n_kv * G * HD;
-  const T* xb = qkv + b * qkv_strides[0];
-  const float pos_f = MB_ROPE_SCALE * static_cast<float>(pos[b]);
-  float cs[PER];
-  float sn[PER];
-#pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    const int d = sl * PER + i;
-    const float th = pos_f * inv_freq[TRAD ? d / 2 : d % (HD / 2)];
-    cs[i] = cosf(th);
-    sn[i] = sinf(th);
-  }
-  auto rope = [&](const T* src, float* out) {
-    float x[PER];
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      x[i] = static_cast<float>(src[sl * PER + i]);
-    }
-    if (TRAD) {
-#pragma unroll
-      for (int i = 0; i + 1 < PER; i += 2) {
-        out[i] = x[i] * cs[i] - x[i + 1] * sn[i];
-        out[i + 1] = x[i] * sn[i] + x[i + 1] * cs[i];
-      }
-    } else {
-      // dims d and d + HD/2 pair up: lanes sl and sl + LP/2 of the same position
-#pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        const float p = __shfl_xor_sync(0xffffffff, x[i], LP / 2);
-        out[i] = sl < LP / 2 ? x[i] * cs[i] - p * sn[i] : p * sn[i] + x[i] * cs[i];
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      out[i] = static_cast<float>(static_cast<T>(out[i]));
-    }
-  };
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    rope(xb + (hkv * G + g) * HD, qr[g]);
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      qr[g][i] *= MB_SCALE;
-    }
-  }
-  float kn[PER];
-  float vn[PER];
-  rope(xb + nq + hkv * HD, kn);
-#pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    vn[i] = static_cast<float>(xb[nq + n_kv * HD + hkv * HD + sl * PER + i]);
-  }
-  if (owner && warp == 0 && sub == 0) {
-    T* kw = const_cast<T*>(kb) + t_new * ts_k;
-    T* vw = const_cast<T*>(vb) + t_new * ts_v;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      kw[i] = static_cast<T>(kn[i]);
-      vw[i] = static_cast<T>(vn[i]);
-    }
-  }
-"""
+_Q_ROPE = _source("attention/decode/q_rope.cu")
 
-_SOFTMAX_INIT = r"""
-  float m[G];
-  float l[G];
-  float acc[G][PER];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      acc[g][i] = 0.f;
-    }
-  }
+_SOFTMAX_INIT = _source("attention/decode/softmax_init.cu")
 
-"""
-
-_LOOP = r"""
-  for (int base = t0 + warp * PW; base < t_end; base += WARPS * PW * U) {
-    float kr[U][PER];
-    float vr[U][PER];
-    uint32_t kw[U][WORDS];  // VEC: the loaded bytes, converted where used
-    uint32_t vw[U][WORDS];
-    bool ok[U];
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      const int t = base + sub + j * WARPS * PW;
-      ok[j] = t < t_end;
-      if constexpr (VEC) {
-        if (ok[j]) {
-          mb_load_raw<WORDS>(kb + t * ts_k, kw[j]);
-          mb_load_raw<WORDS>(vb + t * ts_v, vw[j]);
-        } else {
-#pragma unroll
-          for (int w = 0; w < WORDS; ++w) {
-            kw[j][w] = 0u;
-            vw[j][w] = 0u;
-          }
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-          kr[j][i] = ok[j] ? static_cast<float>(kb[t * ts_k + i]) : 0.f;
-          vr[j][i] = ok[j] ? static_cast<float>(vb[t * ts_v + i]) : 0.f;
-        }
-      }
-    }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float s[U];
-#pragma unroll
-      for (int j = 0; j < U; ++j) {
-        float d = 0.f;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-          float k;
-          if constexpr (VEC) {
-            k = mb_elem(kw[j], i, T{});
-          } else {
-            k = kr[j][i];
-          }
-          d += qr[g][i] * k;
-        }
-        s[j] = d;
-      }
-#pragma unroll
-      for (int off = LP / 2; off > 0; off >>= 1) {
-#pragma unroll
-        for (int j = 0; j < U; ++j) {
-          s[j] += __shfl_xor_sync(0xffffffff, s[j], off);
-        }
-      }
-      float mx = m[g];
-#pragma unroll
-      for (int j = 0; j < U; ++j) {
-        if (ok[j]) {
-          mx = fmaxf(mx, s[j]);
-        }
-      }
-      // a position group with nothing valid yet (PW > 1: a lane's position can be past
-      // the end while another's in the warp is not): m and mx are both -inf
-      const float corr = mx == -INFINITY ? 0.f : expf(m[g] - mx);
-      float lsum = l[g] * corr;
-      float a[PER];
-#pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        a[i] = acc[g][i] * corr;
-      }
-#pragma unroll
-      for (int j = 0; j < U; ++j) {
-        if (ok[j]) {
-          const float p = expf(s[j] - mx);
-          lsum += p;
-#pragma unroll
-          for (int i = 0; i < PER; ++i) {
-            float v;
-            if constexpr (VEC) {
-              v = mb_elem(vw[j], i, T{});
-            } else {
-              v = vr[j][i];
-            }
-            a[i] += p * v;
-          }
-        }
-      }
-      m[g] = mx;
-      l[g] = lsum;
-#pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        acc[g][i] = a[i];
-      }
-    }
-  }
-"""
+_LOOP = _source("attention/decode/loop.cu")
 
 # the append form's new position, by one warp of the block that owns it (the block's
 # warps are merged next, so any warp may take it)
-_NEW_POSITION = r"""
-  if (owner && warp == WARPS - 1) {
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float d = 0.f;
-#pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        d += qr[g][i] * kn[i];
-      }
-#pragma unroll
-      for (int off = LP / 2; off > 0; off >>= 1) {
-        d += __shfl_xor_sync(0xffffffff, d, off);
-      }
-      if (sub != 0) {
-        continue;  // the warp's other positions take it in when they merge
-      }
-      const float mx = fmaxf(m[g], d);
-      const float corr = expf(m[g] - mx);
-      const float p = expf(d - mx);
-      l[g] = l[g] * corr + p;
-#pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        acc[g][i] = acc[g][i] * corr + p * vn[i];
-      }
-      m[g] = mx;
-    }
-  }
-"""
+_NEW_POSITION = _source("attention/decode/new_position.cu")
 
 # the warp's PW positions-at-once kept separate softmaxes: merged across the lanes that
 # read the same dims (lane ^ LP, ^ 2LP, ...) before the block's warps are merged
-_SUB_MERGE = r"""
-  if constexpr (PW > 1) {
-#pragma unroll
-    for (int off = LP; off < 32; off <<= 1) {
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float mo = __shfl_xor_sync(0xffffffff, m[g], off);
-        const float lo = __shfl_xor_sync(0xffffffff, l[g], off);
-        const float mx = fmaxf(m[g], mo);
-        const float c1 = mx == -INFINITY ? 0.f : expf(m[g] - mx);
-        const float c2 = mx == -INFINITY ? 0.f : expf(mo - mx);
-        l[g] = l[g] * c1 + lo * c2;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-          const float ao = __shfl_xor_sync(0xffffffff, acc[g][i], off);
-          acc[g][i] = acc[g][i] * c1 + ao * c2;
-        }
-        m[g] = mx;
-      }
-    }
-  }
-"""
+_SUB_MERGE = _source("attention/decode/sub_merge.cu")
 
-_MERGE = r"""
-  __shared__ float sm_m[WARPS][G];
-  __shared__ float sm_l[WARPS][G];
-  __shared__ float sm_acc[WARPS][G][HD];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (lane == 0) {
-      sm_m[warp][g] = m[g];
-      sm_l[warp][g] = l[g];
-    }
-    if (sub == 0) {
-#pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        sm_acc[warp][g][sl * PER + i] = acc[g][i];
-      }
-    }
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < G * HD; idx += WARPS * 32) {
-    const int g = idx / HD;
-    const int d = idx % HD;
-    float M = -INFINITY;
-    for (int w = 0; w < WARPS; ++w) {
-      M = fmaxf(M, sm_m[w][g]);
-    }
-    float L = 0.f;
-    float A = 0.f;
-    if (M != -INFINITY) {
-      for (int w = 0; w < WARPS; ++w) {
-        const float e = expf(sm_m[w][g] - M);
-        L += sm_l[w][g] * e;
-        A += sm_acc[w][g][d] * e;
-      }
-    }
-    const int64_t row = static_cast<int64_t>(b) * n_kv * G + hkv * G + g;
-"""
+_MERGE = _source("attention/decode/merge.cu")
 
-_WRITE_OUT = r"""
-    out[row * HD + d] = static_cast<T>(A / L);
-  }
-"""
+_WRITE_OUT = _source("attention/decode/write_out.cu")
 
-_WRITE_PARTS = r"""
-    const int64_t r = row * nsplit + split;
-    pacc[r * HD + d] = A;
-    if (d == 0) {
-      pm[r] = M;
-      pl[r] = L;
-    }
-  }
-"""
+_WRITE_PARTS = _source("attention/decode/write_parts.cu")
 
 # The split forms in one kernel: after writing its partial softmax, each block counts
 # itself done on its (row, KV head)'s counter; the last one merges the splits (the
 # merge kernel's work) and sets the counter back to 0 for the next launch. The counter
 # array is an input that stays zero between launches (``_counters``); the partials are
 # read through L2 (``__ldcg``: another block's writes, made visible by its fence).
-_MERGE_LAST = r"""
-  if (!mb_last_of(const_cast<int*>(counter) + b * n_kv + hkv, nsplit)) {
-    return;
-  }
-  if constexpr (PM) {
-    // the splits' partials WARPS at a time into the block's merge buffers, every load
-    // of a round issued before any is used (one L2 latency a round, not one a split),
-    // then merged from shared memory into a running softmax per (query head, dim)
-    constexpr int NTH = WARPS * 32;
-    constexpr int PER_T = (G * HD + NTH - 1) / NTH;  // outputs a thread
-    constexpr int LD = (WARPS * G * HD + NTH - 1) / NTH;  // partial values a thread loads
-    const int64_t row_b = static_cast<int64_t>(b) * n_kv * G + hkv * G;
-    float rM[PER_T], rL[PER_T], rA[PER_T];
-#pragma unroll
-    for (int o = 0; o < PER_T; ++o) {
-      rM[o] = -INFINITY;
-      rL[o] = 0.f;
-      rA[o] = 0.f;
-    }
-    for (int s0 = 0; s0 < nsplit; s0 += WARPS) {
-      const int ns = min(WARPS, nsplit - s0);
-      float va[LD];
-#pragma unroll
-      for (int k = 0; k < LD; ++k) {
-        const int e = threadIdx.x + k * NTH;  // (split s, head g, dim d) of this round
-        const int s = e / (G * HD), g = (e / HD) % G, d = e % HD;
-        va[k] = s < ns ? __ldcg(pacc + ((row_b + g) * nsplit + s0 + s) * HD + d) : 0.f;
-      }
-      float vm = -INFINITY, vl = 0.f;
-      const int sg = threadIdx.x;  // (split, head) of this round: one a thread
-      if (sg < ns * G) {
-        const int64_t r = (row_b + sg % G) * nsplit + s0 + sg / G;
-        vm = __ldcg(pm + r);
-        vl = __ldcg(pl + r);
-      }
-      __syncthreads();  // the buffers' last round is merged
-#pragma unroll
-      for (int k = 0; k < LD; ++k) {
-        const int e = threadIdx.x + k * NTH;
-        if (e < WARPS * G * HD) {
-          sm_acc[e / (G * HD)][(e / HD) % G][e % HD] = va[k];
-        }
-      }
-      if (sg < ns * G) {
-        sm_m[sg / G][sg % G] = vm;
-        sm_l[sg / G][sg % G] = vl;
-      }
-      __syncthreads();
-#pragma unroll
-      for (int o = 0; o < PER_T; ++o) {
-        const int idx = threadIdx.x + o * NTH;
-        if (idx < G * HD) {
-          const int g = idx / HD, d = idx % HD;
-          float M = rM[o];
-          for (int s = 0; s < ns; ++s) {
-            M = fmaxf(M, sm_m[s][g]);
-          }
-          if (M != -INFINITY) {
-            const float c = rM[o] == -INFINITY ? 0.f : expf(rM[o] - M);
-            float L = rL[o] * c, A = rA[o] * c;
-            for (int s = 0; s < ns; ++s) {
-              const float mw = sm_m[s][g];
-              if (mw != -INFINITY) {
-                const float e = expf(mw - M);
-                L += sm_l[s][g] * e;
-                A += sm_acc[s][g][d] * e;
-              }
-            }
-            rM[o] = M;
-            rL[o] = L;
-            rA[o] = A;
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int o = 0; o < PER_T; ++o) {
-      const int idx = threadIdx.x + o * NTH;
-      if (idx < G * HD) {
-        out[(row_b + idx / HD) * HD + idx % HD] = static_cast<T>(rA[o] / rL[o]);
-      }
-    }
-  } else {
-    for (int idx = threadIdx.x; idx < G * HD; idx += WARPS * 32) {
-      const int g = idx / HD;
-      const int d = idx % HD;
-      const int64_t row = static_cast<int64_t>(b) * n_kv * G + hkv * G + g;
-      out[row * HD + d] = static_cast<T>(mb_merge_splits<HD>(pm, pl, pacc, row, nsplit, d));
-    }
-  }
-"""
-
-_COMBINE_BODY = r"""
-  const int64_t bh = blockIdx.x;
-  const int d = threadIdx.x;
-  out[bh * HD + d] = static_cast<T>(mb_merge_splits<HD>(pm, pl, pacc, bh, pm_shape[2], d));
-"""
+_MERGE_LAST = _source("attention/decode/merge_last.cu")
 
 POSITIONS_PER_BLOCK = 128  # each of 8 warps walks ~16 positions (4 rounds of 4 loads)
 
@@ -480,39 +83,7 @@ POSITIONS_PER_BLOCK = 128  # each of 8 warps walks ~16 positions (4 rounds of 4 
 # vector loads through ld.global.nc converted at once (with splits of ~32 positions):
 # attention 30-50% slower, not understood. Needs each position's row aligned to the
 # load: true for views [:, :, :T] of the cache buffers (head_dim * itemsize bytes a row).
-_LOAD = r"""
-template <int W, typename TT>
-__device__ __forceinline__ void mb_load_raw(const TT* p, uint32_t* out) {
-  if constexpr (W % 4 == 0) {
-#pragma unroll
-    for (int j = 0; j < W / 4; ++j) {
-      const uint4 u = reinterpret_cast<const uint4*>(p)[j];
-      out[4 * j] = u.x;
-      out[4 * j + 1] = u.y;
-      out[4 * j + 2] = u.z;
-      out[4 * j + 3] = u.w;
-    }
-  } else if constexpr (W == 2) {
-    const uint2 u = *reinterpret_cast<const uint2*>(p);
-    out[0] = u.x;
-    out[1] = u.y;
-  } else {
-    out[0] = *reinterpret_cast<const unsigned int*>(p);
-  }
-}
-// element i of what mb_load_raw loaded, as float
-__device__ __forceinline__ float mb_elem(const uint32_t* w, int i, float) {
-  return __uint_as_float(w[i]);
-}
-__device__ __forceinline__ float mb_elem(const uint32_t* w, int i, __nv_bfloat16) {
-  const uint32_t x = w[i >> 1];
-  return __uint_as_float((i & 1) ? (x & 0xffff0000u) : (x << 16));
-}
-__device__ __forceinline__ float mb_elem(const uint32_t* w, int i, __half) {
-  const uint32_t x = w[i >> 1];
-  return __half2float(__ushort_as_half(static_cast<unsigned short>((i & 1) ? x >> 16 : x)));
-}
-"""
+_LOAD = _source("attention/decode/load.cuh")
 
 
 # Whether this block is the last of the ``n`` blocks of its (row, KV head) to get here
@@ -520,53 +91,13 @@ __device__ __forceinline__ float mb_elem(const uint32_t* w, int i, __half) {
 # to 0); the same answer in every thread, and the other blocks' writes made before
 # their count are visible to the last one (the fences). Also the tensor-core kernel's
 # multi-block form (engine/backends/cuda/attention/decode_tc.py).
-LAST_BLOCK = r"""
-__device__ __forceinline__ bool mb_last_of(int* cnt, int n) {
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const bool l = atomicAdd(cnt, 1) == n - 1;
-    if (l) {
-      *cnt = 0;
-    }
-    last = l;
-  }
-  __syncthreads();
-  const bool mine = last;
-  if (mine) {
-    __threadfence();
-  }
-  return mine;
-}
-"""
+LAST_BLOCK = _source("attention/decode/last_block.cuh")
 
 
 # The splits' partial softmaxes of one (row, query head) merged, for dim d: by the merge
 # kernel (two-pass) and by the last block of a split (one-pass). Read through L2
 # (``__ldcg``): in the one-pass form the partials are other blocks' writes.
-_MERGE_SPLITS = r"""
-template <int HD>
-__device__ __forceinline__ float mb_merge_splits(
-    const float* pm, const float* pl, const float* pacc, int64_t row, int S, int d) {
-  const int64_t r0 = row * S;
-  float M = -INFINITY;
-  for (int s = 0; s < S; ++s) {
-    M = fmaxf(M, __ldcg(pm + r0 + s));
-  }
-  float L = 0.f;
-  float A = 0.f;
-  for (int s = 0; s < S; ++s) {
-    const float mw = __ldcg(pm + r0 + s);
-    if (mw != -INFINITY) {
-      const float e = expf(mw - M);
-      L += __ldcg(pl + r0 + s) * e;
-      A += __ldcg(pacc + (r0 + s) * HD + d) * e;
-    }
-  }
-  return A / L;
-}
-"""
+_MERGE_SPLITS = _source("attention/decode/merge_splits.cuh")
 
 
 def _header(scale: float, rope_scale: float = 1.0) -> str:
@@ -585,10 +116,6 @@ class LoopShape:
     vec: bool = False  # a lane's values of a position as one vector load
     ppb: int = POSITIONS_PER_BLOCK  # fewest positions a block when rows split over time
     warps: int = 8  # warps a block (fewer where the merge buffer needs it: warps_for)
-    two_pass: bool = False  # split rows merged by a second kernel (before session 8)
-    # the last block of a split merges the partials loaded WARPS splits at a time into
-    # shared memory, not one split at a time from L2 (session 16, not yet measured)
-    pmerge: bool = False
     # the append form's unsplit launches on tensor cores (engine/backends/cuda/attention/decode_tc.py;
     # without a fixed shape on unless MARKBASE_GPU_ATTN_TC=0: session 18)
     tc: bool = False
@@ -609,7 +136,7 @@ class LoopShape:
     @classmethod
     def parse(cls, text: str) -> LoopShape:
         """``"l16u2vp64w4"``: lanes 16, u 2, vector loads, 64 positions a block, 4 warps
-        (letters l/u/p/w with a number, v, t, m (pmerge), c and s (tensor cores,
+        (letters l/u/p/w with a number, v, c and s (tensor cores,
         unsplit and split launches) alone; what is left out, the default)."""
         import re
 
@@ -620,10 +147,6 @@ class LoopShape:
                 kw[fields[key]] = int(num)
             elif key == "v" and not num:
                 kw["vec"] = True
-            elif key == "t" and not num:
-                kw["two_pass"] = True
-            elif key == "m" and not num:
-                kw["pmerge"] = True
             elif key == "c" and not num:
                 kw["tc"] = True
             elif key == "s" and not num:
@@ -634,28 +157,28 @@ class LoopShape:
 
     @classmethod
     def from_env(cls) -> LoopShape | None:
-        """``MARKBASE_GPU_ATTN_LANES``/``_U``/``_VEC``/``_PPB``/``_WARPS``/``_TWO_PASS``/
-        ``_PMERGE`` (unset ones: the class defaults); None when none is set. The
+        """``MARKBASE_GPU_ATTN_LANES``/``_U``/``_VEC``/``_PPB``/``_WARPS`` (unset ones:
+        the class defaults); None when none is set. The
         tensor-core forms stay as their own switches say (on unless set to 0): a
         CUDA-core loop shape from the environment (bench/gpu/attn_bench.py's ``--env``
         exports) must not turn them off."""
-        from engine.backends.cuda.attention import decode_tc as tc
-
-        env = os.environ.get
-        names = ("LANES", "U", "VEC", "PPB", "WARPS", "TWO_PASS", "PMERGE")
-        if not any(f"MARKBASE_GPU_ATTN_{n}" in os.environ for n in names):
+        names = ("LANES", "U", "VEC", "PPB", "WARPS")
+        if not any(envs.is_set(f"MARKBASE_GPU_ATTN_{n}") for n in names):
             return None
         d = cls()
+
+        def get(name, default):
+            v = envs.value(name)
+            return default if v is None else v
+
         return cls(
             tc=tc.enabled(),
             tc_split=tc.split_enabled(),
-            lanes=int(env("MARKBASE_GPU_ATTN_LANES", d.lanes)),
-            u=int(env("MARKBASE_GPU_ATTN_U", d.u)),
-            vec=env("MARKBASE_GPU_ATTN_VEC", "1" if d.vec else "0") == "1",
-            ppb=int(env("MARKBASE_GPU_ATTN_PPB", d.ppb)),
-            warps=int(env("MARKBASE_GPU_ATTN_WARPS", d.warps)),
-            two_pass=env("MARKBASE_GPU_ATTN_TWO_PASS", "0") == "1",
-            pmerge=env("MARKBASE_GPU_ATTN_PMERGE", "0") == "1",
+            lanes=get("MARKBASE_GPU_ATTN_LANES", d.lanes),
+            u=get("MARKBASE_GPU_ATTN_U", d.u),
+            vec=get("MARKBASE_GPU_ATTN_VEC", int(d.vec)) == 1,
+            ppb=get("MARKBASE_GPU_ATTN_PPB", d.ppb),
+            warps=get("MARKBASE_GPU_ATTN_WARPS", d.warps),
         )
 
 
@@ -717,25 +240,16 @@ _SPLIT_BODY = _WRITE_PARTS + _MERGE_LAST
 _COUNTER = ("counter", "int32", 1)
 
 
-_CACHE_INPUTS = [("keys", "T", 4), ("values", "T", 4), ("start", "int32", 1)]
-# the append form's inputs (also engine/backends/cuda/products/qblock.py's attention phase)
-APPEND_INPUTS = [("qkv", "T", 2), *_CACHE_INPUTS, ("pos", "int32", 1), ("inv_freq", "float32", 1)]
 
 
 def _specs(scale: float, rope_scale: float = 1.0) -> dict[str, KernelSpec]:
     header = _header(scale, rope_scale)
-    inputs = [("q", "T", 4), *_CACHE_INPUTS]
+    inputs = [("q", "T", 4), *CACHE_INPUTS]
     append = APPEND_INPUTS
     return {
         "single": KernelSpec("mb_decode_attn", inputs, [("out", "T")], _READ + _WRITE_OUT, header),
-        "parts": KernelSpec(
-            "mb_decode_attn_parts", inputs, _PARTS_OUT, _READ + _WRITE_PARTS, header
-        ),
         "append": KernelSpec(
             "mb_decode_attn_app", append, [("out", "T")], _APPEND + _WRITE_OUT, header
-        ),
-        "append_parts": KernelSpec(
-            "mb_decode_attn_app_parts", append, _PARTS_OUT, _APPEND + _WRITE_PARTS, header
         ),
         "split": KernelSpec(
             "mb_decode_attn_split", [*inputs, _COUNTER], _SPLIT_OUT, _READ + _SPLIT_BODY, header
@@ -746,13 +260,6 @@ def _specs(scale: float, rope_scale: float = 1.0) -> dict[str, KernelSpec]:
             _SPLIT_OUT,
             _APPEND + _SPLIT_BODY,
             header,
-        ),
-        "combine": KernelSpec(
-            "mb_decode_attn_combine",
-            [("pm", "float32", 3), ("pl", "float32", 3), ("pacc", "float32", 4)],
-            [("out", "T")],
-            _COMBINE_BODY,
-            _MERGE_SPLITS,
         ),
     }
 
@@ -798,7 +305,7 @@ def decode_attention(q, keys, values, start, scale: float, slot: int = 0, shape=
     a ``LoopShape`` for this call (else the fixed or automatic one)."""
     b, hq, _, d = q.shape
     kern = _kernels(float(scale))
-    forms = ("single", "split", "parts")
+    forms = ("single", "split")
     ins = [q, keys, values, start]
     return _launch(kern, forms, ins, b, hq, d, keys, q.dtype, slot=slot, shape=shape)
 
@@ -881,7 +388,7 @@ def decode_attention_append(
     d = keys.shape[3]
     kern = _kernels(float(scale), float(rope.scale))
     inputs = [qkv, keys, values, start, pos, rope.inv_freq]
-    forms = ("append", "append_split", "append_parts")
+    forms = ("append", "append_split")
     args = (b, n_heads, d, keys, qkv.dtype, rope.traditional, slot, shape, nsplit)
     return _launch(kern, forms, inputs, *args, scales=(float(scale), float(rope.scale)))
 
@@ -929,7 +436,7 @@ def _launch(
     scales=None,
 ):  # fmt: skip
     """Run a form unsplit, or split over time (merged in the kernel's last block per
-    row and KV head, or by the merge kernel). ``nsplit``: the append form over whole
+    row and KV head). ``nsplit``: the append form over whole
     buffers (``decode_attention_append``). ``scales``: the append form's (softmax,
     RoPE position) scales, for its tensor-core kernels (engine/backends/cuda/attention/decode_tc.py)."""
     import mlx.core as mx
@@ -939,28 +446,24 @@ def _launch(
     shape = shape or fixed_shape()
     n = nsplit or splits(b, hkv, t, shape.ppb if shape else POSITIONS_PER_BLOCK)
     if traditional is not None:
-        from engine.backends.cuda.attention import decode_tc as tc
-
-        multi = n > 1 and tc.multi_enabled()
         if n == 1:
             on = shape.tc if shape else tc.enabled()
         else:
-            on = (shape.tc_split if shape else tc.split_enabled()) and (n <= tc.MAX_SPLITS or multi)
+            on = (shape.tc_split if shape else tc.split_enabled()) and n <= tc.MAX_SPLITS
         if on and tc.supported(g, d, dtype):
             return tc.launch(inputs, b, hkv, g, d, dtype, *scales, traditional,
-                             nsplit is not None, split=n > 1, nblocks=n if multi else 1,
-                             counter=_counters(b * hkv, slot) if multi else None)  # fmt: skip
+                             nsplit is not None, split=n > 1)  # fmt: skip
     shape = shape or auto_shape(n * hkv * b, d)
     warps = min(shape.warps, warps_for(g, d))
     lanes = max(shape.lanes, d // 16)  # at most 16 values a lane
     vec = shape.vec and d // lanes * dtype.size >= 4
     template = (("T", dtype), ("HD", d), ("G", g), ("WARPS", warps), ("LP", lanes))
-    template += (("U", shape.u), ("VEC", vec), ("PM", shape.pmerge))
+    template += (("U", shape.u), ("VEC", vec))
     if traditional is not None:
         template += (("TRAD", traditional), ("TPOS", nsplit is not None))
     grid = (n * warps * 32, hkv, b)
     block = (warps * 32, 1, 1)
-    single, split, parts = forms
+    single, split = forms
     if n == 1:
         return kern(single, template)(
             inputs=inputs,
@@ -970,27 +473,12 @@ def _launch(
             output_dtypes=[dtype],
         )[0]
     part_shapes = [(b, hq, n), (b, hq, n), (b, hq, n, d)]
-    if not shape.two_pass:
-        return kern(split, template)(
-            inputs=[*inputs, _counters(b * hkv, slot)],
-            grid=grid,
-            threadgroup=block,
-            output_shapes=[(b, hq, 1, d), *part_shapes],
-            output_dtypes=[dtype, mx.float32, mx.float32, mx.float32],
-        )[0]
-    pm, pl, pacc = kern(parts, template)(
-        inputs=inputs,
+    return kern(split, template)(
+        inputs=[*inputs, _counters(b * hkv, slot)],
         grid=grid,
         threadgroup=block,
-        output_shapes=part_shapes,
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
-    )
-    return kern("combine", template[:2])(
-        inputs=[pm, pl, pacc],
-        grid=(b * hq * d, 1, 1),
-        threadgroup=(d, 1, 1),
-        output_shapes=[(b, hq, 1, d)],
-        output_dtypes=[dtype],
+        output_shapes=[(b, hq, 1, d), *part_shapes],
+        output_dtypes=[dtype, mx.float32, mx.float32, mx.float32],
     )[0]
 
 
@@ -1048,11 +536,7 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                 vec = vec and hd // lanes * size >= 4
                 for kind, spec in _specs(0.125).items():
                     tmpl = [("T", dtype), ("HD", hd)]
-                    if kind == "combine" and (lanes, u) != (32, 4):
-                        continue
-                    if kind != "combine":
-                        tmpl += [("G", g), ("WARPS", w), ("LP", lanes), ("U", u), ("VEC", vec)]
-                        tmpl += [("PM", u == 8)]  # both merges of the split forms
+                    tmpl += [("G", g), ("WARPS", w), ("LP", lanes), ("U", u), ("VEC", vec)]
                     if kind.startswith("append"):
                         tmpl += [("TRAD", hd >= 64 and g == 4), ("TPOS", u == 8)]
                     name = f"{spec.name}_{dtype}_{hd}_{g}_{w}_{lanes}_{u}_{int(vec)}"

@@ -33,10 +33,12 @@ Only on a CUDA GPU; ``bench/gpu/nvrtc_check.py`` compiles it without one.
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
+from engine import envs
+from engine.backends.cuda.attention.common import APPEND_INPUTS
 from engine.backends.cuda.kernels import Baked, KernelSpec, for_dtype
+from engine.backends.cuda.kernels import source as _source
 
 ENV = "MARKBASE_GPU_ATTN_TC"
 SPLIT_ENV = "MARKBASE_GPU_ATTN_TC_SPLIT"
@@ -52,378 +54,25 @@ MAX_SPLITS = 16
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads a KV head: the A fragment's rows 0-7
 
-_SOURCE = r"""
-  constexpr int RS = HD + 8;   // shared row stride (elements): ldmatrix rows on 8 banks
-  constexpr int NT = BK / 8;   // score n-tiles (8 keys each) a tile
-  constexpr int KS = HD / 16;  // k-steps of q.k
-  constexpr int DT = HD / 8;   // output n-tiles
-  constexpr int CH = HD / 8;   // 16-byte chunks a row
-  constexpr int TILE = BK * RS;
-  // a warp's elements: K, V x STG stages, q, k, v, then the RoPE's cos/sin (HD floats)
-  constexpr int WSM = 2 * STG * TILE + (G + 4) * HD;
-  extern __shared__ __align__(16) unsigned char mb_smem[];
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const int g = lane / 4;
-  const int tg = lane % 4;
-  const int n_kv = keys_shape[1];
-  // (row, KV head) of this warp; SPLIT: of the block, whose warps share its tiles;
-  // MB_TC_MULTI (the split form over nb blocks a (row, KV head), nb from the grid):
-  // block = unit * nb + part, part taking a contiguous share of the unit's tiles
-#if MB_TC_MULTI
-  const int nb = gridDim.x / (qkv_shape[0] * n_kv);
-  const int unit = blockIdx.x / nb;
-  const int part = blockIdx.x % nb;
-#else
-  constexpr int nb = 1;
-  constexpr int part = 0;
-  const int unit = SPLIT ? blockIdx.x : blockIdx.x * WARPS + warp;
-#endif
-  if (unit >= qkv_shape[0] * n_kv) {
-    return;  // the whole warp (never with SPLIT: the grid is exact there)
-  }
-  const int b = unit / n_kv;
-  const int hkv = unit % n_kv;
-  T* const ks0 = reinterpret_cast<T*>(mb_smem) + warp * WSM;
-  T* const vs0 = ks0 + STG * TILE;
-  T* const qsm = vs0 + STG * TILE;  // [G][HD] the query heads, RoPE'd
-  T* const kn = qsm + G * HD;     // [HD] the new k, RoPE'd
-  T* const vn = kn + HD;          // [HD] the new v
-  float* const rcos = reinterpret_cast<float*>(vn + HD);  // [HD/2] per frequency
-  float* const rsin = rcos + HD / 2;
-  // every qkv value this lane's RoPE needs, read first: the reads then overlap each
-  // other and start/pos's. Why: written as loads inside the loop that stores into
-  // qsm, each waited for the store before it (generic pointers may alias): one L2
-  // round trip an element, ~4 us of one row's ~11 us call (session 19's ablation)
-  const T* xb = qkv + b * qkv_strides[0];
-  const int nq = n_kv * G * HD;
-  constexpr int QPL = G * HD / 32;  // query elements a lane (i = lane + 32 j)
-  constexpr int KPL = HD / 32;      // new k (and v) elements a lane (d = lane + 32 j)
-  auto partner = [](int d) { return TRAD ? d ^ 1 : (d < HD / 2 ? d + HD / 2 : d - HD / 2); };
-  T qx[QPL], qp[QPL], kx[KPL], kp[KPL], vx[KPL];
-#pragma unroll
-  for (int j = 0; j < QPL; ++j) {
-    const int i = lane + 32 * j;
-    const T* src = xb + (hkv * G + i / HD) * HD;
-    qx[j] = src[i % HD];
-    qp[j] = src[partner(i % HD)];
-  }
-#pragma unroll
-  for (int j = 0; j < KPL; ++j) {
-    const int d = lane + 32 * j;
-    kx[j] = xb[nq + hkv * HD + d];
-    kp[j] = xb[nq + hkv * HD + partner(d)];
-    vx[j] = xb[nq + n_kv * HD + hkv * HD + d];
-  }
-  const int row0 = start[b];
-  const int t_len = TPOS ? pos[b] + row0 + 1 : keys_shape[2];
-  const int t_new = t_len - 1;
-  T* const kb = const_cast<T*>(keys) + b * keys_strides[0] + hkv * keys_strides[1];
-  T* const vb = const_cast<T*>(values) + b * values_strides[0] + hkv * values_strides[1];
-  const int64_t kst = keys_strides[2];
-  const int64_t vst = values_strides[2];
-
-  // tile kt's keys [k0, k0 + BK) into stage st, keys past the end as zeros; not the new
-  // slot, which the tile takes from the warp's copy once it has landed (patched below)
-  const int ntiles = (t_len - row0 + BK - 1) / BK;
-  const int tpp = (ntiles + nb - 1) / nb;        // tiles a part
-  const int kt_hi = min(ntiles, (part + 1) * tpp);  // this block's tiles: [part * tpp, kt_hi)
-  auto load = [&](int kt, int st) {
-    const int k0 = row0 + kt * BK;
-#pragma unroll
-    for (int i = lane; i < BK * CH; i += 32) {
-      const int r = i / CH;
-      const int c = (i % CH) * 8;
-      const int key = k0 + r;
-      if (key != t_new) {
-        const bool in = key < t_len;
-        const int64_t row = in ? key : 0;
-        mb_cp16z(ks0 + st * TILE + r * RS + c, kb + row * kst + c, in);
-        mb_cp16z(vs0 + st * TILE + r * RS + c, vb + row * vst + c, in);
-      }
-    }
-  };
-  // the warp's first STG - 1 tiles are on their way while the RoPE below is computed
-  const int kstep = SPLIT ? WARPS : 1;  // SPLIT: warp w takes tiles w, w + WARPS, ...
-  int kt = SPLIT ? part * tpp + warp : 0;
-#pragma unroll
-  for (int s0 = 0; s0 < STG - 1; ++s0) {
-    if (kt + s0 * kstep < kt_hi) {
-      load(kt + s0 * kstep, s0);
-    }
-    mb_commit();
-  }
-  if constexpr (ABL & 1) {
-    return;  // ablation (timing only, see ablation()): the launch and the first copies
-  }
-
-  // RoPE as engine/backends/cuda/attention/decode.py's append form: angle = scale * position * inv_freq,
-  // pairs (d, d + HD/2), or (2i, 2i + 1) when TRAD; the result rounded to T
-  const float pos_f = MB_ROPE_SCALE * static_cast<float>(pos[b]);
-  // one sincos a frequency (HD/2 of them), not one an element: G + 1 heads share them
-  // (20 a lane at 8b: ~1.7 us of one row's call, session 19)
-  for (int f = lane; f < HD / 2; f += 32) {
-    sincosf(pos_f * inv_freq[f], &rsin[f], &rcos[f]);
-  }
-  __syncwarp();
-  auto rope = [&](T xt, T pt, int d) -> T {
-    const int f = TRAD ? d / 2 : d % (HD / 2);
-    const float c = rcos[f];
-    const float s = rsin[f];
-    const float x = static_cast<float>(xt);
-    const float p = static_cast<float>(pt);
-    const bool first = TRAD ? !(d & 1) : d < HD / 2;
-    return static_cast<T>(first ? x * c - p * s : p * s + x * c);
-  };
-#pragma unroll
-  for (int j = 0; j < QPL; ++j) {
-    const int i = lane + 32 * j;
-    qsm[i] = rope(qx[j], qp[j], i % HD);
-  }
-#pragma unroll
-  for (int j = 0; j < KPL; ++j) {
-    const int d = lane + 32 * j;
-    const T kv = rope(kx[j], kp[j], d);
-    kn[d] = kv;
-    vn[d] = vx[j];
-    if (!SPLIT || (warp == 0 && part == 0)) {
-      kb[t_new * kst + d] = kv;  // the cache's new slot (no lane of this kernel reads it)
-      vb[t_new * vst + d] = vx[j];
-    }
-  }
-  __syncwarp();
-  if constexpr (ABL & 2) {
-    return;  // ablation: up to the RoPE and the cache write
-  }
-
-  // the query heads as A fragments of every k-step: rows g < G, rows g + 8 zero
-  uint32_t qf[KS][2];
-#pragma unroll
-  for (int kk = 0; kk < KS; ++kk) {
-    const T* qr = qsm + min(g, G - 1) * HD + kk * 16 + tg * 2;
-    qf[kk][0] = g < G ? *reinterpret_cast<const uint32_t*>(qr) : 0u;
-    qf[kk][1] = g < G ? *reinterpret_cast<const uint32_t*>(qr + 8) : 0u;
-  }
-  const float sl2 = MB_SCALE * 1.4426950408889634f;  // exp(x) = exp2(x * log2 e)
-  float m0 = -INFINITY;  // running max of head g (log2 units)
-  float l0 = 0.f;        // this lane's share of its sum
-  float o[DT][4];
-#pragma unroll
-  for (int d = 0; d < DT; ++d) {
-    o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-  }
-
-  for (int it = 0; kt < kt_hi && !(ABL & 4); kt += kstep, ++it) {
-    const int k0 = row0 + kt * BK;
-    const int st = it % STG;
-    if (kt + (STG - 1) * kstep < kt_hi) {
-      // STG - 1 tiles ahead, into the stage the last __syncwarp freed
-      load(kt + (STG - 1) * kstep, (it + STG - 1) % STG);
-    }
-    mb_commit();
-    mb_wait<STG - 1>();  // tile kt's copies (this lane's) have landed
-    __syncwarp();  // and every lane's
-    T* const ks = ks0 + st * TILE;
-    T* const vs = vs0 + st * TILE;
-    if (t_new - k0 < BK) {  // the tile holds the new slot (warp-uniform): from the copy
-      const int r = t_new - k0;
-      for (int c = lane; c < CH; c += 32) {
-        reinterpret_cast<uint4*>(ks + r * RS)[c] = reinterpret_cast<const uint4*>(kn)[c];
-        reinterpret_cast<uint4*>(vs + r * RS)[c] = reinterpret_cast<const uint4*>(vn)[c];
-      }
-      __syncwarp();
-    }
-    float s[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-      // matrices: keys j*8.. x dims kk*16 + 0, 8, 16, 24: b0, b1 of k-steps kk, kk+1
-      const T* kr = ks + (j * 8 + (lane & 7)) * RS + (lane >> 3) * 8;
-#pragma unroll
-      for (int kk = 0; kk < KS; kk += 2) {
-        uint32_t r[4];
-        mb_ldm4(r, kr + kk * 16);
-        mb_mma(s[j], qf[kk][0], 0u, qf[kk][1], 0u, r[0], r[1], T{});
-        mb_mma(s[j], qf[kk + 1][0], 0u, qf[kk + 1][1], 0u, r[2], r[3], T{});
-      }
-    }
-    // head g's scores (s[j][0..1]: keys k0 + j*8 + 2tg, +1), past the end -inf
-    float mx0 = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int key = k0 + j * 8 + tg * 2 + e;
-        const float v = key < t_len ? s[j][e] * sl2 : -INFINITY;
-        s[j][e] = v;
-        mx0 = fmaxf(mx0, v);
-      }
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    const float n0 = fmaxf(m0, mx0);  // finite: key k0 < t_len is in every tile
-    const float a0 = exp2f(m0 - n0);
-    m0 = n0;
-    l0 *= a0;
-#pragma unroll
-    for (int d = 0; d < DT; ++d) {
-      o[d][0] *= a0;
-      o[d][1] *= a0;
-    }
-    uint32_t pf[NT];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const float p0 = exp2f(s[j][0] - n0);
-      const float p1 = exp2f(s[j][1] - n0);
-      l0 += p0 + p1;
-      pf[j] = mb_pack2(p0, p1, T{});
-    }
-    // o += p v: score n-tiles 2kk, 2kk + 1 are the A fragment of k-step kk (rows g + 8
-    // zero)
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      const uint32_t pa0 = pf[2 * kk];
-      const uint32_t pa2 = pf[2 * kk + 1];
-      // transposed matrices: keys kk*16 + 0, 8 x dims d*8, (d+1)*8: b0, b1 of d, d+1
-      const T* vr = vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * RS + (lane >> 4) * 8;
-#pragma unroll
-      for (int d = 0; d < DT; d += 2) {
-        uint32_t r[4];
-        mb_ldm4t(r, vr + d * 8);
-        mb_mma(o[d], pa0, 0u, pa2, 0u, r[0], r[1], T{});
-        mb_mma(o[d + 1], pa0, 0u, pa2, 0u, r[2], r[3], T{});
-      }
-    }
-    __syncwarp();  // every lane is done with this stage
-  }
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  T* const ob = out + (static_cast<int64_t>(b) * n_kv + hkv) * G * HD;
-  if constexpr (ABL & 8) {
-    return;  // ablation: no merge, no output
-  }
-  if constexpr (SPLIT) {
-    // the warps' softmaxes merged through shared memory (the stages are free now); a
-    // warp without tiles has m -inf and adds nothing; warp 0 always has tile 0 (of the
-    // block's share: with MB_TC_MULTI a part may have none, then its partial is -inf)
-    __syncthreads();
-    float* const sm_m = reinterpret_cast<float*>(mb_smem);  // [WARPS][8]
-    float* const sm_l = sm_m + WARPS * 8;                   // [WARPS][8]
-    float* const sm_o = sm_l + WARPS * 8;                   // [WARPS][G][HD]
-    if (tg == 0) {
-      sm_m[warp * 8 + g] = m0;
-      sm_l[warp * 8 + g] = l0;
-    }
-    if (g < G) {
-#pragma unroll
-      for (int d = 0; d < DT; ++d) {
-        sm_o[(warp * G + g) * HD + d * 8 + tg * 2] = o[d][0];
-        sm_o[(warp * G + g) * HD + d * 8 + tg * 2 + 1] = o[d][1];
-      }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < G * HD; i += WARPS * 32) {
-      const int gg = i / HD;
-      float M = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) {
-        M = fmaxf(M, sm_m[w * 8 + gg]);
-      }
-      float L = 0.f;
-      float A = 0.f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) {
-        const float mw = sm_m[w * 8 + gg];
-        if (mw != -INFINITY) {
-          const float e = exp2f(mw - M);
-          L += sm_l[w * 8 + gg] * e;
-          A += sm_o[w * G * HD + i] * e;
-        }
-      }
-#if MB_TC_MULTI
-      if (nb > 1) {  // this block's partial, for the unit's last block to merge
-        const int64_t pr = static_cast<int64_t>(unit) * nb + part;
-        pacc[pr * G * HD + i] = A;
-        if (i % HD == 0) {
-          pm[pr * G + gg] = M;
-          pl[pr * G + gg] = L;
-        }
-        continue;
-      }
-#endif
-      ob[i] = static_cast<T>(A / L);
-    }
-#if MB_TC_MULTI
-    if (nb > 1) {
-      // the last of the unit's blocks to finish merges the parts (the counter, an
-      // input that stays zero between launches, set back to 0 by it); other blocks'
-      // partials are read through L2, made visible by their fences
-      if (!mb_last_of(const_cast<int*>(counter) + unit, nb)) {
-        return;
-      }
-      float* const pmm = reinterpret_cast<float*>(mb_smem);  // [nb][G] the parts' m
-      float* const pll = pmm + nb * G;                       // [nb][G] and l
-      for (int e = threadIdx.x; e < nb * G; e += WARPS * 32) {
-        pmm[e] = __ldcg(pm + static_cast<int64_t>(unit) * nb * G + e);
-        pll[e] = __ldcg(pl + static_cast<int64_t>(unit) * nb * G + e);
-      }
-      __syncthreads();
-      const float* pa = pacc + static_cast<int64_t>(unit) * nb * G * HD;
-      for (int i = threadIdx.x; i < G * HD; i += WARPS * 32) {
-        const int gg = i / HD;
-        float M = -INFINITY;
-        for (int p = 0; p < nb; ++p) {
-          M = fmaxf(M, pmm[p * G + gg]);
-        }
-        float L = 0.f;
-        float A = 0.f;
-#pragma unroll 8
-        for (int p = 0; p < nb; ++p) {  // every part's load, -inf parts weighted 0
-          const float mw = pmm[p * G + gg];
-          const float e = mw == -INFINITY ? 0.f : exp2f(mw - M);
-          L += pll[p * G + gg] * e;
-          A += __ldcg(pa + p * G * HD + i) * e;
-        }
-        ob[i] = static_cast<T>(A / L);
-      }
-    }
-#endif
-  } else if (g < G) {
-    const float i0 = 1.f / l0;
-#pragma unroll
-    for (int d = 0; d < DT; ++d) {
-      *reinterpret_cast<uint32_t*>(ob + g * HD + d * 8 + tg * 2) =
-          mb_pack2(o[d][0] * i0, o[d][1] * i0, T{});
-    }
-  }
-"""
+_SOURCE = _source("attention/decode_tc/source.cu")
 
 
 def _header(scale: float, rope_scale: float) -> str:
-    from engine.backends.cuda.attention.decode import LAST_BLOCK
-    from engine.backends.cuda.attention.prefill import _HEADER as CP_HEADER
-    from engine.backends.cuda.products.mma import _HEADER as MMA_HEADER
+    LAST_BLOCK = _source("attention/decode/last_block.cuh")
+    CP_HEADER = _source("attention/prefill/header.cuh")
+    MMA_HEADER = _source("products/mma/header.cuh")
 
     head = f"#define MB_SCALE {float(scale)!r}f\n#define MB_ROPE_SCALE {float(rope_scale)!r}f\n"
     return head + MMA_HEADER + CP_HEADER + LAST_BLOCK
 
 
 def _specs(scale: float, rope_scale: float) -> dict[str, KernelSpec]:
-    from engine.backends.cuda.attention.decode import _COUNTER, _SPLIT_OUT, APPEND_INPUTS
-
     header = _header(scale, rope_scale)
     return {
         "append_tc": KernelSpec(
-            "mb_decode_attn_tc", APPEND_INPUTS, [("out", "T")], _SOURCE,
-            "#define MB_TC_MULTI 0\n" + header,
+            "mb_decode_attn_tc", APPEND_INPUTS, [("out", "T")], _SOURCE, header
         ),
-        # the split form over several blocks a (row, KV head): their partials and a
-        # counter per (row, KV head), merged by the last block (MULTI_ENV)
-        "append_tc_multi": KernelSpec(
-            "mb_decode_attn_tcm", [*APPEND_INPUTS, _COUNTER], _SPLIT_OUT, _SOURCE,
-            "#define MB_TC_MULTI 1\n" + header,
-        ),
-    }  # fmt: skip
+    }
 
 
 @cache
@@ -436,23 +85,7 @@ def enabled() -> bool:
     ~512 positions): 8b B=128 146.8 -> 97.1 us a call, 1b B=128 115.1 -> 50.2, 8b B=64
     78.6 -> 55.4; the engine's 1b 4-bit B=128 25,652 -> 36,959 tok/s, 8b 6,912 ->
     7,188 (bench/gpu/NOTES.md)."""
-    return os.environ.get(ENV, "1") == "1"
-
-
-MULTI_ENV = "MARKBASE_GPU_ATTN_TC_MULTI"
-
-
-def multi_enabled() -> bool:
-    """The split form over as many blocks a (row, KV head) as the CUDA-core kernel
-    would split it into (engine/backends/cuda/attention/decode.py's ``splits``: ~128 positions a block,
-    up to 64), merged by the last block; and then for any such split count, not only
-    up to MAX_SPLITS. ``MARKBASE_GPU_ATTN_TC_MULTI=1``; off. Why it was tried (session
-    19): one row's split form keeps a (row, KV head)'s tiles on one SM. Measured
-    (session 20, H100, CUPTI, against the one-block split form, us a call): 8b one row
-    9.0 / 9.0 at 64 positions, 12.8 / 16.6 at 600, 25.3 / 25.8 at 2,000, 49.6 / 42.5 at
-    4,000; 8b B=8 at 600 12.7 / 24.5. Slower or level below ~4,000 positions: left off.
-    Its GPU tests pass (290 with the CUDA-core split kernels)."""
-    return os.environ.get(MULTI_ENV, "0") == "1"
+    return envs.value(ENV)
 
 
 def split_enabled() -> bool:
@@ -460,20 +93,7 @@ def split_enabled() -> bool:
     (row, KV head) whose warps share the tiles; on unless ``MARKBASE_GPU_ATTN_TC_SPLIT=0``.
     Measured (session 18, H100, 600 positions): 8b one row 20.5 -> 17.7 us a call, 8b
     B=8 28.1 -> 17.4, 1b one row 18.5 -> 12.2; the 8b 4-bit B=1 step 2.97 -> 2.81 ms."""
-    return os.environ.get(SPLIT_ENV, "1") == "1"
-
-
-ABL_ENV = "MARKBASE_GPU_ATTN_TC_ABL"
-
-
-def ablation() -> int:
-    """``MARKBASE_GPU_ATTN_TC_ABL`` (bench/gpu/attn_bench.py only): a bit mask of where
-    the kernel stops, so that timing what is left says what the rest costs (1 after the
-    first tiles' copies are issued, 2 after the RoPE and the cache write, 4 no tiles,
-    8 no merge and no output). Why: one row's call takes ~11 us at 64 positions (H100,
-    session 19) for ~0.3 MB of KV, and no profiler here says where. The attention is
-    wrong with any bit set: never in serving."""
-    return int(os.environ.get(ABL_ENV, "0"))
+    return envs.value(SPLIT_ENV)
 
 
 MAX_SHARED = 227 << 10  # dynamic shared memory a block may have (H100/H200)
@@ -486,9 +106,7 @@ def stages(split: bool, warps: int, bk: int, group: int, head_dim: int) -> int:
     tile a warp with one tile in flight (8b, 600 and 2,000 positions: 17.7 and 31.7 us a
     call, session 18); more in flight is the knob to measure."""
     name = SPLIT_STAGES_ENV if split else STAGES_ENV
-    want = int(os.environ.get(name, "2"))
-    if want not in (2, 3, 4):
-        raise ValueError(f"{name}={want}: want 2, 3 or 4")
+    want = int(envs.value(name))
     while want > 2 and shared_bytes(warps, bk, group, head_dim, want) > MAX_SHARED:
         want -= 1
     return want
@@ -499,11 +117,7 @@ def geometry(split: bool = False) -> tuple[int, int]:
     4; with ``split`` ``MARKBASE_GPU_ATTN_TC_SPLIT_WARPS``, default 8) and
     ``MARKBASE_GPU_ATTN_TC_BK`` (16/32, default 16), checked."""
     name = SPLIT_WARPS_ENV if split else WARPS_ENV
-    warps = int(os.environ.get(name, "8" if split else "4"))
-    bk = int(os.environ.get(BK_ENV, "16"))
-    if warps not in (1, 2, 4, 8) or bk not in (16, 32):
-        raise ValueError(f"{name}={warps} / {BK_ENV}={bk}: want 1/2/4/8 and 16/32")
-    return warps, bk
+    return int(envs.value(name)), int(envs.value(BK_ENV))
 
 
 def supported(group: int, head_dim: int, dtype) -> bool:
@@ -520,34 +134,18 @@ def shared_bytes(warps: int, bk: int, group: int, head_dim: int, n_stages: int =
 
 def launch(inputs, rows: int, n_kv: int, group: int, head_dim: int, dtype, scale, rope_scale,
            traditional: bool, whole_buffers: bool, split: bool = False,
-           warps: int | None = None, bk: int | None = None, nblocks: int = 1,
-           counter=None):  # fmt: skip
+           warps: int | None = None, bk: int | None = None):  # fmt: skip
     """``decode_attention_append``'s inputs (qkv, keys, values, start, pos, inv_freq) ->
     the attention [rows, Hq, 1, D]; the new k and v written into the buffers. ``split``:
     one block a (row, KV head), its warps taking every WARPS-th tile, merged in the
-    block; else one warp a (row, KV head). ``nblocks`` > 1 (with ``split``): that many
-    blocks a (row, KV head), each a contiguous share of the tiles, merged by the last
-    to finish through ``counter`` (engine/backends/cuda/attention/decode.py's ``_counters``)."""
+    block; else one warp a (row, KV head)."""
     dw, dbk = geometry(split)
     warps, bk = warps or dw, bk or dbk
     stg = stages(split, warps, bk, group, head_dim)
     template = (("T", dtype), ("HD", head_dim), ("G", group), ("WARPS", warps), ("BK", bk))
     template += (("TRAD", traditional), ("TPOS", whole_buffers), ("SPLIT", split), ("STG", stg))
-    template += (("ABL", ablation()),)
     kern = _kernels(float(scale), float(rope_scale))
     smem = shared_bytes(warps, bk, group, head_dim, stg)
-    if split and nblocks > 1:
-        import mlx.core as mx
-
-        units = rows * n_kv * nblocks
-        return kern("append_tc_multi", template, smem)(
-            inputs=[*inputs, counter],
-            grid=(units * warps * 32, 1, 1),
-            threadgroup=(warps * 32, 1, 1),
-            output_shapes=[(rows, n_kv * group, 1, head_dim), (units * group,),
-                           (units * group,), (units * group * head_dim,)],
-            output_dtypes=[dtype, mx.float32, mx.float32, mx.float32],
-        )[0]  # fmt: skip
     fn = kern("append_tc", template, smem)
     blocks = rows * n_kv if split else -(-rows * n_kv // warps)
     return fn(
@@ -576,14 +174,6 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                                                    (64, 4, 4, 32, False, True, 2)):  # fmt: skip
             tmpl = [("T", dtype), ("HD", hd), ("G", g), ("WARPS", warps), ("BK", bk)]
             tmpl += [("TRAD", trad), ("TPOS", bk == 16), ("SPLIT", split), ("STG", stg)]
-            tmpl += [("ABL", 0)]
             name = f"{spec.name}_{dtype}_{hd}_{g}_{warps}_{bk}_{int(split)}_{stg}"
             out.append(for_dtype(spec, dtype, name, tmpl))
-            if split:  # and over several blocks a (row, KV head) (MULTI_ENV)
-                multi = specs["append_tc_multi"]
-                out.append(for_dtype(multi, dtype, name.replace(spec.name, multi.name), tmpl))
-    for abl in (1, 2, 4, 8):  # the ablations (timing only) of the one-row split form
-        tmpl = [("T", "bfloat16"), ("HD", 128), ("G", 4), ("WARPS", 8), ("BK", 16)]
-        tmpl += [("TRAD", False), ("TPOS", True), ("SPLIT", True), ("STG", 2), ("ABL", abl)]
-        out.append(for_dtype(spec, "bfloat16", f"{spec.name}_split_abl{abl}", tmpl))
     return out

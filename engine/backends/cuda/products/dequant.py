@@ -28,70 +28,17 @@ from __future__ import annotations
 
 from functools import cache
 
+from engine import envs
 from engine.backends.cuda.kernels import Baked, KernelSpec, for_dtype, one_output_call
-from engine.config import env_choice
+from engine.backends.cuda.kernels import source as _source
 
 ENV = "MARKBASE_GPU_DEQUANT"
 WORDS_A_WARP = 128
 THREADS = 256
 
-_HEADER = r"""
-// two 4-bit values (bits 0-3 and 4-7 of v) as the pair (q0 * s + b, q1 * s + b), written
-// as MLX's affine_dequantize writes it (scale * q + bias; contracted into one fma)
-__device__ __forceinline__ uint32_t mb_dq2(uint32_t v, uint32_t s2, uint32_t b2, __nv_bfloat16) {
-  const uint32_t bits = (v & 0xFu) | ((v & 0xF0u) << 12) | 0x43004300u;
-  __nv_bfloat162 q = *reinterpret_cast<const __nv_bfloat162*>(&bits);
-  q = __hsub2(q, __floats2bfloat162_rn(128.f, 128.f));  // 128 + q - 128: exact
-  const __nv_bfloat162 r = __hadd2(__hmul2(q, *reinterpret_cast<const __nv_bfloat162*>(&s2)),
-                                   *reinterpret_cast<const __nv_bfloat162*>(&b2));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-__device__ __forceinline__ uint32_t mb_dq2(uint32_t v, uint32_t s2, uint32_t b2, __half) {
-  const uint32_t bits = (v & 0xFu) | ((v & 0xF0u) << 12) | 0x64006400u;
-  __half2 q = *reinterpret_cast<const __half2*>(&bits);
-  q = __hsub2(q, __floats2half2_rn(1024.f, 1024.f));
-  const __half2 r = __hadd2(__hmul2(q, *reinterpret_cast<const __half2*>(&s2)),
-                            *reinterpret_cast<const __half2*>(&b2));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-// a 16-bit scale or bias as the pair (h, h)
-template <typename TT>
-__device__ __forceinline__ uint32_t mb_dup(TT v) {
-  return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&v)) * 0x10001u;
-}
-"""
+_HEADER = _source("products/dequant/header.cuh")
 
-_SOURCE = r"""
-  const int64_t nw = static_cast<int64_t>(w_shape[0]) * w_shape[1];  // words
-  const int lane = threadIdx.x & 31;
-  const int64_t base = ((static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5) * 128;
-  uint32_t v[4], s2[4], b2[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int64_t c = base + j * 32 + lane;  // word c: weights 8c..8c+7 of the flat [N, K]
-    v[j] = 0;
-    s2[j] = 0;
-    b2[j] = 0;
-    if (c < nw) {
-      const int64_t gi = c * 8 / GS;  // scales [N, K / GS] flat: the same index
-      v[j] = w[c];
-      s2[j] = mb_dup(scales[gi]);
-      b2[j] = mb_dup(biases[gi]);
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int64_t c = base + j * 32 + lane;
-    if (c < nw) {
-      uint4 o;
-      o.x = mb_dq2(v[j], s2[j], b2[j], T{});
-      o.y = mb_dq2(v[j] >> 8, s2[j], b2[j], T{});
-      o.z = mb_dq2(v[j] >> 16, s2[j], b2[j], T{});
-      o.w = mb_dq2(v[j] >> 24, s2[j], b2[j], T{});
-      reinterpret_cast<uint4*>(y)[c] = o;
-    }
-  }
-"""
+_SOURCE = _source("products/dequant/source.cu")
 
 
 @cache
@@ -110,7 +57,7 @@ _kernel = Baked(lambda: {"q4": _spec()}, ensure_row_contiguous=True)
 
 def enabled() -> bool:
     """``MARKBASE_GPU_DEQUANT``: 1 (default) this kernel, 0 MLX's ``mx.dequantize``."""
-    return env_choice(ENV, "1", ("0", "1")) == "1"
+    return envs.value(ENV)
 
 
 def supported(w, scales, biases, group_size: int, bits: int, mode: str) -> bool:

@@ -20,163 +20,24 @@ sources without a GPU; ``tests/backends/cuda/test_gpu_gemv.py`` checks them agai
 
 from __future__ import annotations
 
+from engine import platform
 from engine.backends.cuda.kernels import Baked, KernelSpec, for_dtype
+from engine.backends.cuda.kernels import source as _source
 
 WARPS = 4
 MAX_ROWS = 8
 
-_HEADER = r"""
-__device__ __forceinline__ void mb_to_float8(const uint4& u, float* f, __nv_bfloat16) {
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-__device__ __forceinline__ void mb_to_float8(const uint4& u, float* f, __half) {
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __half2 h = *reinterpret_cast<const __half2*>(&w[i]);
-    const float2 v = __half22float2(h);
-    f[2 * i] = v.x;
-    f[2 * i + 1] = v.y;
-  }
-}
-"""
+_HEADER = _source("products/gemv/header.cuh")
 
 # shared by both kernels: the warp's R weight rows, acc[m][r] over the rows of x, and
 # at the end a warp sum per (m, r) written by lane 0
-_HEAD = r"""
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int M = x_shape[0];
-  const int K = x_shape[1];
-  const int N = w_shape[0];
-  const int n0 = (blockIdx.x * WARPS + warp) * R;
-  if (n0 >= N) {
-    return;
-  }
-  float acc[MMAX][R];
-#pragma unroll
-  for (int m = 0; m < MMAX; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      acc[m][r] = 0.f;
-    }
-  }
-"""
+_HEAD = _source("products/gemv/head.cu")
 
-_TAIL = r"""
-#pragma unroll
-  for (int m = 0; m < MMAX; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float v = acc[m][r];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        v += __shfl_xor_sync(0xffffffff, v, off);
-      }
-      if (lane == 0 && m < M) {
-        y[(int64_t)m * N + n0 + r] = static_cast<T>(v);
-      }
-    }
-  }
-"""
+_TAIL = _source("products/gemv/tail.cu")
 
-_Q4_LOOP = r"""
-  const int64_t words = K / 8;
-  const int64_t groups = K / GS;
-  const int chunks = K / 32;
-  for (int c = lane; c < chunks; c += 32) {
-    const int k0 = c * 32;
-    const int g = k0 / GS;
-    uint4 wq[R];
-    float sc[R];
-    float bs[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int64_t n = n0 + r;
-      wq[r] = reinterpret_cast<const uint4*>(w + n * words)[c];
-      sc[r] = static_cast<float>(scales[n * groups + g]);
-      bs[r] = static_cast<float>(biases[n * groups + g]);
-    }
-    float d[MMAX][R];
-    float xs[MMAX];
-#pragma unroll
-    for (int m = 0; m < MMAX; ++m) {
-      xs[m] = 0.f;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        d[m][r] = 0.f;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float qf[R][8];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const uint32_t word = j == 0 ? wq[r].x : j == 1 ? wq[r].y : j == 2 ? wq[r].z : wq[r].w;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          qf[r][i] = __uint_as_float(0x4B000000u | ((word >> (4 * i)) & 0xFu)) - 8388608.f;
-        }
-      }
-#pragma unroll
-      for (int m = 0; m < MMAX; ++m) {
-        if (m < M) {
-          const uint4 xu = reinterpret_cast<const uint4*>(x + (int64_t)m * K + k0)[j];
-          float xv[8];
-          mb_to_float8(xu, xv, T{});
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            xs[m] += xv[i];
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-              d[m][r] += xv[i] * qf[r][i];
-            }
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < MMAX; ++m) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        acc[m][r] += sc[r] * d[m][r] + bs[r] * xs[m];
-      }
-    }
-  }
-"""
+_Q4_LOOP = _source("products/gemv/q4_loop.cu")
 
-_F_LOOP = r"""
-  const int chunks = K / 8;
-#pragma unroll 2
-  for (int c = lane; c < chunks; c += 32) {
-    float wf[R][8];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const uint4 wu = reinterpret_cast<const uint4*>(w + (int64_t)(n0 + r) * K)[c];
-      mb_to_float8(wu, wf[r], T{});
-    }
-#pragma unroll
-    for (int m = 0; m < MMAX; ++m) {
-      if (m < M) {
-        const uint4 xu = reinterpret_cast<const uint4*>(x + (int64_t)m * K)[c];
-        float xv[8];
-        mb_to_float8(xu, xv, T{});
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            acc[m][r] += xv[i] * wf[r][i];
-          }
-        }
-      }
-    }
-  }
-"""
+_F_LOOP = _source("products/gemv/f_loop.cu")
 
 
 def _specs() -> dict[str, KernelSpec]:
@@ -217,7 +78,7 @@ def quant_supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: s
     import mlx.core as mx
 
     return (
-        mx.cuda.is_available()
+        platform.cuda_available()
         and x_dtype in (mx.bfloat16, mx.float16)
         and bits == 4
         and mode == "affine"
@@ -232,7 +93,7 @@ def float_supported(x_dtype, w_dtype, k: int) -> bool:
     import mlx.core as mx
 
     return (
-        mx.cuda.is_available()
+        platform.cuda_available()
         and x_dtype in (mx.bfloat16, mx.float16)
         and w_dtype == x_dtype
         and k % 8 == 0

@@ -37,453 +37,52 @@ from __future__ import annotations
 
 from functools import cache
 
+from engine import envs, platform
 from engine.backends.cuda.kernels import Baked, KernelSpec, for_dtype, one_output_call
+from engine.backends.cuda.kernels import source as _source
 
 WARPS = 8
 BLOCK_ROWS = 32  # rows of x a block takes (4 n-tiles of 8); more rows, more blocks
 
-_HEADER = r"""
-__device__ __forceinline__ void mb_mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
-                                       uint32_t a3, uint32_t b0, uint32_t b1, __nv_bfloat16) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mb_mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
-                                       uint32_t a3, uint32_t b0, uint32_t b1, __half) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint4 mb_ldg(const void* p) {
-  return __ldg(reinterpret_cast<const uint4*>(p));
-}
-__device__ __forceinline__ uint32_t mb_word(const uint4& u, int i) {
-  return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
-}
-// RMSNorm's prologue on 8 inputs: add their squares to ss, return x * weight
-__device__ __forceinline__ float2 mb_f2(uint32_t v, __nv_bfloat16) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-}
-__device__ __forceinline__ float2 mb_f2(uint32_t v, __half) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&v));
-}
-__device__ __forceinline__ uint32_t mb_mul2(uint32_t a, uint32_t b, __nv_bfloat16) {
-  const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a),
-                                   *reinterpret_cast<const __nv_bfloat162*>(&b));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-__device__ __forceinline__ uint32_t mb_mul2(uint32_t a, uint32_t b, __half) {
-  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a),
-                            *reinterpret_cast<const __half2*>(&b));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-template <typename T>
-__device__ __forceinline__ uint4 mb_norm8(const uint4& x, const uint4& w, float& ss) {
-  const uint32_t xs[4] = {x.x, x.y, x.z, x.w};
-  const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-  uint32_t o[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = mb_f2(xs[i], T{});
-    ss += f.x * f.x + f.y * f.y;
-    o[i] = mb_mul2(xs[i], ws[i], T{});
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
-}
-// two 4-bit values (bits 0-3 and 4-7 of v) as a bf16/fp16 pair q*s + b
-__device__ __forceinline__ uint32_t mb_deq2(uint32_t v, uint32_t s2, uint32_t b2, __nv_bfloat16) {
-  const uint32_t bits = (v & 0xFu) | ((v & 0xF0u) << 12) | 0x43004300u;
-  __nv_bfloat162 q = *reinterpret_cast<const __nv_bfloat162*>(&bits);
-  const __nv_bfloat162 k = __floats2bfloat162_rn(128.f, 128.f);
-  q = __hsub2(q, k);
-  const __nv_bfloat162 r = __hfma2(q, *reinterpret_cast<const __nv_bfloat162*>(&s2),
-                                   *reinterpret_cast<const __nv_bfloat162*>(&b2));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-__device__ __forceinline__ uint32_t mb_deq2(uint32_t v, uint32_t s2, uint32_t b2, __half) {
-  const uint32_t bits = (v & 0xFu) | ((v & 0xF0u) << 12) | 0x64006400u;
-  __half2 q = *reinterpret_cast<const __half2*>(&bits);
-  q = __hsub2(q, __floats2half2_rn(1024.f, 1024.f));
-  const __half2 r = __hfma2(q, *reinterpret_cast<const __half2*>(&s2),
-                            *reinterpret_cast<const __half2*>(&b2));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-"""
+_HEADER = _source("products/mma/header.cuh")
 
 # both kernels: lane roles, the accumulators c[n-tile][4], and at the end the warps'
 # partial sums added through shared memory and written as y[m, n]
-_HEAD = r"""
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int g = lane >> 2;
-  const int t = lane & 3;
-  const int K = x_shape[1];
-  const int NW = w_shape[0];
-  // GLU: w is [gate; up] (NW/2 rows each); an m-tile takes 8 gate rows (MMA rows 0-7)
-  // and the 8 matching up rows (8-15), and writes silu(gate) * up: NW/2 outputs
-  const int N = GLU ? NW / 2 : NW;
-  // a block takes up to 32 rows of x: chunk blockIdx.x % RC, so that the chunks of one
-  // weight tile run side by side (the tile comes from HBM once, from L2 for the rest)
-  const int RC = (x_shape[0] + 31) / 32;
-  const int m0 = (blockIdx.x % RC) * 32;
-  const int M = min(x_shape[0] - m0, 32);
-  x += (int64_t)m0 * K;
-  y += (int64_t)m0 * N;
-  if constexpr (RES) {
-    r += (int64_t)m0 * N;
-  }
-  // a block owns MT m-tiles of 16 weight rows: 16 * MT output features (GLU: 8 * MT)
-  const int n0 = (blockIdx.x / RC) * (GLU ? 8 : 16) * MT;  // the block's first feature
-  int row0[MT], row1[MT];
-#pragma unroll
-  for (int i = 0; i < MT; ++i) {
-    const int f = n0 + i * (GLU ? 8 : 16) + g;
-    row0[i] = f;
-    row1[i] = GLU ? N + f : f + 8;
-  }
-  float c[MT][NT][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        c[i][j][e] = 0.f;
-      }
-    }
-  }
-  // NORM: x is RMSNorm's input; each lane sums the squares of the x it loads (its
-  // row j * 8 + g), multiplies x by the norm weight before the MMA, and the epilogue
-  // scales each row by rsqrt(mean square + eps)
-  float ss[NT];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    ss[j] = 0.f;
-  }
-  const T* xr[NT];
-  bool xv[NT];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    const int m = j * 8 + g;
-    xv[j] = m < M;
-    xr[j] = x + (int64_t)(xv[j] ? m : 0) * K;
-  }
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  // 0 at run time (K < 2^31), unknown to the compiler: see PIN in the loops
-  const uint32_t mb_hidden_zero = static_cast<uint32_t>(K) >> 31;
-"""
+_HEAD = _source("products/mma/head.cu")
 
-_TAIL = r"""
-  // one m-tile at a time through shared memory (all MT at once would need up to
-  // 64 KB): the warps' partial sums added, the epilogue applied, y written
-  __shared__ float red[WARPS * NT * 128];
-  __shared__ float rs[NT * 8];  // NORM: 1 / rms of each row
-  if constexpr (NORM) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      float v = ss[j];
-      v += __shfl_xor_sync(0xffffffffu, v, 1);
-      v += __shfl_xor_sync(0xffffffffu, v, 2);
-      if (t == 0) {
-        red[warp * NT * 8 + j * 8 + g] = v;
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x < NT * 8) {
-      float v = 0.f;
-#pragma unroll
-      for (int w2 = 0; w2 < WARPS; ++w2) {
-        v += red[w2 * NT * 8 + threadIdx.x];
-      }
-      rs[threadIdx.x] = rsqrtf(v / K + eps[0]);
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    if (mt > 0) {
-      __syncthreads();  // the previous m-tile's reads of red are done
-    }
-    const int nb = n0 + mt * (GLU ? 8 : 16);  // this m-tile's first output feature
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        red[((warp * NT + j) * 4 + i) * 32 + lane] = c[mt][j][i];
-      }
-    }
-    __syncthreads();
-    if constexpr (GLU) {
-      // lane l's c[j][i] (i < 2) is gate feature nb + l/4, c[j][i + 2] the same up feature
-      for (int e = threadIdx.x; e < NT * 64; e += WARPS * 32) {
-        const int j = e >> 6;
-        const int i = (e >> 5) & 1;
-        const int l = e & 31;
-        float gs = 0.f, us = 0.f;
-#pragma unroll
-        for (int w2 = 0; w2 < WARPS; ++w2) {
-          gs += red[w2 * NT * 128 + (j * 4 + i) * 32 + l];
-          us += red[w2 * NT * 128 + (j * 4 + i + 2) * 32 + l];
-        }
-        const int m = j * 8 + (l & 3) * 2 + i;
-        if constexpr (NORM) {
-          gs *= rs[m];
-          us *= rs[m];
-        }
-        if (m < M) {
-          y[(int64_t)m * N + nb + (l >> 2)] = static_cast<T>(gs / (1.f + __expf(-gs)) * us);
-        }
-      }
-    } else {
-      for (int e = threadIdx.x; e < NT * 128; e += WARPS * 32) {
-        float v = 0.f;
-#pragma unroll
-        for (int w2 = 0; w2 < WARPS; ++w2) {
-          v += red[w2 * NT * 128 + e];
-        }
-        const int j = e >> 7;
-        const int i = (e >> 5) & 3;
-        const int l = e & 31;
-        const int n = nb + (l >> 2) + (i >= 2 ? 8 : 0);
-        const int m = j * 8 + (l & 3) * 2 + (i & 1);
-        if constexpr (NORM) {
-          v *= rs[m];
-        }
-        if (m < M) {
-          if constexpr (RES) {
-            v += static_cast<float>(r[(int64_t)m * N + n]);
-          }
-          y[(int64_t)m * N + n] = static_cast<T>(v);
-        }
-      }
-    }
-  }
-"""
+_TAIL = _source("products/mma/tail.cu")
 
 # float weights [N, K]: a lane's 16-byte slice is 8 inputs, two MMA steps
-_F_LOOP = r"""
-  const T* w0[MT];
-  const T* w1[MT];
-#pragma unroll
-  for (int i = 0; i < MT; ++i) {
-    w0[i] = w + (int64_t)row0[i] * K;
-    w1[i] = w + (int64_t)row1[i] * K;
-  }
-  const int chunks = K / 8;
-  for (int s = warp; s * 4 * U < chunks; s += WARPS) {
-    uint4 a0[MT][U], a1[MT][U], b[NT][U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t off = (int64_t)((s * U + u) * 4 + t) * 8;
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        a0[i][u] = mb_ldg(w0[i] + off);
-        a1[i][u] = mb_ldg(w1[i] + off);
-      }
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        b[j][u] = xv[j] ? mb_ldg(xr[j] + off) : zero;
-      }
-      if constexpr (NORM) {
-        const uint4 gw = mb_ldg(nw + off);
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          b[j][u] = mb_norm8<T>(b[j][u], gw, ss[j]);
-        }
-      }
-    }
-    if constexpr (PIN) {  // every load before the first MMA (see the 4-bit loop)
-      uint32_t dep = 0u;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          dep ^= a0[i][u].w ^ a1[i][u].w;
-        }
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          dep ^= b[j][u].w;
-        }
-      }
-      a0[0][0].x ^= dep & mb_hidden_zero;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          mb_mma(c[i][j], a0[i][u].x, a1[i][u].x, a0[i][u].y, a1[i][u].y, b[j][u].x, b[j][u].y,
-                 T{});
-          mb_mma(c[i][j], a0[i][u].z, a1[i][u].z, a0[i][u].w, a1[i][u].w, b[j][u].z, b[j][u].w,
-                 T{});
-        }
-      }
-    }
-  }
-"""
+_F_LOOP = _source("products/mma/f_loop.cu")
 
 # 4-bit weights [N, K/8] uint32: a lane's 16-byte slice is 32 inputs (one quantization
 # group's part), eight MMA steps; x's matching 32 inputs are four 16-byte loads
-_Q4_LOOP = r"""
-  const int words = K / 8;
-  const int groups = K / GS;
-  const uint32_t* w0[MT];
-  const uint32_t* w1[MT];
-  const T* s0[MT];
-  const T* s1[MT];
-  const T* b0p[MT];
-  const T* b1p[MT];
-#pragma unroll
-  for (int i = 0; i < MT; ++i) {
-    w0[i] = w + (int64_t)row0[i] * words;
-    w1[i] = w + (int64_t)row1[i] * words;
-    s0[i] = scales + (int64_t)row0[i] * groups;
-    s1[i] = scales + (int64_t)row1[i] * groups;
-    b0p[i] = biases + (int64_t)row0[i] * groups;
-    b1p[i] = biases + (int64_t)row1[i] * groups;
-  }
-  const int chunks = K / 32;
-  for (int s = warp; s * 4 * U < chunks; s += WARPS) {
-    uint4 q0[MT][U], q1[MT][U], b[NT][U][4];
-    uint32_t sc0[MT][U], sc1[MT][U], bi0[MT][U], bi1[MT][U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int ch = (s * U + u) * 4 + t;
-      const int gi = ch * 32 / GS;
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        q0[i][u] = mb_ldg(w0[i] + (int64_t)ch * 4);
-        q1[i][u] = mb_ldg(w1[i] + (int64_t)ch * 4);
-        const T sv0 = s0[i][gi], sv1 = s1[i][gi], bv0 = b0p[i][gi], bv1 = b1p[i][gi];
-        const uint16_t hs0 = *reinterpret_cast<const uint16_t*>(&sv0);
-        const uint16_t hs1 = *reinterpret_cast<const uint16_t*>(&sv1);
-        const uint16_t hb0 = *reinterpret_cast<const uint16_t*>(&bv0);
-        const uint16_t hb1 = *reinterpret_cast<const uint16_t*>(&bv1);
-        sc0[i][u] = hs0 | ((uint32_t)hs0 << 16);
-        sc1[i][u] = hs1 | ((uint32_t)hs1 << 16);
-        bi0[i][u] = hb0 | ((uint32_t)hb0 << 16);
-        bi1[i][u] = hb1 | ((uint32_t)hb1 << 16);
-      }
-      if constexpr (!XL) {
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-#pragma unroll
-          for (int p = 0; p < 4; ++p) {
-            b[j][u][p] = xv[j] ? mb_ldg(xr[j] + (int64_t)ch * 32 + p * 8) : zero;
-          }
-        }
-      }
-      if constexpr (NORM) {
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-          const uint4 gw = mb_ldg(nw + (int64_t)ch * 32 + p * 8);
-#pragma unroll
-          for (int j = 0; j < NT; ++j) {
-            b[j][u][p] = mb_norm8<T>(b[j][u][p], gw, ss[j]);
-          }
-        }
-      }
-    }
-    if constexpr (PIN) {
-      // ptxas otherwise sinks the loads of u >= 1 below the MMAs of u = 0, leaving one
-      // u's loads in flight a lane (SASS of session 8's kernel): the first MMA's
-      // operand now depends on every load, through a zero the compiler cannot see
-      uint32_t dep = 0u;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          dep ^= q0[i][u].w ^ q1[i][u].w ^ sc0[i][u] ^ sc1[i][u] ^ bi0[i][u] ^ bi1[i][u];
-        }
-        if constexpr (!XL) {
-#pragma unroll
-          for (int j = 0; j < NT; ++j) {
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {
-              dep ^= b[j][u][p].w;
-            }
-          }
-        }
-      }
-      q0[0][0].x ^= dep & mb_hidden_zero;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int ch = (s * U + u) * 4 + t;
-#pragma unroll
-      for (int h = 0; h < 8; ++h) {
-        if constexpr (XL) {
-          // x read where used (from L1: every block reads the same x), not held in
-          // registers from the loads on: 16 registers a u fewer (zeros in 28 of 32 lanes)
-          if ((h & 1) == 0) {
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-              b[j][u][h >> 1] = xv[j] ? mb_ldg(xr[j] + (int64_t)ch * 32 + (h >> 1) * 8) : zero;
-            }
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          const uint32_t v0 = mb_word(q0[i][u], h >> 1) >> ((h & 1) * 16);
-          const uint32_t v1 = mb_word(q1[i][u], h >> 1) >> ((h & 1) * 16);
-          const uint32_t a0 = mb_deq2(v0, sc0[i][u], bi0[i][u], T{});
-          const uint32_t a1 = mb_deq2(v1, sc1[i][u], bi1[i][u], T{});
-          const uint32_t a2 = mb_deq2(v0 >> 8, sc0[i][u], bi0[i][u], T{});
-          const uint32_t a3 = mb_deq2(v1 >> 8, sc1[i][u], bi1[i][u], T{});
-#pragma unroll
-          for (int j = 0; j < NT; ++j) {
-            const uint4& xb = b[j][u][h >> 1];
-            const uint32_t x0 = (h & 1) ? xb.z : xb.x;
-            const uint32_t x1 = (h & 1) ? xb.w : xb.y;
-            mb_mma(c[i][j], a0, a1, a2, a3, x0, x1, T{});
-          }
-        }
-      }
-    }
-  }
-"""
+_Q4_LOOP = _source("products/mma/q4_loop.cu")
 
 
 def _specs() -> dict[str, KernelSpec]:
     """Kinds: ``float``/``q4``, each also with ``_res`` (a residual input ``r`` [M, N]
     added to the output) and ``_glu`` (w = [gate; up]; the output is silu(gate) * up,
     [M, N/2]): the decode step's o_proj and down_proj with the residual adds folded in,
-    and gate_up with the SwiGLU (engine/model/decode_step.py). ``_norm`` (plain and ``_glu``):
-    x is an RMSNorm's input, ``nw`` [K] its weight and ``eps`` [1] (float32) its
-    epsilon: qkv and gate_up with the norm before them folded in."""
+    and gate_up with the SwiGLU (engine/model/decode_step.py)."""
     inputs = {
         "float": [("x", "T", 2), ("w", "T", 2)],
         "q4": [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)],
     }
     loops = {"float": _F_LOOP, "q4": _Q4_LOOP}
     names = {"float": "mb_mma_f", "q4": "mb_mma_q4"}
-    forms = (
-        ("", False, False, False),
-        ("_res", False, True, False),
-        ("_glu", True, False, False),
-        ("_norm", False, False, True),
-        ("_glu_norm", True, False, True),
-    )
+    forms = (("", False, False), ("_res", False, True), ("_glu", True, False))
     out = {}
     for base in ("float", "q4"):
-        for suffix, glu, res, norm in forms:
+        for suffix, glu, res in forms:
             flags = "".join(
                 f"  constexpr bool {name} = {'true' if on else 'false'};\n"
-                for name, on in (("GLU", glu), ("RES", res), ("NORM", norm))
+                for name, on in (("GLU", glu), ("RES", res))
             )
             # the discarded branches still name the inputs a form does not have
             if not res:
                 flags += "  const T* r = nullptr;\n"
-            if not norm:
-                flags += "  const T* nw = nullptr;\n  const float* eps = nullptr;\n"
             extra = [("r", "T", 2)] if res else []
-            extra += [("nw", "T", 1), ("eps", "float32", 1)] if norm else []
             out[base + suffix] = KernelSpec(
                 names[base] + suffix,
                 inputs[base] + extra,
@@ -521,9 +120,7 @@ _cap: list[int] = []
 
 def _max_m_tiles() -> int:
     if not _cap:
-        import os
-
-        _cap.append(max(1, int(os.environ.get("MARKBASE_GPU_MMA_MT", "4"))))
+        _cap.append(envs.MARKBASE_GPU_MMA_MT)
     return _cap[0]
 
 
@@ -554,7 +151,7 @@ def float_supported(x_dtype, w_dtype, n: int, k: int) -> bool:
     import mlx.core as mx
 
     return (
-        mx.cuda.is_available()
+        platform.cuda_available()
         and x_dtype in (mx.bfloat16, mx.float16)
         and w_dtype == x_dtype
         and n % 16 == 0
@@ -589,35 +186,9 @@ def set_q4_few_rows(u: int | None = None, warps: int | None = None, xl: bool = F
         _q4_few["xl"] = True
 
 
-_pin: list[bool] = []
-
-
-def pin_loads() -> bool:
-    """Whether the kernels make their first MMA wait on every load of an iteration
-    (``PIN``; ``MARKBASE_GPU_MMA_PIN=1``, off by default: measured slower, session 9,
-    bench/gpu/q4_bench.py: 8b 4-bit one row, a layer's products 74.4 -> 79.9 us; with
-    more loads in flight the 1-row products got slower still, so loads in flight a
-    lane are not what limits them)."""
-    if not _pin:
-        import os
-
-        _pin.append(os.environ.get("MARKBASE_GPU_MMA_PIN", "0") == "1")
-    return _pin[0]
-
-
-def set_pin_loads(on: bool | None) -> None:
-    """PIN for launchers made from now on (None: the environment's)."""
-    _pin.clear()
-    if on is not None:
-        _pin.append(on)
-
-
 @cache
-def _template(
-    dtype, nt: int, u: int, gs: int, mt: int, warps: int = WARPS, pin=False, xl=False
-) -> tuple:
-    out = (("T", dtype), ("NT", nt), ("U", u), ("WARPS", warps), ("MT", mt), ("PIN", pin))
-    out += (("XL", xl),)
+def _template(dtype, nt: int, u: int, gs: int, mt: int, warps: int = WARPS, xl=False) -> tuple:
+    out = (("T", dtype), ("NT", nt), ("U", u), ("WARPS", warps), ("MT", mt), ("XL", xl))
     return out + (("GS", gs),) if gs else out
 
 
@@ -630,42 +201,36 @@ def launcher(
     gs: int = 0,
     residual: bool = False,
     glu: bool = False,
-    norm: bool = False,
     mt: int | None = None,
 ):
     """``call(inputs) -> y`` for products of ``rows`` rows of x [rows, K] and a weight
     of ``n`` rows (``base`` "float", or "q4" with group size ``gs``), in ``dtype``.
-    ``inputs``: x, the weight's arrays, then the residual (``residual``) or the norm's
-    weight and ``device_scalar(eps)`` (``norm``). Everything but the inputs is worked out
+    ``inputs``: x, the weight's arrays, then the residual (``residual``). Everything but the inputs is worked out
     here once: engine/backends/cuda/linear.py keeps one per layer and row count, because doing
     it on every call cost more host time than MLX's own op (bench/gpu/wrapper_cost.py)."""
     if glu and residual:
         raise ValueError("gpu_mma: glu and residual together are not a kernel")
-    if norm and residual:
-        raise ValueError("gpu_mma: norm and residual together are not a kernel")
-    kind = base + ("_glu" if glu else "_res" if residual else "") + ("_norm" if norm else "")
+    kind = base + ("_glu" if glu else "_res" if residual else "")
     nt = _n_tiles(rows)
-    mt = _kind_m_tiles(kind, n, rows) if mt is None else mt
+    mt = m_tiles(n, rows) if mt is None else mt
     u = _float_u(k, mt) if base == "float" else _quant_u(k, nt, mt)
     warps, xl = WARPS, False
     if base == "q4" and nt == 1 and _q4_few:
         warps = _q4_few.get("warps", WARPS)
         want = _q4_few.get("u", u)
         u = want if k % (128 * want) == 0 else u
-        xl = _q4_few.get("xl", False) and not norm
-    fn = _kernel(kind, _template(dtype, nt, u, gs, mt, warps, pin_loads(), xl))
+        xl = _q4_few.get("xl", False)
+    fn = _kernel(kind, _template(dtype, nt, u, gs, mt, warps, xl))
     grid = (n // (16 * mt) * -(-rows // BLOCK_ROWS) * warps * 32, 1, 1)
     shape = (rows, n // 2 if glu else n)
     return one_output_call(fn, grid, (warps * 32, 1, 1), shape, dtype)
 
 
-def _call(base: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bool, norm):
+def _call(base: str, x, inputs: list, n: int, k: int, gs: int, residual, glu: bool):
     inputs = [x, *inputs]
     if residual is not None:
         inputs.append(residual)
-    if norm is not None:
-        inputs += [norm[0], device_scalar(float(norm[1]))]
-    run = launcher(base, x.dtype, x.shape[0], n, k, gs, residual is not None, glu, norm is not None)
+    run = launcher(base, x.dtype, x.shape[0], n, k, gs, residual is not None, glu)
     return run(inputs)
 
 
@@ -692,49 +257,38 @@ def device_scalar(value: float):
     return arr
 
 
-def _kind_m_tiles(kind: str, n: int, rows: int) -> int:
-    # 4-bit with the norm at 4 m-tiles needs more than 255 registers (spills): 2
-    mt = m_tiles(n, rows)
-    return min(mt, 2) if kind.startswith("q4") and kind.endswith("_norm") else mt
-
-
 def _n_tiles(rows: int) -> int:
     return 1 if rows <= 8 else 2 if rows <= 16 else 4
 
 
-def matmul(x, w, residual=None, glu: bool = False, norm=None):
+def matmul(x, w, residual=None, glu: bool = False):
     """``x @ w.T`` for a bf16/fp16 ``w`` [N, K]; x [M, K] of the same dtype.
     ``residual`` [M, N]: added to the result. ``glu``: w is [gate; up] and the result
-    is ``silu(x @ gate.T) * (x @ up.T)``, [M, N/2]. ``norm`` = (weight [K], eps): x goes
-    through RMSNorm first (not with ``residual``)."""
+    is ``silu(x @ gate.T) * (x @ up.T)``, [M, N/2]."""
     n, k = w.shape
-    return _call("float", x, [w], n, k, 0, residual, glu, norm)
+    return _call("float", x, [w], n, k, 0, residual, glu)
 
 
-def quantized_matmul(
-    x, w, scales, biases, group_size: int, residual=None, glu: bool = False, norm=None
-):
+def quantized_matmul(x, w, scales, biases, group_size: int, residual=None, glu: bool = False):
     """``x @ dequantize(w).T`` for 4-bit affine ``w`` [N, K/8] uint32; x [M, K].
-    ``residual``, ``glu`` and ``norm`` as in ``matmul``."""
+    ``residual`` and ``glu`` as in ``matmul``."""
     n, k = w.shape[0], w.shape[1] * 8
-    return _call("q4", x, [w, scales, biases], n, k, group_size, residual, glu, norm)
+    return _call("q4", x, [w, scales, biases], n, k, group_size, residual, glu)
 
 
 def warm(dtype, products) -> None:
     """Compile now every variant the decode step can call (1, 2 and 4 n-tiles for each
     product kind), so that no request waits on NVRTC (about a second each; MLX keeps
     the PTX on disk, so only a machine's first start pays). ``products``: (group size
-    or 0 for a float weight, K, N, residual, glu[, norm]) per kind of product the model has;
+    or 0 for a float weight, K, N, residual, glu) per kind of product the model has;
     N (the weight's rows) picks the m-tiles, and a small weight with the same m-tiles
     stands in for it."""
     import mlx.core as mx
 
     outs = []
-    for gs, k, n_rows, residual, glu, *rest in sorted(set(products)):
-        norm = bool(rest and rest[0])
+    for gs, k, n_rows, residual, glu in sorted(set(products)):
         base = "q4" if gs else "float"
-        kind = base + ("_glu" if glu else "_res" if residual else "") + ("_norm" if norm else "")
-        tiles = {(_n_tiles(m), _kind_m_tiles(kind, n_rows, m)) for m in (2, 9, 17, 33, 65, 97)}
+        tiles = {(_n_tiles(m), m_tiles(n_rows, m)) for m in (2, 9, 17, 33, 65, 97)}
         for nt, mt in sorted(tiles):
             m, n = {1: 2, 2: 9, 4: 17}[nt], 16 * mt
             ins = [mx.zeros((m, k), dtype=dtype)]
@@ -745,9 +299,7 @@ def warm(dtype, products) -> None:
                 ins += [mx.zeros((n, k), dtype=dtype)]
             if residual:
                 ins += [mx.zeros((m, n), dtype=dtype)]
-            if norm:
-                ins += [mx.ones((k,), dtype=dtype), device_scalar(1e-5)]
-            run = launcher(base, dtype, m, n, k, gs, bool(residual), glu, norm, mt=mt)
+            run = launcher(base, dtype, m, n, k, gs, bool(residual), glu, mt=mt)
             outs.append(run(ins))
     mx.eval(outs)
 
@@ -763,7 +315,7 @@ def kernel_specs_for_check() -> list[KernelSpec]:
                     else {_quant_u(k, nt, mt) for k in (128, 256)}
                 ):
                     tmpl = [("T", dtype), ("NT", nt), ("U", u), ("WARPS", WARPS), ("MT", mt)]
-                    tmpl += [("PIN", mt == 1), ("XL", kind == "q4_glu" and nt == 1)]
+                    tmpl += [("XL", kind == "q4_glu" and nt == 1)]
                     if kind.startswith("q4"):
                         tmpl.append(("GS", 64))
                     out.append(for_dtype(spec, dtype, f"{spec.name}_{dtype}_{nt}_{u}_{mt}", tmpl))

@@ -44,9 +44,9 @@ independent calls, which MLX's CUDA graph may overlap: it flattered the small gr
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
+from engine import envs, platform
 from engine.backends.cuda.kernels import (
     SMS,
     Baked,
@@ -56,414 +56,24 @@ from engine.backends.cuda.kernels import (
     launch_bounds,
     one_output_call,
 )
-from engine.config import env_choice
+from engine.backends.cuda.kernels import source as _source
 
 KSTEP = 128  # inputs a step: 4 lanes of a quad x 32
 MIN_BLOCKS = 128  # about one a SM of an H100/H200 (132)
 PAIR_WARPS = 8  # warps a block in the 2-m-tiles-a-warp geometry (pair_warps)
 PAIR_WARPS_FEWER = 4  # ... where the m-tiles do not split into 8 x 2
 
-_SOURCE = r"""
-  constexpr int BM = NTW * 8;        // x rows a block
-  constexpr int XU = BM * 16;        // 16-byte units of x a step (BM rows x 128 inputs)
-  constexpr int NTH = WM * 32;
-  extern __shared__ __align__(16) unsigned char mb_smem[];
-  // a stage: x [NTW][4][8][4] units, then (WS) each warp's weight words [MT][16][4]
-  // units and its rows' scale/bias words [MT][16][2][SW]
-  constexpr int SW = GS >= 128 ? 1 : 64 / GS;  // 32-bit words of a row's scales a step (WS)
-  static_assert(!WS || GS <= 64, "weights in shared memory need groups of 32 or 64");
-  static_assert(!(SK && ABL), "the ablations time the one-tile-a-block form only");
-  constexpr int WU = WS ? WM * MT * 64 : 0;
-  constexpr int SU = WS ? (WM * MT * 32 * SW + 3) / 4 : 0;
-  constexpr int SSZ = XU + WU + SU;
-  uint4* xs = reinterpret_cast<uint4*>(mb_smem);
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int g = lane >> 2;
-  const int t = lane & 3;
-  const int M = x_shape[0];
-  const int K = x_shape[1];
-  const int NW = w_shape[0];
-  const int N = GLU ? NW / 2 : NW;  // outputs a row
-  const int RC = (M + BM - 1) / BM;
-  const int words = K / 8;
-  const int groups = K / GS;
-  const int steps = K / 128;
-  // The work: tile tl is BM x rows ((tl % RC) * BM..) by the weight m-tiles of block
-  // column tl / RC (the row chunks of one weight tile are neighbours: the tile from HBM
-  // once), in `steps` k-steps; item it = tl * steps + ks. One tile a block, or (SK,
-  // stream-K) an even share of all the items a block, cut across tiles, so that every
-  // block of the grid (the SMs' worth, and never more blocks than items: each has one at
-  // least) has as much to do: a tile that several blocks share is summed, in block
-  // order, by the last of them to finish its part.
-  int it0, it1;
-  int64_t items = 0;
-  if constexpr (SK) {
-    items = static_cast<int64_t>((NW / 16) / (WM * MT)) * RC * steps;
-    it0 = static_cast<int>(items * blockIdx.x / gridDim.x);
-    it1 = static_cast<int>(items * (blockIdx.x + 1) / gridDim.x);
-  } else {
-    it0 = blockIdx.x * steps;
-    it1 = it0 + steps;
-  }
-
-  // x's copies: a thread's XIT copies a step are rows rr0 + it * RSTEP with the same 8
-  // inputs q8 (their addresses worked out once a tile: the per-unit index math was ~a
-  // quarter of a step's instructions in the SASS, session 18)
-  constexpr int XIT = XU / NTH;
-  constexpr int RSTEP = NTH / 16;
-  static_assert(XU % NTH == 0 && NTH % 16 == 0, "x copies a thread");
-  const int q8 = threadIdx.x & 15, rr0 = threadIdx.x >> 4;
-  const int64_t xstep = (int64_t)RSTEP * K;
-  const uint32_t xdst0 = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
-  // step ks of x into buffer st: unit u = row rr (u / 16) and inputs q * 8.. (q = u % 16,
-  // lane t = q / 4's 32 inputs, pair hp = q % 4 of its MMA steps); rows past M are zeros
-#define MB_STAGE(ks, st)                                                                   \
-  _Pragma("unroll") for (int it = 0; it < XIT; ++it) {                                     \
-    const int rr = rr0 + it * RSTEP;                                                       \
-    const bool ok = (xok >> it) & 1u;                                                      \
-    const T* src = ok ? xsrc0 + it * xstep + (ks) * 128 : x;                               \
-    const int du = (st) * SSZ + (((rr >> 3) * 4 + (q8 & 3)) * 8 + (rr & 7)) * 4 + (q8 >> 2); \
-    mb_cp16s(xdst0 + du * 16, src, ok);                                                    \
-  }
-
-  // (WS) a step's weight words and scale/bias pairs of the warp's rows into buffer st:
-  // weight unit u = m-tile i (u / 64), MMA row r (u / 4 % 16: row0 of lane g = r, or
-  // row1 of g = r - 8), lane tt's 16 bytes; scale word u = (i, r, scale or bias)
-#define MB_STAGE_W(ks, st)                                                                 \
-  if constexpr (WS) {                                                                      \
-    uint4* wsd = xs + (st) * SSZ + XU + warp * (MT * 64);                                  \
-    for (int u = lane; u < MT * 64; u += 32) {                                             \
-      const int row = wrow(u >> 6, (u >> 2) & 15);                                         \
-      mb_cp16z(wsd + u, w + (int64_t)row * words + (u & 3) * 4 + (ks) * 16, true);         \
-    }                                                                                      \
-    uint32_t* ssd = reinterpret_cast<uint32_t*>(xs + (st) * SSZ + XU + WU) + warp * (MT * 32 * SW); \
-    for (int u = lane; u < MT * 32; u += 32) {                                             \
-      const int row = wrow(u >> 5, (u >> 1) & 15);                                         \
-      mb_cpw<SW * 4>(ssd + u * SW, ((u & 1) ? biases : scales) + (int64_t)row * groups + (ks) * (128 / GS)); \
-    }                                                                                      \
-  }
-
-  for (int wi = it0; wi < it1;) {
-  // this pass: tile tl's k-steps k0..k1 - 1 (all of them but where stream-K cuts)
-  const int tl = wi / steps;
-  const int k0 = wi - tl * steps;
-  const int k1 = min(steps, k0 + (it1 - wi));
-  const bool first_pass = wi == it0;
-  wi += k1 - k0;
-  const int m0 = (tl % RC) * BM;
-  // a warp's MT m-tiles are neighbours; each x fragment read feeds all of them
-  const int tile0 = ((tl / RC) * WM + warp) * MT;
-  // the weight row of MMA row r (0-15) of the warp's m-tile i; GLU: an m-tile is 8
-  // gate rows (MMA rows 0-7) and their 8 up rows (8-15)
-  auto wrow = [&](int i, int r) {
-    const int fr = (tile0 + i) * (GLU ? 8 : 16) + (r & 7);
-    return r < 8 ? fr : (GLU ? N + fr : fr + 8);
-  };
-  // lane (g, t)'s rows: g and g + 8 of each m-tile (GLU: the gate row and its up row)
-  int row0[MT], row1[MT];
-#pragma unroll
-  for (int i = 0; i < MT; ++i) {
-    row0[i] = wrow(i, g);
-    row1[i] = wrow(i, g + 8);
-  }
-
-  float c[MT][NTW][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i) {
-#pragma unroll
-    for (int j = 0; j < NTW; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        c[i][j][e] = 0.f;
-      }
-    }
-  }
-
-  const T* xsrc0 = x + (int64_t)(m0 + rr0) * K + q8 * 8;
-  uint32_t xok = 0;
-#pragma unroll
-  for (int it = 0; it < XIT; ++it) {
-    xok |= (m0 + rr0 + it * RSTEP < M ? 1u : 0u) << it;
-  }
-
-  // the rows' words and scale/bias pointers, once a tile (registers are not what
-  // limits the blocks an SM: 2 of 4 warps at 169-255 registers)
-  const uint32_t* wp0[MT];
-  const uint32_t* wp1[MT];
-  const T* sp0[MT];
-  const T* sp1[MT];
-  const T* bp0[MT];
-  const T* bp1[MT];
-#pragma unroll
-  for (int i = 0; i < MT; ++i) {
-    wp0[i] = w + (int64_t)row0[i] * words + t * 4;
-    wp1[i] = w + (int64_t)row1[i] * words + t * 4;
-    sp0[i] = scales + (int64_t)row0[i] * groups;
-    sp1[i] = scales + (int64_t)row1[i] * groups;
-    bp0[i] = biases + (int64_t)row0[i] * groups;
-    bp1[i] = biases + (int64_t)row1[i] * groups;
-  }
-  // a step's weight words of rows row0/row1 of each m-tile (32 inputs: one quantization
-  // group's part) and their groups' scale and bias, as pairs
-  auto wload = [&](int ks, MbQw* dst) {
-    const int gi = (ks * 128 + t * 32) / GS;
-#pragma unroll
-    for (int i = 0; i < MT; ++i) {
-      dst[i].q0 = mb_ldg(wp0[i] + ks * 16);
-      dst[i].q1 = mb_ldg(wp1[i] + ks * 16);
-      dst[i].sc0 = mb_pair(sp0[i][gi]);
-      dst[i].sc1 = mb_pair(sp1[i][gi]);
-      dst[i].bi0 = mb_pair(bp0[i][gi]);
-      dst[i].bi1 = mb_pair(bp1[i][gi]);
-    }
-  };
-
-  // ABL (bench/gpu/qgemm_sweep.py only; 0 in serving): parts left out, to time the rest
-  // (1 x's shared reads, 2 the dequantization, 4 the weight loads after the first, 8 x's
-  // copies, 16 the block barriers); the products are then wrong
-  const uint4 xfake = make_uint4(lane * 0x10001u, lane ^ 0x3c003c00u, lane + 0x3c00u, lane);
-  // step ks's products from buffer st and the weight registers cur
-  auto compute = [&](int st, const MbQw* cur) {
-    const uint4* xb = xs + st * SSZ + lane;
-#pragma unroll
-    for (int hp = 0; hp < 4; ++hp) {
-      // MMA steps 2hp and 2hp + 1: inputs 8hp..8hp+3 and 8hp+4..8hp+7 of the lane's 32
-      uint32_t a[MT][8];
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        if constexpr (ABL & 2) {  // ablation: the words as they are, no dequantization
-          a[i][0] = cur[i].q0.x; a[i][1] = cur[i].q1.x; a[i][2] = cur[i].q0.y; a[i][3] = cur[i].q1.y;
-          a[i][4] = cur[i].q0.z; a[i][5] = cur[i].q1.z; a[i][6] = cur[i].q0.w; a[i][7] = cur[i].q1.w;
-          continue;
-        }
-        const uint32_t v0 = mb_word(cur[i].q0, hp), v1 = mb_word(cur[i].q1, hp);
-        const uint32_t s0 = cur[i].sc0, s1 = cur[i].sc1, b0 = cur[i].bi0, b1 = cur[i].bi1;
-        a[i][0] = mb_deq2(v0, s0, b0, T{});
-        a[i][1] = mb_deq2(v1, s1, b1, T{});
-        a[i][2] = mb_deq2(v0 >> 8, s0, b0, T{});
-        a[i][3] = mb_deq2(v1 >> 8, s1, b1, T{});
-        a[i][4] = mb_deq2(v0 >> 16, s0, b0, T{});
-        a[i][5] = mb_deq2(v1 >> 16, s1, b1, T{});
-        a[i][6] = mb_deq2(v0 >> 24, s0, b0, T{});
-        a[i][7] = mb_deq2(v1 >> 24, s1, b1, T{});
-      }
-#pragma unroll
-      for (int j = 0; j < NTW; ++j) {
-        const uint4 xv = (ABL & 1) ? xfake : xb[(j * 4 + hp) * 32];  // ablation: no x reads
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          mb_mma(c[i][j], a[i][0], a[i][1], a[i][2], a[i][3], xv.x, xv.y, T{});
-          mb_mma(c[i][j], a[i][4], a[i][5], a[i][6], a[i][7], xv.z, xv.w, T{});
-        }
-      }
-    }
-  };
-
-  if constexpr (WS) {
-    // ST buffers of x and of the warps' weights, all by cp.async: ST - 1 steps in flight
-    // and no register holds a load
-#pragma unroll
-    for (int s = 0; s < ST - 1; ++s) {
-      if (k0 + s < k1) {
-        MB_STAGE(k0 + s, s)
-        MB_STAGE_W(k0 + s, s)
-      }
-      mb_commit();
-    }
-    const int gl = t * 32 / GS;  // the lane's group within a row's SW words
-    for (int ks = k0; ks < k1; ++ks) {
-      const int st = (ks - k0) % ST;
-      if (ks + ST - 1 < k1) {
-        MB_STAGE(ks + ST - 1, (ks - k0 + ST - 1) % ST)
-        MB_STAGE_W(ks + ST - 1, (ks - k0 + ST - 1) % ST)
-      }
-      mb_commit();
-      mb_wait<ST - 1>();
-      __syncthreads();
-      const uint4* wsr = xs + st * SSZ + XU + warp * (MT * 64);
-      const uint16_t* ssr = reinterpret_cast<const uint16_t*>(
-          reinterpret_cast<const uint32_t*>(xs + st * SSZ + XU + WU) + warp * (MT * 32 * SW));
-      MbQw cur[MT];
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        cur[i].q0 = wsr[i * 64 + g * 4 + t];
-        cur[i].q1 = wsr[i * 64 + 32 + g * 4 + t];
-        cur[i].sc0 = mb_pair(ssr[(i * 32 + g * 2) * SW * 2 + gl]);
-        cur[i].bi0 = mb_pair(ssr[(i * 32 + g * 2 + 1) * SW * 2 + gl]);
-        cur[i].sc1 = mb_pair(ssr[(i * 32 + (g + 8) * 2) * SW * 2 + gl]);
-        cur[i].bi1 = mb_pair(ssr[(i * 32 + (g + 8) * 2 + 1) * SW * 2 + gl]);
-      }
-      compute(st, cur);
-      __syncthreads();  // buffer st is free for step ks + ST
-    }
-  } else {
-    // ST buffers of x: step ks + ST - 1's copy is issued while step ks is computed, and
-    // each warp's weight words (registers) are loaded as many steps ahead
-    MbQw cur[MT], nxt[MT], nn[MT];
-    MB_STAGE(k0, 0)
-    mb_commit();
-    wload(k0, cur);
-#pragma unroll
-    for (int i = 0; i < MT; ++i) {
-      nxt[i] = cur[i];
-      nn[i] = cur[i];
-    }
-    if constexpr (ST == 3) {
-      if (k0 + 1 < k1) {
-        MB_STAGE(k0 + 1, 1)
-        wload(k0 + 1, nxt);
-      }
-      mb_commit();
-    }
-    for (int ks = k0; ks < k1; ++ks) {
-      const int st = (ks - k0) % ST;
-      if (ks + ST - 1 < k1) {
-        if constexpr (!(ABL & 8)) {
-          MB_STAGE(ks + ST - 1, (ks - k0 + ST - 1) % ST)
-        }
-        if constexpr (ABL & 4) {
-        } else if constexpr (ST == 3) {
-          wload(ks + 2, nn);
-        } else {
-          wload(ks + 1, nxt);
-        }
-      }
-      mb_commit();
-      mb_wait<ST - 1>();  // this thread's copies of step ks are in (later ones may not be)
-      if constexpr (!(ABL & 16)) {
-        __syncthreads();  // and everyone's
-      }
-      compute(st, cur);
-      if constexpr (!(ABL & 16)) {
-        __syncthreads();  // buffer st is free for step ks + ST (or the next pass)
-      }
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        cur[i] = nxt[i];
-        if constexpr (ST == 3) {
-          nxt[i] = nn[i];
-        }
-      }
-    }
-  }
-
-  if constexpr (SK) {
-    if (k0 != 0 || k1 != steps) {
-      // a part of a tile: this pass's sums into the block's partial (slot 0 its first
-      // pass, 1 its last), value-major so that a warp's stores are contiguous; the last
-      // of the tile's blocks (counted on cnt[tl], zero between launches) sums every
-      // block's partial in block order (the same sum whichever finishes last)
-      constexpr int V = MT * NTW * 4;
-      float* mine = const_cast<float*>(wsp) +
-          (static_cast<int64_t>(blockIdx.x) * 2 + (first_pass ? 0 : 1)) * (V * NTH) + threadIdx.x;
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-#pragma unroll
-        for (int j = 0; j < NTW; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            mine[((i * NTW + j) * 4 + e) * NTH] = c[i][j][e];
-          }
-        }
-      }
-      // the tile's blocks: the owners of its first and last items (the owner of item
-      // x is the last block whose share starts at or before it)
-      const int64_t P = gridDim.x;
-      const int64_t x0 = static_cast<int64_t>(tl) * steps;
-      const int b0 = static_cast<int>(((x0 + 1) * P - 1) / items);
-      const int b1 = static_cast<int>(((x0 + steps) * P - 1) / items);
-      if (!mb_last_of(const_cast<int*>(cnt) + tl, b1 - b0 + 1)) {
-        continue;
-      }
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-#pragma unroll
-        for (int j = 0; j < NTW; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            c[i][j][e] = 0.f;
-          }
-        }
-      }
-      for (int bb = b0; bb <= b1; ++bb) {
-        // block bb's part of this tile is its first pass if its share starts in it
-        const int64_t sb = items * bb / P;
-        const float* part = wsp + (static_cast<int64_t>(bb) * 2 + (sb / steps == tl ? 0 : 1)) * (V * NTH) +
-            threadIdx.x;
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-#pragma unroll
-          for (int j = 0; j < NTW; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              c[i][j][e] += __ldcg(part + ((i * NTW + j) * 4 + e) * NTH);
-            }
-          }
-        }
-      }
-    }
-  }
-
-  // lane (g, t) holds weight rows g / g + 8 (c[i][.][0..1] / c[i][.][2..3]) of m-tile i,
-  // x rows j * 8 + 2t and 2t + 1
-#pragma unroll
-  for (int i = 0; i < MT; ++i) {
-#pragma unroll
-    for (int j = 0; j < NTW; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int m = m0 + j * 8 + 2 * t + e;
-        if (m < M) {
-          if constexpr (GLU) {
-            const float gs = c[i][j][e], us = c[i][j][2 + e];
-            y[(int64_t)m * N + row0[i]] = static_cast<T>(gs / (1.f + __expf(-gs)) * us);
-          } else {
-            float v0 = c[i][j][e], v1 = c[i][j][2 + e];
-            if constexpr (RES) {
-              v0 += static_cast<float>(r[(int64_t)m * N + row0[i]]);
-              v1 += static_cast<float>(r[(int64_t)m * N + row1[i]]);
-            }
-            y[(int64_t)m * N + row0[i]] = static_cast<T>(v0);
-            y[(int64_t)m * N + row1[i]] = static_cast<T>(v1);
-          }
-        }
-      }
-    }
-  }
-  }  // the passes
-#undef MB_STAGE
-#undef MB_STAGE_W
-"""
+_SOURCE = _source("products/qgemm/source.cu")
 
 
 # a 16-bit scale or bias as the pair (h, h) that gpu_mma's mb_deq2 takes (also
 # engine/backends/cuda/products/wgmma.py's)
-PAIR = r"""
-__device__ __forceinline__ uint32_t mb_pair(uint16_t h) {
-  return static_cast<uint32_t>(h) * 0x10001u;
-}
-template <typename TT>
-__device__ __forceinline__ uint32_t mb_pair(TT v) {
-  return mb_pair(*reinterpret_cast<const uint16_t*>(&v));
-}
-"""
+PAIR = _source("products/qgemm/pair.cuh")
 
 # one m-tile's weight registers for one k-step: words of its two rows, scale/bias pairs
 _QW = (
     PAIR
-    + r"""
-struct MbQw {
-  uint4 q0, q1;
-  uint32_t sc0, sc1, bi0, bi1;
-};
-// N (4 or 8) bytes global -> shared without a register (scales and biases)
-template <int N>
-__device__ __forceinline__ void mb_cpw(void* dst, const void* src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(d), "l"(src), "n"(N) : "memory");
-}
-"""
+    + _source("products/qgemm/qw.cuh")
 )
 
 
@@ -502,9 +112,9 @@ def _spec(kind: str) -> KernelSpec:
     blocks an SM): MLX writes the kernel's signature, so the header redefines
     ``__global__`` to carry it. Why: with 2 m-tiles a warp ptxas takes 206 registers,
     which leaves 2 blocks of 4 warps an SM (bench/gpu/NOTES.md, session 18)."""
-    from engine.backends.cuda.attention.decode import LAST_BLOCK
-    from engine.backends.cuda.attention.prefill import _HEADER as CP_HEADER
-    from engine.backends.cuda.products.mma import _HEADER as MMA_HEADER
+    LAST_BLOCK = _source("attention/decode/last_block.cuh")
+    CP_HEADER = _source("attention/prefill/header.cuh")
+    MMA_HEADER = _source("products/mma/header.cuh")
 
     base, sk, bounds, inputs, flags = product_kind(kind, "_sk", "SK", "r")
     header = MMA_HEADER + CP_HEADER + _QW + LAST_BLOCK  # (named in the SK branch either way)
@@ -566,60 +176,31 @@ def pair_warps() -> int:
     704 us, down_proj 93 against 101, gate/up 172 against 171; 1b output layer 94
     against 106; the engine's 8b 4-bit B=128 with stream-K 7,571-7,906 tok/s against
     6,636 with 4 warps (stream-K on the gate/up and output layer only)."""
-    return int(env_choice(PAIR_WARPS_ENV, str(PAIR_WARPS), ("4", "8")))
+    return int(envs.value(PAIR_WARPS_ENV))
 
 
-def shared_bytes(
-    bm: int, stages: int, wm: int = 1, mt: int = 1, ws: bool = False, gs: int = 64
-) -> int:
-    """``stages`` buffers of a step: x (bm rows x 128 inputs x 2 bytes) and with ``ws``
-    the warps' weight words (16 rows x 64 bytes an m-tile) and scale/bias words."""
-    per = bm * KSTEP * 2
-    if ws:
-        sw = 64 // gs
-        per += wm * mt * 64 * 16 + -(-(wm * mt * 32 * sw) // 4) * 16
-    return stages * per
+def shared_bytes(bm: int, stages: int) -> int:
+    """``stages`` buffers of a step: x (bm rows x 128 inputs x 2 bytes)."""
+    return stages * bm * KSTEP * 2
 
 
 STAGES_ENV = "MARKBASE_GPU_QGEMM_STAGES"
-WS_ENV = "MARKBASE_GPU_QGEMM_WS"
 LB_ENV = "MARKBASE_GPU_QGEMM_LB"
 
 
-def stages(mt: int = 1, ws: bool = False) -> int:
+def stages(mt: int = 1) -> int:
     """Buffers of x (and steps the weight registers are loaded ahead, less one):
-    ``MARKBASE_GPU_QGEMM_STAGES`` (2 or 3; 2-4 with the weights in shared memory) if
-    set, else 2 with 2 m-tiles a warp (the sweep's best; its registers are the tighter)
-    and 3 with one (session 16: 3 stages beat 2 there) or with ``ws``."""
-    text = os.environ.get(STAGES_ENV, "2" if mt == 2 and not ws else "3")
-    if text not in (("2", "3", "4") if ws else ("2", "3")):
-        raise ValueError(f"{STAGES_ENV}={text!r}: want 2 or 3 (or 4 with {WS_ENV}=1)")
-    return int(text)
-
-
-def weights_in_shared(gs: int) -> bool:
-    """``MARKBASE_GPU_QGEMM_WS=1``: the weight words and scales go through shared memory
-    by ``cp.async`` (ST - 1 steps in flight, no register holds a load), for groups of
-    32 or 64. Off unless set (session 18: prepared, measured by qgemm_sweep.py)."""
-    return os.environ.get(WS_ENV, "0") == "1" and gs in (32, 64)
+    ``MARKBASE_GPU_QGEMM_STAGES`` (2 or 3) if set, else 2 with 2 m-tiles a warp (the
+    sweep's best; its registers are the tighter) and 3 with one (3 stages beat 2 there:
+    bench/gpu/NOTES.md, session 16). A form with the weights in shared memory too
+    (cp.async, 2-4 stages) measured no better (session 18) and was removed."""
+    want = envs.value(STAGES_ENV)
+    return int(want) if want is not None else 2 if mt == 2 else 3
 
 
 def min_blocks() -> int:
     """``MARKBASE_GPU_QGEMM_LB``: blocks an SM the kernel is compiled for (0: no bound)."""
-    return int(os.environ.get(LB_ENV, "0"))
-
-
-ABL_ENV = "MARKBASE_GPU_QGEMM_ABL"
-
-
-def ablation() -> int:
-    """``MARKBASE_GPU_QGEMM_ABL`` (bench/gpu/qgemm_sweep.py only): a bit mask of the
-    kernel's parts to leave out (1 x's shared reads, 2 the dequantization, 4 the weight
-    loads after the first step, 8 x's copies, 16 the block barriers), so that timing the
-    rest says what the part costs. Why: no profiler here says what bounds the kernel
-    (session 18: not the pipeline depth, not the warps an SM, not mma.sync's rate).
-    The products are wrong with any bit set: never in serving."""
-    return int(os.environ.get(ABL_ENV, "0"))
+    return envs.value(LB_ENV)
 
 
 def wide_enough(rows: int, m_tiles: int) -> bool:
@@ -662,7 +243,7 @@ def takes(rows: int, m_tiles: int, glu: bool, k: int = 0, residual: bool = False
         return False
     if glu:
         return True
-    plain = os.environ.get(PLAIN_ENV, "1") == "1"
+    plain = envs.value(PLAIN_ENV)
     return plain and not residual and k >= PLAIN_MIN_K
 
 
@@ -709,7 +290,7 @@ def stream_k() -> int:
     Measured (H100, session 20, same lease): 8b 4-bit B=128 7,417 tok/s (0) -> 7,926
     and 8,323 (3), B=64 6,368 -> 7,038 and 6,879; 1b B=128 37,390 -> 38,595, B=64
     29,340 -> 30,135. Mode 2 lost at 1b (B=128 35,624 -> 31,148)."""
-    return int(env_choice(SK_ENV, "3", ("0", "1", "2", "3")))
+    return int(envs.value(SK_ENV))
 
 
 def blocks_per_sm(wm: int, mt: int) -> int:
@@ -734,9 +315,7 @@ def stream_k_grid(tiles: int, steps: int, wm: int, mt: int) -> int:
 def sms() -> int:
     """This GPU's SM count (SMS, an H100/H200's, where it cannot be read); also
     engine/backends/cuda/products/wgmma.py's."""
-    from engine.backends.cuda.products import qlayer as gpu_qlayer
-
-    return gpu_qlayer.sm_count() or SMS
+    return platform.sm_count() or SMS
 
 
 def partials_size() -> int:
@@ -776,13 +355,8 @@ def ensure_stream_k() -> None:
 
 
 @cache
-def _template(
-    dtype, gs: int, ntw: int, wm: int, st: int, mt: int, ws: bool = False, abl: int = 0
-) -> tuple:
-    return (
-        ("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm), ("ST", st), ("MT", mt), ("WS", ws),
-        ("ABL", abl),
-    )  # fmt: skip
+def _template(dtype, gs: int, ntw: int, wm: int, st: int, mt: int) -> tuple:
+    return (("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm), ("ST", st), ("MT", mt))
 
 
 def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, glu: bool = False):
@@ -809,21 +383,17 @@ def _launch(
     if (n // 16) % (wm * mt):
         raise ValueError(f"gpu_qgemm: {n} weight rows do not split into {wm} x {mt} m-tiles")
     kind = "q4_glu" if glu else "q4_res" if residual else "q4"
-    ws = weights_in_shared(gs)
-    st = stages(mt, ws)
-    abl = ablation()
+    st = stages(mt)
     tiles = n // 16 // (wm * mt) * -(-rows // bm)
     blocks = stream_k_grid(tiles, max(1, k // KSTEP), wm, mt)
     partials = blocks * 2 * wm * 32 * mt * (bm // 8) * 4  # floats: two a thread's sums
-    sk = sk and not abl and tiles <= SK_MAX_TILES and partials <= partials_size()
+    sk = sk and tiles <= SK_MAX_TILES and partials <= partials_size()
     if sk:
         kind += "_sk"
     if min_blocks():
         kind += f"_lb{wm * 32}x{min_blocks()}"
-    smem = shared_bytes(bm, st, wm, mt, ws, gs)
-    if abl:  # fewer registers must not mean more blocks an SM: at most 2, as the default
-        smem = max(smem, 80 << 10)
-    fn = _kernel(kind, _template(dtype, gs, bm // 8, wm, st, mt, ws, abl), smem)
+    smem = shared_bytes(bm, st)
+    fn = _kernel(kind, _template(dtype, gs, bm // 8, wm, st, mt), smem)
     shape = (rows, n // 2 if glu else n)
     if not sk:
         return one_output_call(fn, (tiles * wm * 32, 1, 1), (wm * 32, 1, 1), shape, dtype)
@@ -869,33 +439,23 @@ def warm(dtype, products) -> None:
 
 
 def kernel_specs_for_check() -> list[KernelSpec]:
-    """The sources with concrete template values (bench/gpu/nvrtc_check.py): the
-    register-pipelined forms, and those with the weights in shared memory (``ws``), with
-    and without launch bounds, one tile a block and stream-K."""
+    """The sources with concrete template values (bench/gpu/nvrtc_check.py): with and
+    without launch bounds, one tile a block and stream-K."""
     out = []
-    forms = [  # (ntw, wm, st, mt, ws, gs, blocks an SM)
-        *((ntw, wm, st, mt, False, 64, 0) for ntw, wm, st, mt in (
+    forms = [  # (ntw, wm, st, mt, gs, blocks an SM, stream-K)
+        *((ntw, wm, st, mt, 64, 0, False) for ntw, wm, st, mt in (
             (16, 8, 3, 1), (16, 8, 2, 1), (8, 8, 3, 1), (8, 2, 3, 1), (8, 8, 3, 2),
             (8, 4, 2, 2), (8, 8, 2, 2), (16, 4, 2, 2))),
-        (8, 4, 3, 2, True, 64, 0), (8, 4, 3, 2, True, 64, 3), (8, 4, 4, 2, True, 64, 2),
-        (8, 4, 2, 2, True, 64, 4), (8, 4, 3, 2, True, 32, 3), (16, 8, 3, 1, True, 64, 0),
+        (8, 4, 3, 2, 64, 3, False), (8, 4, 2, 2, 64, 4, False), (8, 4, 3, 2, 32, 3, False),
+        (8, 4, 2, 2, 64, 0, True), (8, 8, 2, 2, 64, 0, True), (16, 8, 3, 1, 64, 0, True),
+        (8, 2, 3, 1, 128, 0, True),
     ]  # fmt: skip
-    forms = [(*f, 0, False) for f in forms] + [
-        (8, 4, 2, 2, False, 64, 0, abl, False) for abl in (1, 2, 4, 8, 16, 31)
-    ]
-    # the stream-K forms: the 2-m-tile default, one m-tile a warp, weights in shared memory
-    forms += [(8, 4, 2, 2, False, 64, 0, 0, True), (8, 8, 2, 2, False, 64, 0, 0, True),
-              (16, 8, 3, 1, False, 64, 0, 0, True),
-              (8, 2, 3, 1, False, 128, 0, 0, True), (8, 4, 3, 2, True, 64, 0, 0, True)]  # fmt: skip
     for base in ("q4", "q4_res", "q4_glu"):
         for dtype in ("bfloat16", "float16"):
-            for ntw, wm, st, mt, ws, gs, blocks, abl, sk in forms:
-                if abl and (base != "q4_glu" or dtype != "bfloat16"):
-                    continue  # the ablations: the form they time only
+            for ntw, wm, st, mt, gs, blocks, sk in forms:
                 kind = base + ("_sk" if sk else "") + (f"_lb{wm * 32}x{blocks}" if blocks else "")
                 spec = _spec(kind)
-                tmpl = [("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm), ("ST", st),
-                        ("MT", mt), ("WS", ws), ("ABL", abl)]  # fmt: skip
-                name = f"{spec.name}_{dtype}_{ntw}_{wm}_{st}_{mt}_{'w' if ws else 'r'}{gs}_a{abl}"
+                tmpl = [("T", dtype), ("GS", gs), ("NTW", ntw), ("WM", wm), ("ST", st), ("MT", mt)]
+                name = f"{spec.name}_{dtype}_{ntw}_{wm}_{st}_{mt}_{gs}"
                 out.append(for_dtype(spec, dtype, name, tmpl))
     return out

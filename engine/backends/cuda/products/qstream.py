@@ -39,7 +39,9 @@ from __future__ import annotations
 
 from functools import cache
 
+from engine import envs, platform
 from engine.backends.cuda.kernels import SMS, Baked, KernelSpec, for_dtype, one_output_call
+from engine.backends.cuda.kernels import source as _source
 
 WARPS = 8
 STAGES = 8  # a lane's slots: STAGES - 1 chunks in flight while it computes one
@@ -50,217 +52,9 @@ SMEM_BY_ARCH = {(9, 0): 228 << 10, (10, 0): 228 << 10, (8, 0): 164 << 10, (8, 7)
 SMEM_OTHER = 100 << 10
 MAX_K = 16384
 
-_HEADER = r"""
-__device__ __forceinline__ void mb_cp16(void* dst, const void* src) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src) : "memory");
-}
-__device__ __forceinline__ void mb_cp4(void* dst, const void* src) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(src) : "memory");
-}
-__device__ __forceinline__ void mb_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void mb_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-// a lane's ring of S shared-memory slots: chunk q is asked for (issue(q): its cp.async
-// copies) S - 1 chunks before compute(q's slot) uses it, one commit group a chunk, so
-// the slot written is always the one the chunk before used
-template <int S, typename Issue>
-__device__ __forceinline__ void mb_ring_start(const int total, Issue& issue) {
-#pragma unroll
-  for (int p = 0; p < S - 1; ++p) {
-    if (p < total) {
-      issue(p);
-    }
-    mb_commit();
-  }
-}
-// STARTED: the caller has run mb_ring_start already (its loads in flight while it did
-// other work: the integer form's x conversion)
-template <int S, bool STARTED = false, typename Issue, typename Compute>
-__device__ __forceinline__ void mb_ring(const int total, Issue& issue, Compute&& compute) {
-  if constexpr (!STARTED) {
-    mb_ring_start<S>(total, issue);
-  }
-  for (int q = 0; q < total; ++q) {
-    if (q + S - 1 < total) {
-      issue(q + S - 1);
-    }
-    mb_commit();
-    mb_wait<S - 1>();  // chunk q's group is complete
-    compute(q % S);
-  }
-}
-// one of the two 16-bit values of a word (hi: the upper) as float
-__device__ __forceinline__ float mb_half_of(uint32_t v, bool hi, __nv_bfloat16) {
-  return __uint_as_float(hi ? (v & 0xffff0000u) : (v << 16));
-}
-__device__ __forceinline__ float mb_half_of(uint32_t v, bool hi, __half) {
-  const uint16_t h = static_cast<uint16_t>(hi ? (v >> 16) : (v & 0xffffu));
-  return __half2float(*reinterpret_cast<const __half*>(&h));
-}
-__device__ __forceinline__ constexpr bool mb_is_half(__half) { return true; }
-__device__ __forceinline__ constexpr bool mb_is_half(__nv_bfloat16) { return false; }
-// a + two 16 x 8-bit products: the int16 pair of x with bytes 0, 1 (lo) or 2, 3 (hi) of b
-__device__ __forceinline__ int mb_dp2a_lo(uint32_t x, uint32_t b, int c) {
-  int d;
-  asm("dp2a.lo.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(b), "r"(c));
-  return d;
-}
-__device__ __forceinline__ int mb_dp2a_hi(uint32_t x, uint32_t b, int c) {
-  int d;
-  asm("dp2a.hi.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(b), "r"(c));
-  return d;
-}
-// the same with b's bytes unsigned (0..255)
-__device__ __forceinline__ int mb_dp2a_lo_u(uint32_t x, uint32_t b, int c) {
-  int d;
-  asm("dp2a.lo.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(b), "r"(c));
-  return d;
-}
-__device__ __forceinline__ int mb_dp2a_hi_u(uint32_t x, uint32_t b, int c) {
-  int d;
-  asm("dp2a.hi.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(b), "r"(c));
-  return d;
-}
-// 2^23 + (w & mask) as float (magic: 0x4B000000), minus 2^23: the masked bits' value, exact
-__device__ __forceinline__ float mb_nib(uint32_t w, uint32_t mask, uint32_t magic) {
-  return __uint_as_float((w & mask) | magic) - 8388608.f;
-}
-"""
+_HEADER = _source("products/qstream/header.cuh")
 
-_BODY = r"""
-  constexpr int NT = WARPS * 32;
-  constexpr int CPR = K / 32;       // 32-input chunks a row
-  constexpr int J = CPR / 32;       // a lane's chunks a row
-  constexpr int G = K / GS;         // quantization groups a row
-  constexpr int XC = 9;             // float4s a chunk of x takes: 8 and one of padding
-  extern __shared__ __align__(16) unsigned char mb_smem[];
-  float4* xs = reinterpret_cast<float4*>(mb_smem);                         // [CPR * XC]
-  float* xsum = reinterpret_cast<float*>(mb_smem + CPR * XC * 16);         // [CPR]
-  uint4* wslot = reinterpret_cast<uint4*>(mb_smem + CPR * XC * 16 + CPR * 4);  // [STAGES][NT]
-  uint32_t* sslot = reinterpret_cast<uint32_t*>(wslot + STAGES * NT);       // [STAGES][NT]
-  uint32_t* bslot = sslot + STAGES * NT;                                     // [STAGES][NT]
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int gw = blockIdx.x * WARPS + (tid >> 5);
-  const int TW = gridDim.x * WARPS;
-  const int N = GLU ? w_shape[0] / 2 : w_shape[0];  // outputs
-  // 0 at run time, unknown to the compiler: keeps the exponent-trick constant in a
-  // register (ptxas otherwise rematerializes the masks before every LOP3)
-  const uint32_t magic = 0x4B000000u | (static_cast<uint32_t>(N) >> 31);
-
-  // x as float32 in shared memory, a chunk every 144 bytes: the 8 lanes of a 16-byte
-  // load phase (chunks l..l+7) then hit 8 different bank groups
-  for (int c = tid; c < CPR; c += NT) {
-    float s = 0.f;
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const uint4 v = *reinterpret_cast<const uint4*>(x + c * 32 + p * 8);
-      const uint32_t h[4] = {v.x, v.y, v.z, v.w};
-      float f[8];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        f[2 * i] = mb_half_of(h[i], false, T{});
-        f[2 * i + 1] = mb_half_of(h[i], true, T{});
-        s += f[2 * i] + f[2 * i + 1];
-      }
-      xs[c * XC + 2 * p] = make_float4(f[0], f[1], f[2], f[3]);
-      xs[c * XC + 2 * p + 1] = make_float4(f[4], f[5], f[6], f[7]);
-    }
-    xsum[c] = s;
-  }
-  __syncthreads();
-
-  // this lane's walk: outputs o = gw, gw + TW, ...; per output its rows (gate, up);
-  // per row the chunks lane + 32 j
-  const int units = gw < N ? (N - 1 - gw) / TW + 1 : 0;
-  const int total = units * J * (GLU ? 2 : 1);
-  const uint32_t* sw = reinterpret_cast<const uint32_t*>(scales);
-  const uint32_t* bw = reinterpret_cast<const uint32_t*>(biases);
-  int i_o = gw, i_rr = 0, i_j = 0;  // the next chunk to load
-  auto issue = [&](int q) {
-    const uint32_t row = static_cast<uint32_t>(i_o + (GLU && i_rr ? N : 0));
-    const int s = (q % STAGES) * NT + tid;
-    // 32-bit indices (a weight of up to 2^31 words), the chunk's group: two groups'
-    // values a 4-byte word (G is even)
-    const uint32_t wi = row * (K / 8) + lane * 4 + i_j * 128;
-    const uint32_t gi = row * G + (lane * 32) / GS + i_j * (1024 / GS);
-    mb_cp16(&wslot[s], w + wi);
-    mb_cp4(&sslot[s], sw + (gi >> 1));
-    mb_cp4(&bslot[s], bw + (gi >> 1));
-    if (++i_j == J) {
-      i_j = 0;
-      if (GLU && i_rr == 0) {
-        i_rr = 1;
-      } else {
-        i_rr = 0;
-        i_o += TW;
-      }
-    }
-  };
-  int c_o = gw, c_rr = 0, c_j = 0;  // the chunk to compute
-  float acc = 0.f, gate = 0.f;
-  mb_ring<STAGES>(total, issue, [&](const int s) {  // s: the slot of this chunk
-    const uint4 wv = wslot[s * NT + tid];
-    const uint32_t sv = sslot[s * NT + tid];
-    const uint32_t bv = bslot[s * NT + tid];
-    const int col = lane + 32 * c_j;
-    const float4* xc = xs + col * XC;
-    const uint32_t ws[4] = {wv.x, wv.y, wv.z, wv.w};
-    // p[k]: sum of x * q * 16^k over the values at nibble k of a half word
-    float p0 = 0.f, p1 = 0.f, p2 = 0.f, p3 = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float4 xa = xc[2 * i];
-      const float4 xb = xc[2 * i + 1];
-      const uint32_t lo = ws[i];
-      const uint32_t hi = ws[i] >> 16;
-      p0 = fmaf(xa.x, mb_nib(lo, 0xFu, magic), p0);
-      p1 = fmaf(xa.y, mb_nib(lo, 0xF0u, magic), p1);
-      p2 = fmaf(xa.z, mb_nib(lo, 0xF00u, magic), p2);
-      p3 = fmaf(xa.w, mb_nib(lo, 0xF000u, magic), p3);
-      p0 = fmaf(xb.x, mb_nib(hi, 0xFu, magic), p0);
-      p1 = fmaf(xb.y, mb_nib(hi, 0xF0u, magic), p1);
-      p2 = fmaf(xb.z, mb_nib(hi, 0xF00u, magic), p2);
-      p3 = fmaf(xb.w, mb_nib(hi, 0xF000u, magic), p3);
-    }
-    const float dot = p0 + p1 * 0.0625f + p2 * 0.00390625f + p3 * 0.000244140625f;
-    const bool hi_half = (((lane * 32) / GS + c_j * (1024 / GS)) & 1) != 0;
-    const float sc = mb_half_of(sv, hi_half, T{});
-    const float bi = mb_half_of(bv, hi_half, T{});
-    acc = fmaf(sc, dot, fmaf(bi, xsum[col], acc));
-    if (++c_j == J) {  // the row's last chunk: its sum, across the warp
-      c_j = 0;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        acc += __shfl_xor_sync(0xffffffffu, acc, off);
-      }
-      if (GLU && c_rr == 0) {
-        gate = acc;
-        c_rr = 1;
-      } else {
-        if (lane == 0) {
-          float v = acc;
-          if constexpr (GLU) {
-            v = gate / (1.f + __expf(-gate)) * acc;
-          }
-          if constexpr (RES) {
-            v += static_cast<float>(r[c_o]);
-          }
-          y[c_o] = static_cast<T>(v);
-        }
-        c_rr = 0;
-        c_o += TW;
-      }
-      acc = 0.f;
-    }
-  });
-"""
+_BODY = _source("products/qstream/body.cu")
 
 
 # The integer form (``q4i``, session 11, the default): the same ring and walk as
@@ -276,205 +70,7 @@ _BODY = r"""
 # before. A slot holds CPS chunks of a lane, so the ring's bookkeeping is paid once for
 # them. SASS (bench/gpu/nvrtc_check.py --sass): ~74 instructions a 32-weight chunk
 # (2.3 a weight) against ~170 for ``_BODY``.
-_IBODY = r"""
-  constexpr int NT = WARPS * 32;
-  constexpr int CPR = K / 32;       // 32-input chunks a row
-  constexpr int J = CPR / 32;       // a lane's chunks a row
-  constexpr int G = K / GS;         // quantization groups a row
-  // uint4s a chunk of x takes: its 4 weight words' int16 pairs, then (1 / scale, sum
-  // of x); 80 bytes, so the 8 lanes of a 16-byte load phase hit 8 different bank groups
-  constexpr int XC = 5;
-  extern __shared__ __align__(16) unsigned char mb_smem[];
-  uint4* xq = reinterpret_cast<uint4*>(mb_smem);                         // [CPR * XC]
-  uint4* wslot = xq + CPR * XC;                                      // [STAGES][CPS][NT]
-  uint32_t* sslot = reinterpret_cast<uint32_t*>(wslot + STAGES * CPS * NT);  // [STAGES][CPS][NT]
-  uint32_t* bslot = sslot + STAGES * CPS * NT;                               // [STAGES][CPS][NT]
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int gw = blockIdx.x * WARPS + (tid >> 5);
-  const int TW = gridDim.x * WARPS;
-  const int N = GLU ? w_shape[0] / 2 : w_shape[0];  // outputs
-
-  // a slot holds CPS chunks of a lane (j, j + 1, ...: CPS cp.async each, one commit
-  // group), so the ring's bookkeeping is paid once for CPS chunks
-  constexpr int JS = J / CPS;       // a lane's slots a row
-  static_assert(J % CPS == 0, "CPS must divide K / 1024");
-  const int units = gw < N ? (N - 1 - gw) / TW + 1 : 0;
-  const int total = units * JS * (GLU ? 2 : 1);
-  const uint32_t* sw = reinterpret_cast<const uint32_t*>(scales);
-  const uint32_t* bw = reinterpret_cast<const uint32_t*>(biases);
-  int i_o = gw, i_rr = 0, i_j = 0;  // the next slot to load: output, gate/up, first chunk
-  auto issue = [&](int q) {
-    const uint32_t row = static_cast<uint32_t>(i_o + (GLU && i_rr ? N : 0));
-    const int s = (q % STAGES) * CPS * NT + tid;
-#pragma unroll
-    for (int c = 0; c < CPS; ++c) {
-      const uint32_t wi = row * (K / 8) + lane * 4 + (i_j + c) * 128;
-      const uint32_t gi = row * G + (lane * 32) / GS + (i_j + c) * (1024 / GS);
-      mb_cp16(&wslot[s + c * NT], w + wi);
-      mb_cp4(&sslot[s + c * NT], sw + (gi >> 1));
-      mb_cp4(&bslot[s + c * NT], bw + (gi >> 1));
-    }
-    i_j += CPS;
-    if (i_j == J) {
-      i_j = 0;
-      if (GLU && i_rr == 0) {
-        i_rr = 1;
-      } else {
-        i_rr = 0;
-        i_o += TW;
-      }
-    }
-  };
-  // EARLY: the ring's first loads go out before x's conversion (they do not need it),
-  // so the weights' HBM latency runs under the prologue instead of after it
-  if constexpr (EARLY) {
-    mb_ring_start<STAGES>(total, issue);
-  }
-
-  // NORM: x's sum of squares over this thread's chunks (the block's total makes the
-  // RMSNorm's 1 / rms, which goes on each output at the end: the product is linear in
-  // x), and the chunks hold x times the norm's weight
-  float ss = 0.f;
-  for (int c = tid; c < CPR; c += NT) {
-    float f[32];
-    float s = 0.f, amax = 0.f;
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const uint4 v = *reinterpret_cast<const uint4*>(x + c * 32 + p * 8);
-      const uint32_t h[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        f[8 * p + 2 * i] = mb_half_of(h[i], false, T{});
-        f[8 * p + 2 * i + 1] = mb_half_of(h[i], true, T{});
-      }
-      if constexpr (NORM) {
-        const uint4 gv = *reinterpret_cast<const uint4*>(nw + c * 32 + p * 8);
-        const uint32_t g[4] = {gv.x, gv.y, gv.z, gv.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float& f0 = f[8 * p + 2 * i];
-          float& f1 = f[8 * p + 2 * i + 1];
-          ss = fmaf(f0, f0, fmaf(f1, f1, ss));
-          f0 *= mb_half_of(g[i], false, T{});
-          f1 *= mb_half_of(g[i], true, T{});
-        }
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      s += f[i];
-      amax = fmaxf(amax, fabsf(f[i]));
-    }
-    // up = 2^(141 - e) puts the largest |x| in [2^14, 2^15); 1 / up = 2^(e - 141);
-    // e clamped so that both are normal floats; NaN or Inf in the chunk (fmaxf skips
-    // NaN, the sum does not): 1 / up is NaN, so the chunk's dot product is
-    const int e = min(max(static_cast<int>((__float_as_uint(amax) >> 23) & 0xFFu), 15), 254);
-    const float up = __uint_as_float(static_cast<uint32_t>(268 - e) << 23);
-    const float down = fabsf(s) <= 3.0e38f
-                           ? __uint_as_float(static_cast<uint32_t>(e - 14) << 23)
-                           : __uint_as_float(0x7fc00000u);
-    uint32_t q16[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      q16[i] = static_cast<uint32_t>(__float2int_rn(f[i] * up)) & 0xFFFFu;
-    }
-#pragma unroll
-    for (int wd = 0; wd < 4; ++wd) {
-      const uint32_t* qw = q16 + 8 * wd;
-      xq[c * XC + wd] = make_uint4(qw[0] | (qw[2] << 16), qw[4] | (qw[6] << 16),
-                                   qw[1] | (qw[3] << 16), qw[5] | (qw[7] << 16));
-    }
-    xq[c * XC + 4] = make_uint4(__float_as_uint(down), __float_as_uint(s), 0u, 0u);
-  }
-  __shared__ float mb_ss[WARPS];
-  if constexpr (NORM) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    }
-    if (lane == 0) {
-      mb_ss[tid >> 5] = ss;
-    }
-  }
-  __syncthreads();
-  float rn = 1.f;  // NORM: 1 / rms of x, as MLX's rms_norm: rsqrt(mean(x^2) + eps)
-  if constexpr (NORM) {
-    float t = 0.f;
-#pragma unroll
-    for (int i = 0; i < WARPS; ++i) {
-      t += mb_ss[i];
-    }
-    rn = rsqrtf(t / static_cast<float>(K) + eps[0]);
-  }
-
-  int c_o = gw, c_rr = 0, c_j = 0;  // the slot to compute
-  float acc = 0.f, gate = 0.f;
-  mb_ring<STAGES, EARLY>(total, issue, [&](const int s) {  // s: the slot
-#pragma unroll
-    for (int c = 0; c < CPS; ++c) {
-      const int si = (s * CPS + c) * NT + tid;
-      const uint4 wv = wslot[si];
-      const uint32_t sv = sslot[si];
-      const uint32_t bv = bslot[si];
-      if constexpr (ABL) {  // bench only: the stream without the math (is it issue-bound?)
-        acc += __uint_as_float((wv.x ^ wv.y ^ wv.z ^ wv.w ^ sv ^ bv) & 0x3f7fffffu);
-        continue;
-      }
-      const int col = lane + 32 * (c_j + c);
-      const uint4* xc = xq + col * XC;
-      const uint32_t ws[4] = {wv.x, wv.y, wv.z, wv.w};
-      // de: x times values 0, 2, 4, 6 of each word (bytes of w & 0x0F0F0F0F); dd: x times
-      // 16 x values 1, 3, 5, 7 (bytes of w & 0xF0F0F0F0, unsigned: no shift needed)
-      int de = 0, dd = 0;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint4 xv = xc[i];
-        const uint32_t even = ws[i] & 0x0F0F0F0Fu;
-        const uint32_t odd = ws[i] & 0xF0F0F0F0u;
-        de = mb_dp2a_lo(xv.x, even, de);
-        de = mb_dp2a_hi(xv.y, even, de);
-        dd = mb_dp2a_lo_u(xv.z, odd, dd);
-        dd = mb_dp2a_hi_u(xv.w, odd, dd);
-      }
-      const uint2 ds = *reinterpret_cast<const uint2*>(xc + 4);  // (1 / scale, sum of x)
-      // |de| and |dd| / 16 are below 2^23, their sum below 2^24: exact in float
-      const float dot = fmaf(static_cast<float>(dd), 0.0625f, static_cast<float>(de)) *
-                        __uint_as_float(ds.x);
-      const bool hi_half = (((lane * 32) / GS + (c_j + c) * (1024 / GS)) & 1) != 0;
-      const float sc = mb_half_of(sv, hi_half, T{});
-      const float bi = mb_half_of(bv, hi_half, T{});
-      acc = fmaf(sc, dot, fmaf(bi, __uint_as_float(ds.y), acc));
-    }
-    c_j += CPS;
-    if (c_j == J) {  // the row's last chunk: its sum, across the warp
-      c_j = 0;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        acc += __shfl_xor_sync(0xffffffffu, acc, off);
-      }
-      acc *= rn;
-      if (GLU && c_rr == 0) {
-        gate = acc;
-        c_rr = 1;
-      } else {
-        if (lane == 0) {
-          float v = acc;
-          if constexpr (GLU) {
-            v = gate / (1.f + __expf(-gate)) * acc;
-          }
-          if constexpr (RES) {
-            v += static_cast<float>(r[c_o]);
-          }
-          y[c_o] = static_cast<T>(v);
-        }
-        c_rr = 0;
-        c_o += TW;
-      }
-      acc = 0.f;
-    }
-  });
-"""
+_IBODY = _source("products/qstream/ibody.cu")
 
 
 # The tensor-core form (``mma``): a warp owns 16 weight rows (an m-tile; with the SwiGLU
@@ -486,184 +82,7 @@ _IBODY = r"""
 # raw 4-bit value plus a constant (one LOP3 for two values: (w >> 4s) & 0x000F000F |
 # 0x43004300 is the bf16 pair 128 + q_s, 128 + q_{s+4}); the constant comes off with
 # the group's sum of x. About one instruction a weight, against ~5 on CUDA cores.
-_MMA_BODY = r"""
-  constexpr int NT = WARPS * 32;
-  constexpr int NG = K / GS;        // quantization groups a row
-  constexpr int KB = NG / 8;        // blocks of 8 groups a row
-  constexpr int GW = GS / 8;        // 32-bit words (8 values) a group
-  constexpr int SEGC = GS / 32;     // 16-byte chunks of one group's weights
-  constexpr int CH = 4 * SEGC;      // chunks a lane loads a block: rows g, g+8 x groups t, t+4
-  constexpr int XG = GS / 2 + 4;    // words of x pairs a group takes in shared memory
-  extern __shared__ __align__(16) unsigned char mb_smem[];
-  uint32_t* xp = reinterpret_cast<uint32_t*>(mb_smem);                  // [NG * XG]
-  float* xsum = reinterpret_cast<float*>(xp + NG * XG);                 // [NG]
-  uint4* zero4 = reinterpret_cast<uint4*>(xsum + NG);                   // [1]
-  uint4* wslot = zero4 + 1;                                             // [STAGES][CH][NT]
-  uint32_t* sbslot = reinterpret_cast<uint32_t*>(wslot + STAGES * CH * NT);  // [STAGES][4][NT]
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int g = lane >> 2;
-  const int t = lane & 3;
-  const int gw = blockIdx.x * WARPS + (tid >> 5);
-  const int TW = gridDim.x * WARPS;
-  const int NW = w_shape[0];
-  const int N = GLU ? NW / 2 : NW;  // outputs
-  const int tiles = GLU ? N / 8 : N / 16;
-  // the exponent-trick constant of T (bf16: 128 + q, fp16: 1024 + q), from a value the
-  // compiler cannot see, so that it stays in a register
-  const uint32_t hz = static_cast<uint32_t>(NW) >> 31;
-  const uint32_t magic = (mb_is_half(T{}) ? 0x64006400u : 0x43004300u) | hz;
-  const float qoff = mb_is_half(T{}) ? 1024.f : 128.f;
-
-  // x in shared memory as the MMA's B pairs: group j's word m = (x[8(m/4) + m%4],
-  // x[8(m/4) + m%4 + 4]) of the group, the pair a LOP3 makes of weight word m/4 shifted
-  // by 4(m%4); groups XG words apart (4 of padding: the 8 lanes that read x in one
-  // load hit different banks); and each group's sum of x
-  for (int j = tid; j < NG; j += NT) {
-    float sum = 0.f;
-#pragma unroll
-    for (int wd = 0; wd < GW; ++wd) {
-      const uint4 v = *reinterpret_cast<const uint4*>(x + j * GS + wd * 8);
-      const uint32_t h[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        sum += mb_half_of(h[i], false, T{}) + mb_half_of(h[i], true, T{});
-      }
-      uint4 o;
-      o.x = __byte_perm(h[0], h[2], 0x5410);  // (e0, e4)
-      o.y = __byte_perm(h[0], h[2], 0x7632);  // (e1, e5)
-      o.z = __byte_perm(h[1], h[3], 0x5410);  // (e2, e6)
-      o.w = __byte_perm(h[1], h[3], 0x7632);  // (e3, e7)
-      *reinterpret_cast<uint4*>(xp + j * XG + wd * 4) = o;
-    }
-    xsum[j] = sum;
-  }
-  if (tid == 0) {
-    zero4[0] = make_uint4(0u, 0u, 0u, 0u);
-  }
-  __syncthreads();
-
-  const int units = gw < tiles ? (tiles - 1 - gw) / TW + 1 : 0;
-  const int total = units * KB;
-  const uint32_t* sw = reinterpret_cast<const uint32_t*>(scales);
-  const uint32_t* bw = reinterpret_cast<const uint32_t*>(biases);
-  auto rows_of = [&](int u, uint32_t& r0, uint32_t& r1) {
-    r0 = static_cast<uint32_t>(GLU ? u * 8 + g : u * 16 + g);
-    r1 = static_cast<uint32_t>(GLU ? N + u * 8 + g : u * 16 + g + 8);
-  };
-  int i_u = gw, i_kb = 0;  // the next stage to load: m-tile, block
-  auto issue = [&](int q) {
-    uint32_t r0, r1;
-    rows_of(i_u, r0, r1);
-    const int s = q % STAGES;
-#pragma unroll
-    for (int ri = 0; ri < 2; ++ri) {
-#pragma unroll
-      for (int gi = 0; gi < 2; ++gi) {
-        const uint32_t row = ri ? r1 : r0;
-        const uint32_t base = row * (K / 8) + (i_kb * 8 + t + 4 * gi) * GW;
-#pragma unroll
-        for (int c = 0; c < SEGC; ++c) {
-          mb_cp16(&wslot[(s * CH + (ri * 2 + gi) * SEGC + c) * NT + tid], w + base + c * 4);
-        }
-      }
-    }
-    // the scales and biases of C's columns 2t, 2t+1 (groups 2t, 2t+1 of the block):
-    // one 4-byte word a row
-    const uint32_t gs0 = (r0 * NG + i_kb * 8 + 2 * t) >> 1;
-    const uint32_t gs1 = (r1 * NG + i_kb * 8 + 2 * t) >> 1;
-    mb_cp4(&sbslot[(s * 4 + 0) * NT + tid], sw + gs0);
-    mb_cp4(&sbslot[(s * 4 + 1) * NT + tid], sw + gs1);
-    mb_cp4(&sbslot[(s * 4 + 2) * NT + tid], bw + gs0);
-    mb_cp4(&sbslot[(s * 4 + 3) * NT + tid], bw + gs1);
-    if (++i_kb == KB) {
-      i_kb = 0;
-      i_u += TW;
-    }
-  };
-  // B's sources: lane (g, t) holds x in b0 only when g == t (k pair 2t, 2t+1 is group
-  // t = n) and in b1 only when g == t + 4; the others read a zero word
-  const bool real0 = g == t;
-  const bool real1 = g == t + 4;
-  int c_u = gw, c_kb = 0;
-  float acc0 = 0.f, acc1 = 0.f;
-  mb_ring<STAGES>(total, issue, [&](const int s) {
-    const uint4* xq0 = real0 ? reinterpret_cast<const uint4*>(xp + (c_kb * 8 + g) * XG) : zero4;
-    const uint4* xq1 = real1 ? reinterpret_cast<const uint4*>(xp + (c_kb * 8 + g) * XG) : zero4;
-    const int st0 = real0 ? 1 : 0;
-    const int st1 = real1 ? 1 : 0;
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int c4 = 0; c4 < SEGC; ++c4) {
-      // 4 words of each segment aRG: row g (R 0) or g+8 (R 1), group t (G 0) or t+4 (G 1)
-      // (the slots hold segment R * 2 + G)
-      const uint4 a00 = wslot[(s * CH + 0 * SEGC + c4) * NT + tid];
-      const uint4 a01 = wslot[(s * CH + 1 * SEGC + c4) * NT + tid];
-      const uint4 a10 = wslot[(s * CH + 2 * SEGC + c4) * NT + tid];
-      const uint4 a11 = wslot[(s * CH + 3 * SEGC + c4) * NT + tid];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int wd = c4 * 4 + i;  // the word of the group
-        const uint32_t w00 = mb_word(a00, i), w01 = mb_word(a01, i);
-        const uint32_t w10 = mb_word(a10, i), w11 = mb_word(a11, i);
-        const uint4 x0 = xq0[wd * st0];
-        const uint4 x1 = xq1[wd * st1];
-#pragma unroll
-        for (int sh = 0; sh < 4; ++sh) {
-          const uint32_t p00 = ((w00 >> (4 * sh)) & 0x000F000Fu) | magic;
-          const uint32_t p01 = ((w01 >> (4 * sh)) & 0x000F000Fu) | magic;
-          const uint32_t p10 = ((w10 >> (4 * sh)) & 0x000F000Fu) | magic;
-          const uint32_t p11 = ((w11 >> (4 * sh)) & 0x000F000Fu) | magic;
-          // A: a0 row g, k 2t..2t+1 (group t); a1 row g+8, same k; a2 row g, k 2t+8..2t+9
-          // (group t+4); a3 row g+8, group t+4
-          mb_mma(c, p00, p10, p01, p11, mb_word(x0, sh), mb_word(x1, sh), T{});
-        }
-      }
-    }
-    // C[row][n] = sum over group n of x * (qoff + q): y += s * C + X * (b - qoff * s)
-    const uint32_t s0w = sbslot[(s * 4 + 0) * NT + tid];
-    const uint32_t s1w = sbslot[(s * 4 + 1) * NT + tid];
-    const uint32_t b0w = sbslot[(s * 4 + 2) * NT + tid];
-    const uint32_t b1w = sbslot[(s * 4 + 3) * NT + tid];
-    const float xa = xsum[c_kb * 8 + 2 * t];
-    const float xb = xsum[c_kb * 8 + 2 * t + 1];
-    {
-      const float s00 = mb_half_of(s0w, false, T{}), s01 = mb_half_of(s0w, true, T{});
-      const float s10 = mb_half_of(s1w, false, T{}), s11 = mb_half_of(s1w, true, T{});
-      const float b00 = mb_half_of(b0w, false, T{}), b01 = mb_half_of(b0w, true, T{});
-      const float b10 = mb_half_of(b1w, false, T{}), b11 = mb_half_of(b1w, true, T{});
-      acc0 = fmaf(s00, c[0], fmaf(xa, fmaf(-qoff, s00, b00), acc0));
-      acc0 = fmaf(s01, c[1], fmaf(xb, fmaf(-qoff, s01, b01), acc0));
-      acc1 = fmaf(s10, c[2], fmaf(xa, fmaf(-qoff, s10, b10), acc1));
-      acc1 = fmaf(s11, c[3], fmaf(xb, fmaf(-qoff, s11, b11), acc1));
-    }
-    if (++c_kb == KB) {  // the m-tile's last block: the 4 lanes of a row group add up
-      c_kb = 0;
-      acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
-      acc0 += __shfl_xor_sync(0xffffffffu, acc0, 2);
-      acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
-      acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
-      if (t == 0) {
-        uint32_t r0, r1;
-        rows_of(c_u, r0, r1);
-        if constexpr (GLU) {
-          y[r0] = static_cast<T>(acc0 / (1.f + __expf(-acc0)) * acc1);
-        } else {
-          float v0 = acc0, v1 = acc1;
-          if constexpr (RES) {
-            v0 += static_cast<float>(r[r0]);
-            v1 += static_cast<float>(r[r1]);
-          }
-          y[r0] = static_cast<T>(v0);
-          y[r1] = static_cast<T>(v1);
-        }
-      }
-      acc0 = 0.f;
-      acc1 = 0.f;
-      c_u += TW;
-    }
-  });
-"""
+_MMA_BODY = _source("products/qstream/mma_body.cu")
 
 
 def _specs() -> dict[str, KernelSpec]:
@@ -672,14 +91,13 @@ def _specs() -> dict[str, KernelSpec]:
     up], output silu(gate) * up, [1, N/2]: gate_up); the integer form also ``_norm`` and
     ``_glu_norm`` (x through an RMSNorm first: its weight ``nw`` [K] and ``eps`` [1]:
     qkv, gate_up and the lm_head, one kernel a norm fewer)."""
-    from engine.backends.cuda.products import mma as gpu_mma
 
     inputs = [("x", "T", 2), ("w", "uint32", 2), ("scales", "T", 2), ("biases", "T", 2)]
     out = {}
     for form, body, header in (
         ("q4", _BODY, _HEADER),
         ("q4i", _IBODY, _HEADER),
-        ("mma", _MMA_BODY, gpu_mma._HEADER + _HEADER),
+        ("mma", _MMA_BODY, _source("products/mma/header.cuh") + _HEADER),
     ):
         kinds = [("", False, False, False), ("_res", False, True, False)]
         kinds += [("_glu", True, False, False)]
@@ -728,7 +146,7 @@ def supported(x_dtype, rows: int, n: int, k: int, bits: int, group_size: int, mo
     import mlx.core as mx
 
     return (
-        mx.cuda.is_available()
+        platform.cuda_available()
         and rows == 1
         and x_dtype in (mx.bfloat16, mx.float16)
         and bits == 4
@@ -787,17 +205,13 @@ def early_issue() -> bool:
     times a step at 8b. H100 (bench/gpu/NOTES.md, session 23): a layer's four products
     alone 60.4 -> 57.3 us; with engine/backends/cuda/prefetch.py, the served 8b 4-bit single
     stream 2.668 -> 2.564-2.583 ms a step."""
-    import os
-
     if _knobs.get("early") is not None:
         return bool(_knobs["early"])
-    return os.environ.get("MARKBASE_GPU_QSTREAM_EARLY", "1") != "0"
+    return envs.MARKBASE_GPU_QSTREAM_EARLY
 
 
 def default_form() -> str:
-    import os
-
-    form = os.environ.get("MARKBASE_GPU_QSTREAM_FORM", "") or DEFAULT_FORM
+    form = envs.MARKBASE_GPU_QSTREAM_FORM or DEFAULT_FORM
     if form not in FORMS:
         raise ValueError(
             f"MARKBASE_GPU_QSTREAM_FORM={form!r}: not a form (one of {', '.join(FORMS)})"
@@ -820,13 +234,7 @@ _smem: list[int] = []
 def smem_per_sm() -> int:
     """This GPU's shared memory an SM (``SMEM_BY_ARCH``; the smallest when unknown)."""
     if not _smem:
-        try:
-            import mlx.core as mx
-
-            info = mx.device_info()
-            arch = (int(info["compute_capability_major"]), int(info["compute_capability_minor"]))
-        except Exception:  # no GPU, or an MLX without these keys: the smallest
-            arch = (0, 0)
+        arch = platform.compute_capability()  # None: no GPU, or unknown (the smallest)
         _smem.append(SMEM_BY_ARCH.get(arch, SMEM_OTHER))
     return _smem[0]
 
@@ -888,9 +296,7 @@ def takes_norm(n: int, glu: bool) -> bool:
     costs a 9 MiB read kernel ~11 us (H100, bench/gpu/pool_cost.py). With the epsilon in
     device memory (``gpu_mma.device_scalar``) the fold takes 65 launches out of a step: 8b
     4-bit B=1 2.584 -> 2.455 ms, 1b 4-bit 956 -> 1,072 tok/s (H100, NOTES.md session 24)."""
-    import os
-
-    return form_for(n, glu) in NORM_FORMS and os.environ.get("MARKBASE_GPU_QSTREAM_NORM") != "0"
+    return form_for(n, glu) in NORM_FORMS and envs.MARKBASE_GPU_QSTREAM_NORM
 
 
 def launcher(

@@ -52,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+from engine import envs, platform
 from engine.backends.cuda.kernels import (
     Baked,
     KernelSpec,
@@ -60,7 +61,7 @@ from engine.backends.cuda.kernels import (
     launch_bounds,
     one_output_call,
 )
-from engine.config import env_choice
+from engine.backends.cuda.kernels import source as _source
 
 KS = 64  # inputs a k-step
 A_STAGES = 3
@@ -86,258 +87,20 @@ def _wgmma_asm(bn: int, ab: str) -> str:
     )
 
 
-_HEADER_TOP = r"""
-template <int BN> struct mb_n {};
-__device__ __forceinline__ void mb_wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void mb_wg_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void mb_wg_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// the threads' st.shared / cp.async writes, seen by wgmma's async proxy
-__device__ __forceinline__ void mb_fence_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void mb_keep(float& v) { asm volatile("" : "+f"(v)::"memory"); }
-__device__ __forceinline__ void mb_st16(uint32_t a, uint4 v) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(v.x), "r"(v.y),
-               "r"(v.z), "r"(v.w) : "memory");
-}
-// a shared-memory matrix descriptor: start address, leading (K) and stride (rows)
-// byte offsets, no swizzle
-__device__ __forceinline__ uint64_t mb_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) |
-         (static_cast<uint64_t>(lbo >> 4) << 16) | (static_cast<uint64_t>(sbo >> 4) << 32);
-}
-struct MbWq {
-  uint4 q;
-  uint32_t s2, b2;
-};
-"""
+_HEADER_TOP = _source("products/wgmma/header_top.cuh")
 
 
 def _header() -> str:
-    from engine.backends.cuda.attention.decode import LAST_BLOCK
-    from engine.backends.cuda.attention.prefill import _HEADER as CP_HEADER
-    from engine.backends.cuda.products.mma import _HEADER as MMA_HEADER
-    from engine.backends.cuda.products.qgemm import PAIR
+    LAST_BLOCK = _source("attention/decode/last_block.cuh")
+    CP_HEADER = _source("attention/prefill/header.cuh")
+    MMA_HEADER = _source("products/mma/header.cuh")
+    PAIR = _source("products/qgemm/pair.cuh")
 
     asm = "".join(_wgmma_asm(bn, ab) for bn in (64, 128) for ab in ("bf16", "f16"))
     return MMA_HEADER + CP_HEADER + PAIR + LAST_BLOCK + _HEADER_TOP + asm
 
 
-_SOURCE = r"""
-  constexpr int RB = 64 * WGS;                 // weight rows a block: a warpgroup's 64 each
-  constexpr int NT = 128 * WGS;                // threads
-  constexpr int NA = 3;                        // stages of dequantized weights
-  constexpr int ALBO = RB / 8 * 128 + PADB;    // bytes between A's 8-input core columns
-  constexpr int XLBO = BN / 8 * 128 + PADB;
-  constexpr int ASZ = 8 * ALBO;                // a stage: 64 inputs
-  constexpr int XSZ = 8 * XLBO;
-  constexpr int NV = BN / 2;                   // accumulators a thread
-  constexpr int XIT = BN * 8 / NT;             // x copies a thread a step
-  constexpr int LEAD = NX - 2;                 // steps x is copied ahead
-  extern __shared__ __align__(128) unsigned char mb_smem[];
-  const uint32_t abase = static_cast<uint32_t>(__cvta_generic_to_shared(mb_smem));
-  const uint32_t xbase = abase + NA * ASZ;
-  const int tid = threadIdx.x;
-  const int lane = tid & 31, warp = tid >> 5;
-  const int wg = warp >> 2, wq = warp & 3;     // warpgroup (64 rows); warp in it (16)
-  const int g = lane >> 2, t = lane & 3;
-  const int M = x_shape[0];
-  const int K = x_shape[1];
-  const int NW = w_shape[0];
-  const int N = GLU ? NW / 2 : NW;
-  const int words = K / 8;
-  const int groups = K / GS;
-  const int steps = K / 64;
-  const int TC = GLU ? N / (RB / 2) : NW / RB; // weight tiles
-  const int RC = (M + BN - 1) / BN;            // row chunks
-  const int tiles = TC * RC;
-  const int S = gridDim.x / tiles;             // k-splits
-  const int tl = blockIdx.x % tiles;           // a tile's row chunks are neighbours
-  const int sp = blockIdx.x / tiles;
-  const int tc = tl / RC;
-  const int m0 = (tl % RC) * BN;
-  const int k0 = steps * sp / S, k1 = steps * (sp + 1) / S;
-  const int n_steps = k1 - k0;
-
-  // this thread's weight run: tile row r, inputs 32h..32h+31 of a step
-  const int r = tid >> 1, h = tid & 1;
-  int wr;
-  if constexpr (GLU) {
-    const int o = tc * (RB / 2) + (r >> 4) * 8 + (r & 7);
-    wr = (r & 8) ? N + o : o;
-  } else {
-    wr = tc * RB + r;
-  }
-  const uint32_t* wp = w + (int64_t)wr * words + h * 4;
-  const T* scp = scales + (int64_t)wr * groups;
-  const T* bip = biases + (int64_t)wr * groups;
-  auto wload = [&](int ks) {
-    MbWq v;
-    v.q = mb_ldg(wp + ks * 8);
-    const int gi = (ks * 64 + h * 32) / GS;
-    v.s2 = mb_pair(scp[gi]);
-    v.b2 = mb_pair(bip[gi]);
-    return v;
-  };
-  // its four 8-input runs: core column 4h + j, row r
-  const uint32_t adst = abase + 4 * h * ALBO + (r >> 3) * 128 + (r & 7) * 16;
-  auto deq = [&](const MbWq& v, int st) {
-    const uint32_t words4[4] = {v.q.x, v.q.y, v.q.z, v.q.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t u = words4[j];
-      uint4 o;
-      o.x = mb_deq2(u, v.s2, v.b2, T{});
-      o.y = mb_deq2(u >> 8, v.s2, v.b2, T{});
-      o.z = mb_deq2(u >> 16, v.s2, v.b2, T{});
-      o.w = mb_deq2(u >> 24, v.s2, v.b2, T{});
-      mb_st16(adst + st * ASZ + j * ALBO, o);
-    }
-  };
-  // x's copies: unit it * NT + tid = row n (unit / 8), inputs 8 kc.. (kc = unit % 8)
-  const int kc = tid & 7;
-  auto stage_x = [&](int ks, int st) {
-#pragma unroll
-    for (int it = 0; it < XIT; ++it) {
-      const int n = it * (NT / 8) + (tid >> 3);
-      const bool ok = m0 + n < M;
-      const T* src = ok ? x + (int64_t)(m0 + n) * K + ks * 64 + kc * 8 : x;
-      mb_cp16s(xbase + st * XSZ + kc * XLBO + (n >> 3) * 128 + (n & 7) * 16, src, ok);
-    }
-  };
-  // leading offset: between core columns (K); stride: between 8-row groups (the H200
-  // gave exact products with this reading and an illegal address with the other)
-  const uint64_t da0 = mb_desc(abase + wg * 8 * 128, ALBO, 128);
-  const uint64_t dx0 = mb_desc(xbase, XLBO, 128);
-
-  float d[NV];
-#pragma unroll
-  for (int v = 0; v < NV; ++v) {
-    d[v] = 0.f;
-  }
-  if (n_steps > 0) {
-    stage_x(k0, 0);
-    mb_commit();
-#pragma unroll
-    for (int p = 1; p < LEAD; ++p) {  // steps 1 .. LEAD - 1, one commit group each
-      if (p < n_steps) {
-        stage_x(k0 + p, p);
-      }
-      mb_commit();
-    }
-    MbWq p1 = wload(k0), p2 = p1;
-    deq(p1, 0);
-    if (n_steps > 1) {
-      p1 = wload(k0 + 1);
-    }
-    if constexpr (!WEARLY) {
-      if (n_steps > 2) {
-        p2 = wload(k0 + 2);
-      }
-    }
-    for (int i = 0; i < n_steps; ++i) {
-      mb_wait<LEAD - 1>();  // this thread's copies of step i are in
-      mb_fence_async();
-      __syncthreads();      // everyone's, and the dequantized weights of step i
-      const int sa = i % NA, sx = i % NX;
-      mb_wg_fence();
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        mb_wgmma(d, da0 + ((sa * ASZ + 2 * s * ALBO) >> 4), dx0 + ((sx * XSZ + 2 * s * XLBO) >> 4),
-                 T{}, mb_n<BN>{});
-      }
-      mb_wg_commit();
-      // WEARLY: step i + 2's weights now, so that their loads fly during the copies,
-      // the dequantization and the wait below: the fence at the loop's top compiles to
-      // MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S (SASS), which may hold each thread until its
-      // loads in flight are in, so loads issued at the end of a step are waited for
-      // almost at once
-      if constexpr (WEARLY) {
-        if (i + 2 < n_steps) {
-          p2 = wload(k0 + i + 2);
-        }
-      }
-      // while the tensor cores run step i: step i + LEAD's x, step i + 1's weights
-      if (i + LEAD < n_steps) {
-        stage_x(k0 + i + LEAD, (i + LEAD) % NX);
-      }
-      mb_commit();
-      if (i + 1 < n_steps) {
-        deq(p1, (i + 1) % NA);
-        p1 = p2;
-        if constexpr (!WEARLY) {
-          if (i + 3 < n_steps) {
-            p2 = wload(k0 + i + 3);
-          }
-        }
-      }
-      mb_wg_wait<1>();  // step i - 1 is done: its buffers are free after the next barrier
-    }
-    mb_wg_wait<0>();
-  }
-#pragma unroll
-  for (int v = 0; v < NV; ++v) {
-    mb_keep(d[v]);
-  }
-
-  if constexpr (SPLIT) {
-    if (S > 1) {
-      // this split's sums, value-major; the last of the tile's S blocks adds them all
-      // in split order
-      float* mine = const_cast<float*>(wsp) + (int64_t)blockIdx.x * NV * NT + tid;
-#pragma unroll
-      for (int v = 0; v < NV; ++v) {
-        mine[v * NT] = d[v];
-      }
-      if (!mb_last_of(const_cast<int*>(cnt) + tl, S)) {
-        return;
-      }
-#pragma unroll
-      for (int v = 0; v < NV; ++v) {
-        d[v] = 0.f;
-      }
-      for (int s2 = 0; s2 < S; ++s2) {
-        const float* part = wsp + (int64_t)(s2 * tiles + tl) * NV * NT + tid;
-#pragma unroll
-        for (int v = 0; v < NV; ++v) {
-          d[v] += __ldcg(part + v * NT);
-        }
-      }
-    }
-  }
-
-  // accumulator layout: warp wq of the warpgroup holds its rows 16 wq + g (d[4j], d[4j+1])
-  // and 16 wq + g + 8 (d[4j+2], d[4j+3]), x rows 8j + 2t and 8j + 2t + 1
-  const int R0 = wg * 64 + wq * 16 + g;
-#pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int m = m0 + j * 8 + 2 * t + e;
-      if (m < M) {
-        if constexpr (GLU) {
-          const int o = tc * (RB / 2) + (wg * 4 + wq) * 8 + g;
-          const float gs = d[4 * j + e], us = d[4 * j + 2 + e];
-          y[(int64_t)m * N + o] = static_cast<T>(gs / (1.f + __expf(-gs)) * us);
-        } else {
-          const int row0 = tc * RB + R0, row1 = row0 + 8;
-          float v0 = d[4 * j + e], v1 = d[4 * j + 2 + e];
-          if constexpr (RES) {
-            v0 += static_cast<float>(r_in[(int64_t)m * N + row0]);
-            v1 += static_cast<float>(r_in[(int64_t)m * N + row1]);
-          }
-          y[(int64_t)m * N + row0] = static_cast<T>(v0);
-          y[(int64_t)m * N + row1] = static_cast<T>(v1);
-        }
-      }
-    }
-  }
-"""
+_SOURCE = _source("products/wgmma/source.cu")
 
 
 @cache
@@ -370,7 +133,7 @@ WEARLY_ENV = "MARKBASE_GPU_WGMMA_WEARLY"
 def mode() -> str:
     """``MARKBASE_GPU_WGMMA``: ``auto`` (default) the unsplit products of AUTO_MIN_ROWS-128
     rows, where it was measured faster; ``1`` those of 33-128 rows; ``0`` off."""
-    return env_choice(ENV, "auto", ("auto", "0", "1"))
+    return envs.value(ENV)
 
 
 def enabled() -> bool:
@@ -381,20 +144,12 @@ def enabled() -> bool:
 def hopper() -> bool:
     """Whether MLX's GPU is compute capability 9.x (wgmma; MLX compiles for sm_90a)."""
     if not _hopper:
-        ok = False
-        try:
-            import mlx.core as mx
-
-            if mx.cuda.is_available():
-                info = mx.device_info()
-                major = info.get("compute_capability_major")
-                if major is not None:
-                    ok = int(major) == 9
-                else:
-                    name = str(info.get("device_name", ""))
-                    ok = any(n in name for n in ("H100", "H200", "H800", "H20", "GH200"))
-        except Exception:
-            ok = False
+        arch = platform.compute_capability()
+        if arch is not None:
+            ok = arch[0] == 9
+        else:  # an MLX without the keys: by name
+            name = platform.device_name()
+            ok = any(n in name for n in ("H100", "H200", "H800", "H20", "GH200"))
         _hopper.append(ok)
     return _hopper[0]
 
@@ -408,7 +163,7 @@ def x_stages() -> int:
     (``weights_early``), us: gate/up 136.4 with 3, 123.9 with 4; output layer 535.6 /
     489.2 (session 24); without them 4 was no better than 3 (session 23) and 5 is slower
     (181 KB of shared memory)."""
-    return int(env_choice(NX_ENV, "4", ("3", "4", "5")))
+    return int(envs.value(NX_ENV))
 
 
 def warpgroups() -> int:
@@ -416,7 +171,7 @@ def warpgroups() -> int:
     block an SM, x read from L2 half as often a weight row) or 2 (128 weight rows, two
     blocks an SM). H200, 8b at 128 rows, against gpu_qgemm's time (session 22): gate/up
     0.84x with 4, 1.11x with 2; output layer 0.87x / 1.24x."""
-    return int(env_choice(WG_ENV, "4", ("2", "4")))
+    return int(envs.value(WG_ENV))
 
 
 def supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: str, biases) -> bool:
@@ -533,7 +288,7 @@ def weights_early() -> bool:
     Measured (H100, session 24, 8b at 128 rows): gate/up 142.5 -> 136.4 us (123.9 with
     4 x buffers), output layer 547.8 -> 535.6 (489.2); the whole B=128 step's GPU time
     14.07 -> 13.53 ms with both."""
-    return env_choice(WEARLY_ENV, "1", ("0", "1")) == "1"
+    return envs.value(WEARLY_ENV)
 
 
 def launcher(dtype, rows: int, n: int, k: int, gs: int, residual: bool = False, glu: bool = False):

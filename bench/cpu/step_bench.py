@@ -1,0 +1,149 @@
+"""Decode step of the default model on the CPU, against llama.cpp on the same GGUF, in
+one run: markbase's decode steps (engine/backends/cpu/step.py's lean step and
+engine/model/decode_step.py's fused step, each with the quantized products of
+engine/backends/cpu/qgemm.py and with float32 OpenBLAS) interleaved in one process, and
+llama.cpp (llama-cpp-python's bindings, 2 threads) decoding the same batch sizes.
+
+    .venv/bin/python bench/cpu/step_bench.py --batches 1,4,16
+    .venv/bin/python bench/cpu/step_bench.py --batches 1,4,16 --no-llamacpp
+
+Every row: 256 positions already in the KV cache (as llama.cpp's), 32 timed steps,
+median; tok/s = batch / step time. llama.cpp comes from the venv that
+``bench/serve/serve_bench.py --setup-llamacpp`` builds (~/.cache/markbase/llamacpp-venv).
+Absolute times move with the machine's load; compare the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # formats.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))  # peers.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from engine.backends.cpu.blas import ensure_fast_blas  # noqa: E402
+
+ensure_fast_blas()
+
+import mlx.core as mx  # noqa: E402
+
+from engine.backends.cpu import qgemm as cpu_qgemm  # noqa: E402
+from engine.backends.cpu.step import CpuDecodeStep  # noqa: E402
+from engine.loading import load_model  # noqa: E402
+from engine.model.decode_step import FusedDecodeStep  # noqa: E402
+from engine.runner import ModelRunner  # noqa: E402
+
+KV = 256
+STEPS = 32
+
+
+def markbase_rows(batches: list[int], rounds: int) -> list[dict]:
+    # two copies of the model, each with its step built (and its fused weights
+    # registered with the quantized products) as the server builds them
+    runners = {}
+    for name in ("lean", "fused"):
+        os.environ["MARKBASE_CPU_STEP"] = name
+        lm = load_model("smollm2-135m-instruct", weight_format="float32")
+        runners[name] = ModelRunner(lm.model, lm.cpu_shadows)
+    os.environ.pop("MARKBASE_CPU_STEP")
+    assert isinstance(runners["lean"].decode_step, CpuDecodeStep)
+    assert isinstance(runners["fused"].decode_step, FusedDecodeStep)
+    lib = cpu_qgemm._lib() if runners["lean"].qgemm is not None else None
+    configs = [("lean", True), ("fused", True), ("lean", False)]
+    configs = [c for c in configs if lib is not None or not c[1]]
+    prompt = [(i * 7 + 13) % 40000 + 100 for i in range(KV)]
+    layer_kv = {}
+    for name, runner in runners.items():
+        kv = runner.new_sequence_kv()
+        mx.eval(runner.prefill(kv, prompt, True))
+        layer_kv[name] = [c.kv() for c in kv]
+    rows = []
+    for b in batches:
+        times: dict[tuple[str, bool], list[float]] = {}
+        for _ in range(rounds):
+            for name, quant in configs:
+                runner = runners[name]
+                if lib is not None:
+                    lib.markbase_qw_config(1 if quant else 0, -1, -1, -1)
+                batch = runner.new_batch_kv()
+                for _row in range(b):
+                    for layer, (k, v) in zip(batch, layer_kv[name]):
+                        layer.add(k, v)
+                tokens = [1000] * b
+                ts = []
+                for i in range(STEPS + 4):
+                    t = time.perf_counter()
+                    tokens = mx.argmax(runner.decode(batch, tokens), axis=-1).tolist()
+                    if i >= 4:
+                        ts.append(time.perf_counter() - t)
+                times.setdefault((name, quant), []).append(statistics.median(ts))
+        for (name, quant), ts in times.items():
+            dt = min(ts)
+            rows.append(
+                {
+                    "config": f"markbase {name} step, "
+                    + ("quantized products" if quant else "float32 OpenBLAS"),
+                    "batch": b,
+                    "step_ms": round(dt * 1e3, 2),
+                    "tok_s": round(b / dt, 1),
+                }
+            )
+    if lib is not None:
+        lib.markbase_qw_config(1, -1, -1, -1)
+    return rows
+
+
+def llamacpp_rows(batches: list[int], threads: int) -> list[dict]:
+    import peers
+    from formats import run_llamacpp
+
+    if not peers.llamacpp_ok():
+        print(f"# llama.cpp skipped: no llama-cpp-python in {peers.LLAMACPP_VENV}")
+        return []
+    gguf = str(peers.gguf_path("smollm2-135m-instruct"))
+    rows = run_llamacpp(str(peers.llamacpp_python()), gguf, batches, threads)
+    for r in rows:
+        r["config"] = f"llama.cpp {r['format'].split()[-1]}, {threads} threads"
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (best kept)")
+    ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = [] if args.no_llamacpp else llamacpp_rows(batches, args.threads)
+    rows += markbase_rows(batches, args.rounds)
+    ref = {r["batch"]: r["tok_s"] for r in rows if r["config"].startswith("llama.cpp")}
+    print(f"\nload average {os.getloadavg()[0]:.1f}; KV {KV} positions; tok/s (step ms)\n")
+    print("| config | " + " | ".join(f"B={b}" for b in batches) + " |")
+    print("|---|" + "---:|" * len(batches))
+    for config in dict.fromkeys(r["config"] for r in rows):
+        cells = []
+        for b in batches:
+            r = next((r for r in rows if r["config"] == config and r["batch"] == b), None)
+            if r is None:
+                cells.append("-")
+                continue
+            cell = f"{r['tok_s']:.0f} ({r['step_ms']:.1f})"
+            if b in ref and not config.startswith("llama.cpp"):
+                cell += f" = {r['tok_s'] / ref[b]:.2f}x"
+            cells.append(cell)
+        print(f"| {config} | " + " | ".join(cells) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
