@@ -241,8 +241,11 @@ class LastPositions:
         if not layers:
             return None
         for _, module in model.named_modules():
-            own = module.get("layers") if isinstance(module, dict) else None
-            if isinstance(own, list) and own and own[0] is layers[0]:
+            # the module that holds the layers, whatever it calls them (gpt2: ``h``)
+            holds = any(
+                isinstance(v, list) and v and v[0] is layers[0] for v in module.values()
+            )
+            if holds:
                 for name in cls.NAMES:
                     if isinstance(module.get(name), nn.Module):
                         return cls(module, name)

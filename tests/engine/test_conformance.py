@@ -33,6 +33,8 @@ from engine.model import attention
 from engine.types import GenerationRequest, SamplingParams
 from tests.helpers.families import NOT_BUILT, families, tiny_config
 
+pytestmark = pytest.mark.slow
+
 N_TOKENS = 20
 _D = [(i * 37 + 11) % 250 + 1 for i in range(29)]
 PROMPTS = {
@@ -137,7 +139,10 @@ async def batched(client, model: str) -> dict[str, list[int]]:
     return dict(zip(tasks, done))
 
 
-def check(family: str) -> Result:
+def check(family: str, pipeline: bool | None = None) -> Result:
+    """One family's result; ``pipeline``: the decode loop's mode (None: the backend's
+    default, step by step on a CPU; True: step i+1 queued before step i is read, as on
+    a GPU)."""
     if family in NOT_BUILT:
         return Result(family, "not built", NOT_BUILT[family])
     loaded = build_random_model(family, tiny_config(family), seed=0)
@@ -147,7 +152,11 @@ def check(family: str) -> Result:
         want = None
         why = f"{type(exc).__name__}: {exc}"
     config = EngineConfig(
-        max_num_seqs=8, prefill_chunk_tokens=16, prefix_cache_tokens=4096, warmup=False
+        max_num_seqs=8,
+        prefill_chunk_tokens=16,
+        prefix_cache_tokens=4096,
+        warmup=False,
+        pipeline_decode=pipeline,
     )
     try:
         client = EngineClient.from_loaded([(loaded, None)], config)
@@ -203,6 +212,14 @@ def test_family(family: str) -> None:
         assert REFUSED[family] in result.detail, result.detail
     if result.status == "pass":
         assert family not in REFUSED, f"{family} passes now: remove it from REFUSED"
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "qwen3_next", "deepseek_v3"])
+def test_pipelined_decode(family: str) -> None:
+    """The GPU's decode loop (step i+1 built on step i's tokens before they are read)
+    over a sliding window, state layers and MLA latents, on the CPU."""
+    result = check(family, pipeline=True)
+    assert result.status == "pass", result.detail
 
 
 def test_table(capsys) -> None:
