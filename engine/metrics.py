@@ -26,6 +26,14 @@ kv_bytes = Gauge("markbase_kv_cache_bytes", "Bytes held by the running batch's K
 prefix_cache_tokens = Gauge(
     "markbase_prefix_cache_tokens", "Tokens held by the prefix cache", ["model"]
 )
+prefix_cache_bytes = Gauge(
+    "markbase_prefix_cache_bytes", "Bytes of KV arrays held by the prefix cache", ["model"]
+)
+mlx_memory = Gauge(
+    "markbase_mlx_memory_bytes",
+    "MLX's allocator, whole process: arrays alive (active) and freed buffers kept for reuse (cache)",
+    ["kind"],
+)
 prompt_tokens = Counter(
     "markbase_prompt_tokens", "Prompt tokens processed (cached ones included)", ["model"]
 )

@@ -43,6 +43,7 @@ class _Node:
     kv: list[Block | None] = field(default_factory=list)  # per leaf (None: not held)
     states: list[StateRows | None] | None = None  # per leaf, after this block (state leaves)
     cost: int = 0  # budget tokens this node holds
+    nbytes: int = 0  # bytes of the arrays it holds
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
     last_used: int = 0
 
@@ -56,6 +57,7 @@ class PrefixCache:
         self.layout = layout
         self.root = _Node((), None)
         self.tokens_held = 0
+        self.bytes_held = 0  # of the arrays in the cache: what it adds to the process's memory
         self._clock = itertools.count(1)
         self.hit_tokens = 0
         self.query_tokens = 0
@@ -191,15 +193,17 @@ class PrefixCache:
         self._evict()
 
     def _recost(self, node: _Node) -> None:
+        """The node's bytes and budget tokens after what it holds changed."""
+        nbytes = sum(a.nbytes + v.nbytes for a, v in (k for k in node.kv if k is not None))
+        if node.states is not None:
+            nbytes += sum(s.nbytes for s in node.states if s is not None)
         if self.layout is None or self.layout.plain:
             cost = self.block
         else:
-            nbytes = sum(a.nbytes + v.nbytes for a, v in (k for k in node.kv if k is not None))
-            if node.states is not None:
-                nbytes += sum(s.nbytes for s in node.states if s is not None)
             cost = max(1, self.layout.cost_tokens(nbytes))  # every node counts: none is free
         self.tokens_held += cost - node.cost
-        node.cost = cost
+        self.bytes_held += nbytes - node.nbytes
+        node.cost, node.nbytes = cost, nbytes
 
     def _evict(self) -> None:
         while self.tokens_held > self.budget_tokens:
@@ -209,6 +213,7 @@ class PrefixCache:
             victim = min(leaves, key=lambda n: n.last_used)
             del victim.parent.children[victim.key]
             self.tokens_held -= victim.cost
+            self.bytes_held -= victim.nbytes
 
     def _iter_nodes(self):
         stack = list(self.root.children.values())
@@ -220,3 +225,4 @@ class PrefixCache:
     def clear(self) -> None:
         self.root = _Node((), None)
         self.tokens_held = 0
+        self.bytes_held = 0

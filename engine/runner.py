@@ -22,7 +22,7 @@ from engine.backends import cpu, cuda
 from engine.cache_layout import WINDOW, CacheLayout, Caches, UnsupportedCache
 from engine.load_check import load_check
 from engine.loading.loaded_model import ModelLoadError
-from engine.model import attention
+from engine.model import attention, moe
 from engine.model.decode_step import make_decode_step
 
 
@@ -48,6 +48,7 @@ class ModelRunner:
         except UnsupportedCache as exc:
             raise ModelLoadError(str(exc)) from None
         attention.install(model)
+        moe.install(model)  # expert products grouped per expert (engine/model/moe.py)
         cpu.install_fast_math(model)  # CPU: prefill's SwiGLU without MLX's slow exp
         self.num_layers = len(self.layout.groups)  # caches the model takes (make_cache())
         # The inner transformer (no lm_head): prompt positions whose logits nobody
@@ -154,6 +155,11 @@ class ModelRunner:
                 self.model(x, cache=caches)
         else:
             self.model(x, cache=caches)
+
+    def prefill_all_logits(self, kv: Caches, tokens: list[int]) -> mx.array:
+        """Feed ``tokens`` of one sequence and return every position's logits [n, V]
+        (prompt logprobs need them all): the model's own call, whatever its family."""
+        return self.model(mx.array([tokens], dtype=mx.int32), cache=kv)[0]
 
     def can_prefill_together(self) -> bool:
         """Whether ``prefill_together`` applies: the last positions' logits can be had

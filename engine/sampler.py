@@ -28,8 +28,10 @@ costs a loop of ops per row, and MLX's CPU transcendental ops run at
 with a temperature and 205 ms with top-p 0.9 (a full sort per row), against a ~100 ms
 step (bench/cpu/sampler_bench.py).
 
-Later per-row features (constrained-decoding masks, logit bias, penalties) slot in
-as extra per-row terms added to the logits before the draw.
+Penalties, logit bias, min_tokens and min_p (engine/penalties.py) change the logits
+of the rows that ask for them before the draw, all such rows together; a batch
+without any pays nothing for them. Log-probabilities are not the sampler's: the
+worker takes them from the raw logits (engine/logprobs.py).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from engine import platform
+from engine import penalties, platform
 from engine.backends import cuda
+from engine.penalties import LogitAdjust
 from engine.types import DRAW_BLOCK, SamplingParams
 
 BLOCK = DRAW_BLOCK  # tokens a block of the two-level draw (the CUDA kernel's too)
@@ -54,9 +57,12 @@ class RowSampler:
     top_p: float
     top_k: int
     rng: np.random.Generator | None = field(default=None, repr=False)
+    adjust: LogitAdjust | None = None  # penalties, bias, min_tokens, min_p: None = none
 
     @classmethod
-    def from_params(cls, params: SamplingParams) -> RowSampler:
+    def from_params(cls, params: SamplingParams, prompt=(), end_ids=()) -> RowSampler:
+        """``prompt`` (token ids) and ``end_ids`` (tokens that end the sequence) are
+        only read for ``repetition_penalty`` and ``min_tokens``."""
         greedy = params.temperature <= 0.0
         rng = None
         if not greedy:
@@ -64,7 +70,8 @@ class RowSampler:
                 params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
             )
             rng = np.random.default_rng(seed)
-        return cls(params.temperature, params.top_p, params.top_k, rng)
+        adjust = LogitAdjust.from_params(params, prompt, end_ids)
+        return cls(params.temperature, params.top_p, params.top_k, rng, adjust)
 
     @property
     def greedy(self) -> bool:
@@ -83,19 +90,43 @@ class RowSampler:
 
 def sample_batch(logits: mx.array, rows: list[RowSampler]) -> mx.array:
     """Next token for each row of ``logits`` ([B, V]); returns int32 [B]: lazily on a
-    GPU, computed here on the CPU (the numpy route) when any row samples."""
-    raw = logits  # the kernel route reads the logits in their own dtype
-    logits = logits.astype(mx.float32)
+    GPU, computed here on the CPU (the numpy route) when any row samples. Rows with
+    logit adjustments (engine/penalties.py) draw from their adjusted logits, which
+    are a copy: ``logits`` itself is never changed."""
+    xp = np if numpy_route() else mx
+    adjust = penalties.plan(rows)
+    if adjust is None:
+        return _sample(logits, rows, xp)
+    x = logits.astype(mx.float32)
+    tokens = _sample(adjust.apply(np.array(x) if xp is np else x, xp), rows, xp)
+    adjust.record(tokens, xp)
+    return tokens
+
+
+def _sample(logits, rows: list[RowSampler], xp) -> mx.array:
+    """``sample_batch`` on ``logits``: an MLX array, or on the numpy route a float32
+    numpy array (adjusted logits)."""
+    if isinstance(logits, np.ndarray):
+        logits_np = logits
+        raw = logits = None
+    else:
+        raw = logits  # the kernel route reads the logits in their own dtype
+        logits = logits.astype(mx.float32)
+        logits_np = None
     live = [i for i, r in enumerate(rows) if not r.greedy]
     if not live:
+        if logits_np is not None:
+            return mx.array(np.argmax(logits_np, axis=-1).astype(np.int32))
         return mx.argmax(logits, axis=-1).astype(mx.int32)
     draws = [rows[i].draw() for i in live]
-    xp = np if numpy_route() else mx
     kernel = xp is mx and use_kernel_on_gpu and cuda.sampler_enabled()
     whole = kernel and cuda.sampler_takes(raw) and not any(rows[i].filters for i in live)
     if whole:  # one kernel for the whole step
         return cuda.sampler_draw(raw, _kernel_params(rows, range(len(rows)), draws))
-    x = np.asarray(logits) if xp is np else logits
+    if xp is np:
+        x = logits_np if logits_np is not None else np.asarray(logits)
+    else:
+        x = logits
     if len(live) < len(rows):
         out = xp.argmax(x, axis=-1).astype(xp.int32)
     else:  # every row samples, in one group or two

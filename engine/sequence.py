@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampler import RowSampler
-from engine.types import FinishReason, GenerationRequest
+from engine.types import FinishReason, GenerationRequest, TokenLogprob
 
 
 class SeqState(enum.Enum):
@@ -107,6 +107,11 @@ class Sequence:
     last_token_at: float | None = None
     finish_reason: FinishReason | None = None
     reserved_tokens: int = 0  # KV budget held for this sequence
+    # With params.logprobs: one per output_ids entry (engine/logprobs.py)
+    logprobs: list[TokenLogprob] | None = None
+    # With params.prompt_logprobs: one per prompt token computed so far (the first
+    # None); sent with the first event, then dropped
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # Derived once (the worker reads them for every token):
     end_ids: frozenset[int] = field(init=False)  # eos_ids and params.stop_token_ids
     output_limit: int = field(init=False)  # max output tokens: max_tokens and max_len
@@ -115,6 +120,16 @@ class Sequence:
         params = self.request.params
         self.end_ids = self.eos_ids | frozenset(params.stop_token_ids)
         self.output_limit = min(params.max_tokens, self.max_len - len(self.request.prompt_tokens))
+        if params.logprobs is not None:
+            self.logprobs = []
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt is prefilled from the start, alone, with every position's logits
+        (engine/worker.py ``_prefill_chunk``): no cached prefix, no shared forward."""
+        return self.request.params.prompt_logprobs is not None
 
     @property
     def request_id(self) -> str:

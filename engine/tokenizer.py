@@ -114,6 +114,10 @@ class Tokenizer:
         self._added_ids = frozenset(added)
         self._plain_pieces: PlainPieces | None = None
         self._plain_checked = False
+        self._input_bytes_bound: int | None = None
+        self._bound_checked = False
+        self._token_bytes: dict[int, bytes] = {}
+        self._byte_decoder: dict[str, int] | None = None  # {} once known not byte-level
         if chat_template is None:
             gemma_turns = "<start_of_turn>" in self._vocab and "<end_of_turn>" in self._vocab
             chat_template = fallback_chat_template(gemma_turns, add_bos)
@@ -144,6 +148,26 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_unlocked(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``encode`` for long texts, called from a worker thread: the tokenizers
+        library releases the GIL in ``encode_batch`` but not in ``encode``, so with
+        this the event loop and the engine thread keep running while it works. Measured
+        on 1 MB of English with SmolLM2's tokenizer (2 vCPUs): a thread calling
+        ``encode`` stalls every other Python thread for the whole 1.6 s; one calling
+        ``encode_batch`` for 0.1 s at most. Same ids as ``encode``."""
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def max_input_bytes_per_token(self) -> int | None:
+        """The most bytes of UTF-8 input one token can stand for, or None where this
+        tokenizer offers no safe bound. ``ceil(len(text.encode()) / bound)`` is then a
+        lower bound on the tokens of ``text``: the server rejects a prompt that cannot
+        fit the context window from its length alone, without tokenizing it. Worked
+        out once (see ``input_bytes_bound``)."""
+        if not self._bound_checked:
+            self._input_bytes_bound = input_bytes_bound(self._backend, self._vocab)
+            self._bound_checked = True
+        return self._input_bytes_bound
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -188,6 +212,44 @@ class Tokenizer:
                     pass
             self._plain_checked = True
         return self._plain_pieces
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, on its own (logprobs' ``bytes``): byte-level
+        BPE maps its characters back to bytes, a ``<0xXX>`` byte-fallback token is that
+        byte, an added/special token its own text, any other token the text it adds
+        after other text (SentencePiece's ``▁`` is a space). Cached per token."""
+        cache = self._token_bytes
+        found = cache.get(token_id)
+        if found is None:
+            found = cache[token_id] = self._token_bytes_uncached(int(token_id))
+        return found
+
+    def _token_bytes_uncached(self, token_id: int) -> bytes:
+        try:
+            piece = self._backend.id_to_token(token_id)
+        except (OverflowError, ValueError):
+            piece = None
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode()
+        if self._byte_decoder is None:
+            self._byte_decoder = _byte_decoder(self._backend.decoder)
+        if self._byte_decoder:
+            try:
+                return bytes(self._byte_decoder[c] for c in piece)
+            except KeyError:
+                return piece.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        pieces = self.plain_pieces()
+        text = pieces[token_id] if pieces is not None else None
+        if text is None:
+            text = self._backend.decode([token_id], skip_special_tokens=False)
+        return text.encode()
 
     def id_to_piece(self, token_id: int) -> str | None:
         return self._backend.id_to_token(int(token_id))
@@ -343,6 +405,81 @@ class Tokenizer:
         )
 
 
+# Normalizers that never make text shorter in bytes: a token then stands for at most as
+# many input bytes as its own (normalized) text has. Replace counts only where its
+# replacement is at least as long as what it replaces (checked below).
+_GROWING_NORMALIZERS = frozenset({"Prepend", "Replace"})
+# Pre-tokenizers that drop no text (Whitespace, WhitespaceSplit, BertPreTokenizer and
+# CharDelimiterSplit drop the characters they split on; Split and Punctuation can too).
+_KEEPING_PRE_TOKENIZERS = frozenset(
+    {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation", "UnicodeScripts"}
+)
+
+
+def input_bytes_bound(backend: BackendTokenizer, vocab: Iterable[str] | None = None) -> int | None:
+    """The most UTF-8 bytes of input text any one token of ``backend`` covers, or None.
+
+    Safe only where every input byte ends up in some token and no token covers more
+    input than its own text: a BPE model (byte-level, or with byte fallback, or with
+    unknown characters as one token each), a normalizer that only makes text longer
+    (none, Prepend, Replace with a replacement at least as long), pre-tokenizers that
+    keep every character, and added tokens that strip no whitespace around them.
+    Anything else (WordPiece's whole-word [UNK], NFKC, lowercasing, accent stripping,
+    a Whitespace pre-tokenizer that drops spaces, merged unknowns) gives None.
+
+    A token's text is its normalized input: byte-level BPE writes one character per
+    byte (so its length in characters is its bytes), other models their UTF-8 text.
+    """
+    model = backend.model
+    if not isinstance(model, models.BPE):
+        return None
+    normalizer = backend.normalizer
+    if normalizer is not None:
+        try:
+            spec = json.loads(normalizer.__getstate__())
+        except Exception:
+            return None
+        norm_steps = spec.get("normalizers", [spec]) if spec.get("type") == "Sequence" else [spec]
+        for step in norm_steps:
+            kind = step.get("type")
+            if kind not in _GROWING_NORMALIZERS:
+                return None
+            if kind == "Replace":
+                pattern = step.get("pattern", {})
+                if "String" not in pattern:
+                    return None  # a regex may match more than it writes
+                if len(str(step.get("content", "")).encode()) < len(pattern["String"].encode()):
+                    return None
+    byte_level = False
+    pre = backend.pre_tokenizer
+    if pre is not None:
+        try:
+            spec = json.loads(pre.__getstate__())
+        except Exception:
+            return None
+        pre_steps = spec.get("pretokenizers", [spec]) if spec.get("type") == "Sequence" else [spec]
+        for step in pre_steps:
+            kind = step.get("type")
+            if kind not in _KEEPING_PRE_TOKENIZERS:
+                return None
+            if str(step.get("behavior", "")).lower() == "removed":
+                return None
+            byte_level |= kind == "ByteLevel"
+    if not byte_level and not model.byte_fallback and model.unk_token and model.fuse_unk:
+        return None  # a run of unknown characters is one token
+    added = backend.get_added_tokens_decoder()
+    if any(t.lstrip or t.rstrip for t in added.values()):
+        return None  # such a token also covers the whitespace next to it
+    if vocab is None:
+        vocab = backend.get_vocab(with_added_tokens=True)
+    # A ``<0xNN>`` byte-fallback token counts as its 6 characters (it stands for 1
+    # byte): a looser bound, still safe.
+    size = len if byte_level else (lambda token: len(token.encode()))
+    most = max(map(size, vocab), default=0)
+    most = max([most, *(len(t.content.encode()) for t in added.values())])
+    return max(most, 4)  # an unknown character (one token each) is up to 4 bytes
+
+
 def _set_post_processor(backend, bos, bos_id, eos, eos_id) -> None:
     """BOS/EOS on ``encode(..., add_special_tokens=True)`` exactly as the GGUF says."""
     single = ([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else [])
@@ -351,6 +488,19 @@ def _set_post_processor(backend, bos, bos_id, eos, eos_id) -> None:
     backend.post_processor = processors.TemplateProcessing(
         single=single, pair=pair, special_tokens=specials
     )
+
+
+def _byte_decoder(decoder) -> dict[str, int]:
+    """Byte-level BPE's character -> byte table when ``decoder`` is (or holds) a
+    ByteLevel decoder, else {}."""
+    try:
+        spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
+    except Exception:
+        return {}
+    steps = spec.get("decoders") if spec.get("type") == "Sequence" else [spec]
+    if not any(isinstance(st, dict) and st.get("type") == "ByteLevel" for st in steps or []):
+        return {}
+    return {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -35,7 +35,26 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: int | None = None  # reserved: top-k logprobs per token
+    # Log-probabilities (engine/logprobs.py): None = off; k >= 0 = each generated
+    # token's logprob and the k most likely tokens at its position.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt token (echo)
+    # Logit adjustments (engine/penalties.py); each at its neutral value is off.
+    frequency_penalty: float = 0.0  # OpenAI: minus penalty x count, generated tokens
+    presence_penalty: float = 0.0  # OpenAI: minus penalty once, generated tokens
+    repetition_penalty: float = 1.0  # HF/vLLM: divides (>0) / multiplies, prompt + generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_p: float = 0.0  # drop tokens under min_p x the most likely one's probability
+    min_tokens: int = 0  # end tokens (EOS, stop_token_ids) masked until this many
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One position's log-probabilities (engine/logprobs.py says which ones): the
+    token's own and the ``top`` most likely (token id, logprob), most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -65,6 +84,11 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     error: str | None = None
     error_kind: str | None = None  # "overloaded" | "engine_dead" | "internal" | "context_length"
+    # With params.logprobs: one per token of ``token_ids``, in order.
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    # With params.prompt_logprobs, on the first event only: one per prompt token, the
+    # first None (nothing precedes it).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,9 @@ from engine.config import (
 )
 from engine.events import LoopEmit, deliver_all
 from engine.kv import KVRows
+from engine.logprobs import StepLogprobs, prompt_logprobs, step_logprobs
 from engine.prefix_cache import PrefixCache
+from engine.progress import bar
 from engine.runner import ModelRunner
 from engine.sampler import RowSampler, sample_batch
 from engine.scheduler import (
@@ -51,9 +53,14 @@ from engine.types import (
     OverloadedError,
     SamplingParams,
     TokenEvent,
+    TokenLogprob,
 )
 
 log = logging.getLogger("markbase.engine")
+
+# Prompt tokens a step prefills of a prompt whose logprobs were asked for: each
+# position's logits are kept ([n, V] float32: 128 x 49k tokens = 25 MB).
+PROMPT_LOGPROBS_CHUNK = 128
 
 Emit = Callable[[TokenEvent], None]
 
@@ -79,6 +86,7 @@ class ModelWorker:
         layout = self.runner.layout
         self.scheduler = Scheduler(config, kv_tokens=layout.kv_tokens)
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens, layout=layout)
+        self.mlx_memory = (0, 0)  # MLX active and cached bytes, refreshed by the worker
         self.metrics = metrics.ModelMetrics(self.name)
         self.batch: Caches = self.runner.new_batch_kv()
 
@@ -95,8 +103,8 @@ class ModelWorker:
         self.steps = 0
         self.pipeline = pipeline_decode_enabled(config)
         # The queued decode step (pipelined mode): its sampled tokens, on the
-        # device, and the rows they belong to.
-        self._inflight: tuple[mx.array, list[Sequence]] | None = None
+        # device, the rows they belong to and their logprobs (None: no row asked).
+        self._inflight: tuple[mx.array, list[Sequence], StepLogprobs | None] | None = None
         self.fatal: BaseException | None = None
         self._stopping = False
         self._closed = False  # set under _lock once the worker stops taking requests
@@ -185,6 +193,11 @@ class ModelWorker:
         try:
             if warmup_enabled(self.config):
                 try:
+                    log.info(
+                        "warming up %s: a prefill chunk and decode steps at batch sizes %s ...",
+                        self.name,
+                        ", ".join(map(str, warmup_batch_sizes(self.config.max_num_seqs))),
+                    )
                     self.warmup_s = self.warm_up()
                     log.info("warm-up of %s took %.2f s", self.name, self.warmup_s)
                 except Exception:  # only an optimisation: serve without it
@@ -256,7 +269,7 @@ class ModelWorker:
             mx.eval(runner.prefill(runner.new_sequence_kv(), prompt[:rows], want_logits=True))
         token = int(first.item())
         length = total
-        for b in sizes:
+        for b in bar(sizes, desc=f"warm-up {self.name}", unit="batch size"):
             ragged = [length - r % min(length, 8) for r in range(b)]
             for lengths in [ragged] + ([[length] * b] if b == 2 else []):
                 batch = runner.new_batch_kv()
@@ -353,7 +366,7 @@ class ModelWorker:
             self.kv_reserved += seq.reserved_tokens
             seq.state = SeqState.PREFILLING
             try:
-                seq.sampler = RowSampler.from_params(seq.params)
+                seq.sampler = RowSampler.from_params(seq.params, seq.prompt, seq.end_ids)
             except Exception as exc:  # e.g. a seed MLX cannot take: only this request fails
                 self._finish(
                     seq,
@@ -369,6 +382,8 @@ class ModelWorker:
         """Take the longest cached prefix (``found``: a lookup already made). Done at
         the first chunk, not at admission, so requests that arrive together still
         reuse the one prefilled before them."""
+        if seq.wants_prompt_logprobs:  # every position's logits: nothing from the cache
+            found = (0, None)
         matched, cached = found or self.prefix_cache.lookup(seq.prompt)
         self.metrics.prefix_cache_queries.inc(len(seq.prompt))
         if matched:
@@ -406,8 +421,8 @@ class ModelWorker:
             return plan.chunks
         rest, misses, hits = [], [], []
         for seq, n in plan.chunks:
-            if n != len(seq.prompt) - seq.prefilled:  # does not end its prompt this step
-                rest.append((seq, n))
+            if n != len(seq.prompt) - seq.prefilled or seq.wants_prompt_logprobs:
+                rest.append((seq, n))  # does not end its prompt this step, or runs alone
             elif seq.kv is None:
                 found = self.prefix_cache.lookup(seq.prompt)
                 if found[0]:
@@ -451,9 +466,10 @@ class ModelWorker:
             logits = self.runner.prefill_together(
                 [s.kv for s in group], [s.prompt[s.prefilled :] for s in group]
             )
-            tokens = sample_batch(logits, [s.sampler for s in group])
+            tokens, lps = self._draw(logits, group)
             mx.eval(tokens, [a for s in group for a in s.kv.arrays()])
             firsts = tokens.tolist()
+            first_lps = lps.for_rows(len(group)) if lps is not None else [None] * len(group)
         except Exception:  # run them one by one instead: a failure there is theirs alone
             log.exception("prefilling %d prompts together failed; one by one", len(group))
             for seq in group:
@@ -461,27 +477,33 @@ class ModelWorker:
                 seq.state_at, seq.kept_state = self._state_boundary(seq), None
                 self._prefill_chunk(seq, len(seq.prompt))
             return
-        for seq, token in zip(group, firsts):
+        for seq, token, lp in zip(group, firsts, first_lps):
             seq.prefilled = len(seq.prompt)
-            self._prefilled(seq, token)
+            self._prefilled(seq, token, lp)
 
     def _prefill_chunk(self, seq: Sequence, n: int) -> None:
         try:
             if seq.kv is None:
                 self._start_prefill(seq)
             start = seq.prefilled
+            if seq.wants_prompt_logprobs:
+                n = min(n, PROMPT_LOGPROBS_CHUNK)
             if seq.state_at is not None:  # the chunk ends at the state boundary at most
                 n = min(n, seq.state_at - start)
             chunk = seq.prompt[start : start + n]
             last = start + len(chunk) >= len(seq.prompt)
-            logits = self.runner.prefill(seq.kv, chunk, want_logits=last)
+            if seq.wants_prompt_logprobs:
+                logits = self._prefill_scoring(seq, start, chunk)
+            else:
+                logits = self.runner.prefill(seq.kv, chunk, want_logits=last)
             seq.prefilled += len(chunk)
             if seq.prefilled == seq.state_at:
                 self._keep_state(seq)
             if not last:
                 return
-            token = sample_batch(logits[None], [seq.sampler])
+            token, lps = self._draw(logits[None], [seq])
             mx.eval(token, seq.kv.arrays())
+            lp = lps.for_rows(1)[0] if lps is not None else None
         except Exception as exc:  # this sequence fails; the batch goes on
             log.exception("prefill failed for %s", seq.request_id)
             self.prefilling.remove(seq)
@@ -490,9 +512,28 @@ class ModelWorker:
                 seq, FinishReason.ERROR, error=f"Prefill failed: {exc!r}", error_kind="internal"
             )
             return
-        self._prefilled(seq, int(token.item()))
+        self._prefilled(seq, int(token.item()), lp)
 
-    def _prefilled(self, seq: Sequence, token: int) -> None:
+    def _prefill_scoring(self, seq: Sequence, start: int, chunk: list[int]) -> mx.array:
+        """A chunk of a prompt whose tokens' logprobs were asked for (completions'
+        ``echo`` with ``logprobs``): every position's logits, the logprobs of the
+        prompt tokens they predict kept on ``seq``; returns the last position's."""
+        logits = self.runner.prefill_all_logits(seq.kv, chunk)
+        k = seq.params.prompt_logprobs
+        seq.prompt_logprobs.extend(prompt_logprobs(logits, seq.prompt, start, k))
+        return logits[-1]
+
+    def _draw(self, logits: mx.array, seqs: list[Sequence]):
+        """The batch's next tokens (``sample_batch``, lazily) and the logprobs of the
+        rows that asked for them (engine/logprobs.py: the raw logits' log-softmax),
+        or None when none asked."""
+        tokens = sample_batch(logits, [s.sampler for s in seqs])
+        wants = [s.params.logprobs for s in seqs]
+        if wants.count(None) == len(wants):
+            return tokens, None
+        return tokens, step_logprobs(logits, wants, tokens)
+
+    def _prefilled(self, seq: Sequence, token: int, lp: TokenLogprob | None = None) -> None:
         """A prompt is in the cache and its first token sampled: keep its prefix for
         reuse, emit the token, and move the sequence into the running batch."""
         self.prefilling.remove(seq)
@@ -500,7 +541,7 @@ class ModelWorker:
         rows = kv.rows()
         kept, seq.kept_state = seq.kept_state, None
         self.prefix_cache.insert(seq.prompt, _kv_only(rows), state=kept)
-        if self._accept_token(seq, token):
+        if self._accept_token(seq, token, lp):
             return
         self.runner.join_batch(self.batch, kv, rows)
         seq.state = SeqState.RUNNING
@@ -524,14 +565,14 @@ class ModelWorker:
         self.metrics.step_batch_size.observe(len(seqs))
         if self.pipeline:
             try:
-                sampled = sample_batch(logits, [s.sampler for s in seqs])
-                mx.async_eval(sampled)
+                sampled, lps = self._draw(logits, seqs)
+                mx.async_eval(sampled, *(lps.arrays() if lps is not None else ()))
             except Exception:
                 log.exception("batched sampling failed; retrying row by row")
             else:
-                self._inflight = (sampled, seqs)
+                self._inflight = (sampled, seqs, lps)
                 if prev is not None:
-                    self._deliver(sampled=prev[0], seqs=prev[1])
+                    self._deliver(*prev)
                 return
         if prev is not None:
             self._deliver(*prev)
@@ -541,17 +582,15 @@ class ModelWorker:
             log.exception("decode step failed")
             self._fail_batch(f"Decode failed: {exc!r}")
             return
-        self._accept_rows(seqs, self._sample_rows(logits, seqs))
+        self._accept_rows(seqs, *self._sample_rows(logits, seqs))
 
-    def _decode_inputs(
-        self, seqs: list[Sequence], prev: tuple[mx.array, list[Sequence]] | None
-    ) -> list[int] | mx.array:
+    def _decode_inputs(self, seqs: list[Sequence], prev: tuple | None) -> list[int] | mx.array:
         """This step's input token per row. Rows of the step still in flight take
         its sampled array (never read back); rows that joined since (they follow
         them, in order) take the token their prefill sampled."""
         if prev is None:
             return [s.next_token for s in seqs]
-        sampled, snap = prev
+        sampled, snap = prev[0], prev[1]
         if len(snap) == len(seqs) and all(a is b for a, b in zip(snap, seqs)):
             return sampled
         pos = {id(s): j for j, s in enumerate(snap)}
@@ -566,27 +605,36 @@ class ModelWorker:
             parts.append(mx.array(joined, dtype=mx.int32))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
-    def _deliver(self, sampled: mx.array, seqs: list[Sequence]) -> None:
-        """Read back a queued step's tokens and hand them to their rows. A failure
-        here is the device's: the rows' KV depends on it, so the batch ends."""
+    def _deliver(
+        self, sampled: mx.array, seqs: list[Sequence], lps: StepLogprobs | None = None
+    ) -> None:
+        """Read back a queued step's tokens (and logprobs) and hand them to their rows.
+        A failure here is the device's: the rows' KV depends on it, so the batch ends."""
         try:
             tokens = sampled.tolist()
+            row_lps = lps.for_rows(len(seqs)) if lps is not None else None
         except Exception as exc:
             log.exception("decode step failed")
             self._inflight = None
             self._fail_batch(f"Decode failed: {exc!r}")
             return
-        self._accept_rows(seqs, tokens)
+        self._accept_rows(seqs, tokens, row_lps)
 
-    def _accept_rows(self, seqs: list[Sequence], tokens: list[int | None]) -> None:
-        """One decode step's tokens, one per row (None: that row's sampling failed).
+    def _accept_rows(
+        self,
+        seqs: list[Sequence],
+        tokens: list[int | None],
+        row_lps: list[TokenLogprob | None] | None = None,
+    ) -> None:
+        """One decode step's tokens, one per row (None: that row's sampling failed),
+        and their logprobs where rows asked (``row_lps``, None when none did).
         All rows get their token at the same moment: one timestamp for the step, and
         the token counter and inter-token histogram are updated once per step."""
         now = time.monotonic()
         gaps: list[float] = []  # inter-token latency of each row with an earlier token
         accepted = 0
         any_done = False
-        for seq, tok in zip(seqs, tokens):
+        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
             if seq.state is not SeqState.RUNNING:  # ended since the step was queued
                 any_done = True
                 continue
@@ -600,7 +648,7 @@ class ModelWorker:
                 gaps.append(now - seq.last_token_at)
             seq.last_token_at = now
             try:
-                if self._take_token(seq, tok):
+                if self._take_token(seq, tok, row_lps[i] if row_lps is not None else None):
                     any_done = True
             except Exception as exc:  # one sequence's bookkeeping failed: only it ends
                 log.exception("token handling failed for %s", seq.request_id)
@@ -622,20 +670,25 @@ class ModelWorker:
             self._finish(seq, FinishReason.ERROR, error=message, error_kind="internal")
         self._drop_finished_rows()
 
-    def _sample_rows(self, logits: mx.array, seqs: list[Sequence]) -> list[int | None]:
+    def _sample_rows(
+        self, logits: mx.array, seqs: list[Sequence]
+    ) -> tuple[list[int | None], list[TokenLogprob | None] | None]:
         """Sample the whole batch at once; if that fails, row by row, so only the
-        rows that fail end (with an error) and the rest of the batch goes on."""
+        rows that fail end (with an error) and the rest of the batch goes on.
+        Returns the tokens and the rows' logprobs (None when no row asked)."""
         try:
-            sampled = sample_batch(logits, [s.sampler for s in seqs])
+            sampled, lps = self._draw(logits, seqs)
             mx.eval(sampled)
-            return sampled.tolist()
+            return sampled.tolist(), (lps.for_rows(len(seqs)) if lps is not None else None)
         except Exception:
             log.exception("batched sampling failed; retrying row by row")
         out: list[int | None] = []
+        row_lps: list[TokenLogprob | None] = []
         for i, seq in enumerate(seqs):
             try:
-                tok = sample_batch(logits[i : i + 1], [seq.sampler])
+                tok, lps = self._draw(logits[i : i + 1], [seq])
                 out.append(int(tok.item()))
+                row_lps.append(lps.for_rows(1)[0] if lps is not None else None)
             except Exception as exc:
                 self._finish(
                     seq,
@@ -644,10 +697,11 @@ class ModelWorker:
                     error_kind="internal",
                 )
                 out.append(None)
-        return out
+                row_lps.append(None)
+        return out, row_lps
 
     # -- tokens out ------------------------------------------------------------------
-    def _accept_token(self, seq: Sequence, token: int) -> bool:
+    def _accept_token(self, seq: Sequence, token: int, lp: TokenLogprob | None = None) -> bool:
         """Record one sampled token (a prefill's first) and emit its text; returns True
         if the sequence ended."""
         now = time.monotonic()
@@ -657,16 +711,19 @@ class ModelWorker:
             self.metrics.inter_token_latency.observe(now - seq.last_token_at)
         seq.last_token_at = now
         self.metrics.generation_tokens.inc()
-        return self._take_token(seq, token)
+        return self._take_token(seq, token, lp)
 
     def _first_token(self, seq: Sequence, now: float) -> None:
         seq.first_token_at = now
         self.metrics.time_to_first_token.observe(now - seq.arrived)
 
-    def _take_token(self, seq: Sequence, token: int) -> bool:
-        """Append ``token`` to ``seq`` and queue its text (stop strings cut); returns
-        True if the sequence ended. Timestamps and metrics are the caller's."""
+    def _take_token(self, seq: Sequence, token: int, lp: TokenLogprob | None = None) -> bool:
+        """Append ``token`` (and its logprobs, if the sequence asked) to ``seq`` and
+        queue its text (stop strings cut); returns True if the sequence ended.
+        Timestamps and metrics are the caller's."""
         seq.output_ids.append(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(lp if lp is not None else TokenLogprob(-9999.0))
         stop = seq.stop
         if token in seq.end_ids:  # EOS or one of the request's stop_token_ids
             text, matched = stop.feed(seq.detokenizer.flush())
@@ -717,6 +774,11 @@ class ModelWorker:
             error,
             error_kind,
         )
+        if seq.logprobs is not None:
+            event.logprobs = tuple(seq.logprobs[sent:n])
+        if seq.prompt_logprobs is not None:  # the first event carries them, once
+            event.prompt_logprobs = tuple(seq.prompt_logprobs)
+            seq.prompt_logprobs = None
         seq.sent_tokens = n
         self._outbox.append((seq.emit, event))
 
@@ -813,6 +875,12 @@ class ModelWorker:
         self.metrics.kv_usage.set(self.kv_reserved / max(1, self.config.max_kv_tokens))
         self.metrics.kv_bytes.set(self.batch.nbytes)
         self.metrics.prefix_cache_tokens.set(self.prefix_cache.tokens_held)
+        self.metrics.prefix_cache_bytes.set(self.prefix_cache.bytes_held)
+        # MLX's allocator, process-wide: arrays alive, and freed buffers kept for reuse
+        # (read here, on the thread that uses MLX, for stats() and /health)
+        self.mlx_memory = (mx.get_active_memory(), mx.get_cache_memory())
+        metrics.mlx_memory.labels("active").set(self.mlx_memory[0])
+        metrics.mlx_memory.labels("cache").set(self.mlx_memory[1])
 
     def stats(self) -> dict:
         return {
@@ -821,6 +889,9 @@ class ModelWorker:
             "waiting": len(self.waiting),
             "kv_reserved_tokens": self.kv_reserved,
             "prefix_cache_tokens": self.prefix_cache.tokens_held,
+            "prefix_cache_bytes": self.prefix_cache.bytes_held,
+            "mlx_active_bytes": self.mlx_memory[0],
+            "mlx_cache_bytes": self.mlx_memory[1],
             "steps": self.steps,
         }
 

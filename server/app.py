@@ -20,8 +20,11 @@ from server.config import Settings
 from server.deps import DOCUMENTED_BODIES
 from server.errors import install_handlers
 from server.generation import Engine
+from server.lifespan import lifespan
 from server.middleware import RequestContextMiddleware
-from server.routes import chat, completions, health, models
+from server.openapi_served import describe_server
+from server.prompt_guard import PromptGuard
+from server.routes import chat, completions, health, models, stats, tokenize, ui
 
 
 def create_app(engine_client: Engine, settings: Settings | None = None) -> FastAPI:
@@ -33,12 +36,17 @@ def create_app(engine_client: Engine, settings: Settings | None = None) -> FastA
         docs_url=None,
         redoc_url=None,
         openapi_url="/openapi.json",
+        lifespan=lifespan,  # /v1/stats sampling; logs where the pages are
     )
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.state.engine = engine_client
     app.state.settings = settings
-    for module in (models, completions, chat, health):
+    app.state.prompt_guard = PromptGuard(
+        settings.server.large_prompt_bytes, settings.server.max_large_tokenizations
+    )
+    for module in (models, completions, chat, tokenize, health, stats, ui):
         app.include_router(module.router)
+    ui.mount_static(app)
     install_handlers(app)
 
     s = settings.server
@@ -58,7 +66,8 @@ def create_app(engine_client: Engine, settings: Settings | None = None) -> FastA
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema plus the request bodies the routes read themselves
-    (server.deps.json_body), as components."""
+    (server.deps.json_body), as components, and what this server serves and allows
+    (server.openapi_served)."""
     if app.openapi_schema is None:
         with warnings.catch_warnings():  # /health is GET and HEAD: one id, two operations
             warnings.filterwarnings("ignore", "Duplicate Operation ID", UserWarning)
@@ -70,5 +79,12 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             ref_template="#/components/schemas/{model}",
         )
         schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        engine = app.state.engine
+        try:
+            served = list(engine.models())
+            tokenizers = {m.name: engine.tokenizer(m.name) for m in served}
+        except Exception:  # noqa: BLE001 - a stand-in engine (tests) that serves nothing
+            served, tokenizers = [], {}
+        describe_server(schema, served, app.state.settings.server, tokenizers)
         app.openapi_schema = schema
     return app.openapi_schema

@@ -1,6 +1,6 @@
-"""Bearer API keys: every /v1/* request (and /metrics when configured) needs
-``Authorization: Bearer <key>``. Keys are compared in constant time and never
-logged or echoed back."""
+"""Bearer API keys: every /v1/* request, /tokenize and /detokenize (and /metrics when
+configured) need ``Authorization: Bearer <key>``. Keys are compared in constant time
+and never logged or echoed back."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ class AuthMiddleware:
         return (
             path == "/v1"
             or path.startswith("/v1/")
+            or path in ("/tokenize", "/detokenize")
             or (self.protect_metrics and path == "/metrics")
         )
 

@@ -26,7 +26,9 @@ import uvicorn
 from engine import envs
 from engine.backends import cpu, cuda
 from engine.config import EngineConfig
+from server import prompt_guard
 from server.config import ConfigError, ServerSettings, load_settings, parse_model_arg, redacted
+from server.connections import ConnectionLimits, raise_open_file_limit, uvicorn_options
 
 log = logging.getLogger("markbase.server")
 
@@ -162,6 +164,10 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     try:
         app = create_app(engine, settings)
+        prompt_guard.prepare(engine)
+        warn_open_metrics(settings.server)
+        limits = ConnectionLimits.from_settings(settings.server)
+        raise_open_file_limit(limits)
         grace = settings.server.shutdown_grace_s
         config = uvicorn.Config(
             app,
@@ -170,6 +176,7 @@ def serve(args: argparse.Namespace) -> int:
             log_level=settings.server.log_level.lower(),
             access_log=False,  # markbase.access logs one line per request instead
             timeout_graceful_shutdown=grace + 5,  # after the engine's abort, streams end at once
+            **uvicorn_options(limits),  # per-phase timeouts, connection caps (server.connections)
         )
         # uvicorn re-raises the signal that stopped it once it is done; these
         # handlers turn that into a clean exit (status 0, engine shut down).
@@ -183,6 +190,19 @@ def serve(args: argparse.Namespace) -> int:
 
         release_mlx_thread_state()  # before the interpreter finalizes: no SIGABRT at exit
     return 0
+
+
+def warn_open_metrics(server: ServerSettings) -> None:
+    """API keys guard /v1/*; /metrics stays open unless metrics_require_auth is set,
+    which is easy to miss when the server is exposed."""
+    if server.api_keys and not server.metrics_require_auth:
+        log.warning(
+            "API keys are set but /metrics is open to anyone who can reach %s:%d "
+            "(model names, request counts, queue lengths); set metrics_require_auth: true "
+            "(--metrics-require-auth) to require a key there too",
+            server.host,
+            server.port,
+        )
 
 
 class _Stopped(Exception):

@@ -46,6 +46,17 @@ class ServerSettings:
     cors_origins: list[str] = field(default_factory=list)  # empty: no CORS headers
     log_level: str = "info"
     log_requests: bool = True  # one JSON line per request on logger markbase.access
+    # Connection limits, enforced per connection by server.connections (0 = off).
+    header_timeout_s: float = 10.0  # request line + headers must all arrive within this
+    body_timeout_s: float = 20.0  # a request body gets this long, plus 1 s per ...
+    body_min_rate_bytes: int = 1024  # ... this many bytes received (0: a hard deadline)
+    keepalive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_connections: int = 1024  # open at once; beyond: 503 + Retry-After, then closed
+    max_connections_per_client: int = 128  # per client IP; beyond: 429 (0 behind a proxy)
+    max_header_bytes: int = 16384  # request line + headers; beyond: 431
+    # Prompt tokenizing (server.prompt_guard).
+    large_prompt_bytes: int = 65536  # prompts this long are tokenized a few at a time ...
+    max_large_tokenizations: int = 2  # ... this many, as many waiting; beyond: 429
 
 
 @dataclass
@@ -243,6 +254,23 @@ def validate(settings: Settings) -> None:
     for name in ("max_n", "max_prompts", "max_messages", "max_prompt_chars"):
         if getattr(s, name) < 1:
             raise ConfigError(f"{name} must be at least 1, got {getattr(s, name)}")
+    for name in (
+        "header_timeout_s",
+        "body_timeout_s",
+        "body_min_rate_bytes",
+        "keepalive_timeout_s",
+        "max_connections",
+        "max_connections_per_client",
+    ):
+        if getattr(s, name) < 0:
+            raise ConfigError(f"{name} must be 0 (off) or more, got {getattr(s, name)}")
+    if s.max_header_bytes < 1024:
+        raise ConfigError(f"max_header_bytes must be at least 1024, got {s.max_header_bytes}")
+    if s.large_prompt_bytes < 1 or s.max_large_tokenizations < 1:
+        raise ConfigError(
+            "large_prompt_bytes and max_large_tokenizations must be at least 1, got "
+            f"{s.large_prompt_bytes} and {s.max_large_tokenizations}"
+        )
     if s.max_tokens_limit < 0:
         raise ConfigError(f"max_tokens_limit must be 0 (none) or more, got {s.max_tokens_limit}")
     if any(not k for k in s.api_keys):

@@ -11,6 +11,7 @@ from starlette.requests import ClientDisconnect, Request
 from server.config import Settings
 from server.errors import APIError, validation_error
 from server.generation import Engine
+from server.prompt_guard import PromptGuard
 from server.schemas import ErrorResponse
 
 M = TypeVar("M", bound=BaseModel)
@@ -22,6 +23,10 @@ def engine_of(request: Request) -> Engine:
 
 def settings_of(request: Request) -> Settings:
     return request.app.state.settings
+
+
+def prompt_guard_of(request: Request) -> PromptGuard:
+    return request.app.state.prompt_guard
 
 
 def _too_large(limit: int) -> APIError:

@@ -26,6 +26,7 @@ from engine.types import (
     ModelInfo,
     SamplingParams,
     TokenEvent,
+    TokenLogprob,
 )
 from server import sse
 from server.errors import APIError, bad_request, from_engine_error
@@ -62,6 +63,11 @@ class ChoiceResult:
     finish_reason: str | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # with logprobs: every generated token and its logprobs; with prompt logprobs,
+    # the prompt's (the first None)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass
@@ -126,11 +132,20 @@ def resolve_max_tokens(
 
 
 def sampling_params(
-    body: SamplingFields, max_tokens: int, choice_index: int, extra_stops: tuple[str, ...] = ()
+    body: SamplingFields,
+    max_tokens: int,
+    choice_index: int,
+    extra_stops: tuple[str, ...] = (),
+    *,
+    logit_bias: tuple[tuple[int, float], ...] = (),
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The engine's params for choice ``choice_index``: with a seed, seed + index,
     so choices differ but each is reproducible. ``extra_stops`` are the server's
-    own (not counted against the client's limit of 4)."""
+    own (not counted against the client's limit of 4). ``logit_bias`` (checked ids,
+    ``parse_logit_bias``) and the logprobs counts come from the route, which knows
+    the model and the endpoint's spelling."""
     # The engine's random keys take an unsigned 64-bit seed; clients send int64
     # (OpenAI's range), so wrap: seeds 0..2**63-1 are used as they are.
     seed = None if body.seed is None else (body.seed + choice_index) % 2**64
@@ -151,7 +166,46 @@ def sampling_params(
         stop=tuple(dict.fromkeys(body.stop_list() + extra_stops)),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=logit_bias,
+        min_p=body.min_p or 0.0,
+        min_tokens=body.min_tokens or 0,
     )
+
+
+def parse_logit_bias(body: SamplingFields, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs: each key must be a token id of the
+    model's vocabulary written as a decimal integer (OpenAI's form), else a 400
+    naming it."""
+    out: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        text = key.strip()
+        token = int(text) if text.isascii() and text.isdigit() else None
+        if token is None or (vocab_size is not None and token >= vocab_size):
+            limit = f" 0..{vocab_size - 1}" if vocab_size is not None else ""
+            raise bad_request(
+                f"Invalid 'logit_bias': key {key!r} is not a token id of this model's "
+                f"vocabulary{limit}.",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        out[token] = out.get(token, 0.0) + float(value)
+    return tuple(out.items())
+
+
+def check_min_tokens(body: SamplingFields, max_tokens: int) -> None:
+    """``min_tokens`` may not pass the completion's budget (vLLM's rule)."""
+    if body.min_tokens and body.min_tokens > max_tokens:
+        raise bad_request(
+            f"Invalid 'min_tokens': {body.min_tokens} is more than the {max_tokens} tokens "
+            "the completion may have (max_tokens).",
+            param="min_tokens",
+            code="invalid_value",
+        )
 
 
 def check_n(body: SamplingFields, max_n: int) -> int:
@@ -264,6 +318,11 @@ def apply_event(result: ChoiceResult, ev: TokenEvent) -> None:
     result.text += ev.text
     result.completion_tokens = ev.completion_tokens
     result.cached_tokens = ev.cached_tokens
+    if ev.logprobs is not None:
+        result.token_ids.extend(ev.token_ids)
+        result.logprobs.extend(ev.logprobs)
+    if ev.prompt_logprobs is not None:
+        result.prompt_logprobs = ev.prompt_logprobs
     if ev.finish_reason is not None:
         result.finish_reason = ev.finish_reason.value
 
@@ -476,10 +535,11 @@ async def open_stream(
 
 
 class StreamFormat(Protocol):
-    """How one endpoint spells its chunks (chat and text completions differ)."""
+    """How one endpoint spells its chunks (chat and text completions differ).
+    ``content`` gets the event too, for its logprobs."""
 
     def start(self, index: int) -> dict | None: ...
-    def content(self, index: int, text: str) -> dict: ...
+    def content(self, index: int, text: str, event: TokenEvent) -> dict: ...
     def finish(self, index: int, reason: str) -> dict: ...
     def usage(self, usage: Usage) -> dict: ...
 
@@ -514,8 +574,8 @@ async def stream_body(
                 yield sse.DONE
                 return
             apply_event(results[index], ev)
-            if ev.text:
-                yield sse.encode(fmt.content(index, ev.text))
+            if ev.text or ev.logprobs or ev.prompt_logprobs:
+                yield sse.encode(fmt.content(index, ev.text, ev))
             if ev.finish_reason is not None:
                 yield sse.encode(fmt.finish(index, ev.finish_reason.value))
         if include_usage:

@@ -25,3 +25,33 @@ HTTP_CLIENT_DISCONNECTS = Counter(
     "Requests whose client went away before the response was complete.",
     ["route"],
 )
+
+# Connection limits (server.connections) and prompt checks (server.prompt_guard).
+CONNECTIONS_OPEN = Gauge(
+    "markbase_http_connections_open",
+    "TCP connections open now (idle keep-alive connections included).",
+)
+CONNECTIONS_CLOSED = Counter(
+    "markbase_http_connections_closed_by_limit",
+    "Connections the server closed because a limit ran out, by reason "
+    "(head_timeout, body_timeout, idle_timeout, drain_timeout, chunk_too_large).",
+    ["reason"],
+)
+CONNECTIONS_REJECTED = Counter(
+    "markbase_http_connections_rejected",
+    "Connections answered 503/429 and closed because too many were open, by reason "
+    "(server_limit, client_limit).",
+    ["reason"],
+)
+PROMPTS_REJECTED_UNTOKENIZED = Counter(
+    "markbase_prompts_rejected_untokenized",
+    "Prompts rejected as over the context window from their length alone, without tokenizing.",
+)
+LARGE_TOKENIZATIONS = Gauge(
+    "markbase_large_tokenizations_in_progress",
+    "Long prompts being tokenized now (server.large_prompt_bytes and up).",
+)
+TOKENIZER_BUSY = Counter(
+    "markbase_tokenizer_busy_rejections",
+    "Requests answered 429 because as many long prompts as allowed were being tokenized.",
+)

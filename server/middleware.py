@@ -1,6 +1,7 @@
 """Request context as a pure ASGI middleware (no BaseHTTPMiddleware, which
 would buffer streams and break disconnect detection): request id in and out,
-HTTP metrics, and one JSON access-log line per request."""
+``Retry-After`` on every 429 and 503, HTTP metrics, and one JSON access-log line
+per request."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ def _internal_error_start() -> Message:
         ],
     }
 
+
+# Every 429 (queue full, no slot in time, tokenizer busy) and 503 (engine down,
+# shutting down) says when to try again, unless its handler said already.
+RETRY_STATUSES = frozenset({429, 503})
+RETRY_AFTER_S = 1
+RETRY_AFTER = (b"retry-after", str(RETRY_AFTER_S).encode())
 
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:/@+=-]{1,128}$")
 
@@ -69,7 +76,10 @@ class RequestContextMiddleware:
             if message["type"] == "http.response.start":
                 started = True
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []), header]
+                headers = [*message.get("headers", []), header]
+                if status in RETRY_STATUSES and not any(k == b"retry-after" for k, _ in headers):
+                    headers.append(RETRY_AFTER)
+                message["headers"] = headers
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 completed = True
             await send(message)

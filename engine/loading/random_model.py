@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine.loading.loaded_model import LoadedModel
+from engine.loading.materialize import materialize
 from engine.loading.safetensors_folder import context_length_of, model_quantization
 from engine.tokenizer import Tokenizer
+
+_RANDOM_LOCK = threading.Lock()
 
 
 def build_random_model(
@@ -27,17 +32,22 @@ def build_random_model(
 
     config = {"model_type": model_type, **config}
     model_cls, args_cls = model_classes(model_type)
-    mx.random.seed(seed)
-    model = model_cls(args_cls.from_dict(config))
-    if quantize_bits:
+    # MLX's random state is one per process: seeding and drawing under a lock keep a
+    # seed's weights the same when several models are built on threads at once
+    with _RANDOM_LOCK:
+        mx.random.seed(seed)
+        model = model_cls(args_cls.from_dict(config))
+        if quantize_bits:
 
-        def predicate(_path: str, m: nn.Module) -> bool:
-            w = getattr(m, "weight", None)
-            return hasattr(m, "to_quantized") and w is not None and w.shape[-1] % group_size == 0
+            def predicate(_path: str, m: nn.Module) -> bool:
+                w = getattr(m, "weight", None)
+                return (
+                    hasattr(m, "to_quantized") and w is not None and w.shape[-1] % group_size == 0
+                )
 
-        nn.quantize(model, group_size=group_size, bits=quantize_bits, class_predicate=predicate)
-    model.eval()
-    mx.eval(model.parameters())
+            nn.quantize(model, group_size=group_size, bits=quantize_bits, class_predicate=predicate)
+        model.eval()
+        materialize(model)
     vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or 256
     tokenizer = Tokenizer.byte_level(vocab)
     return LoadedModel(

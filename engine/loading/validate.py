@@ -1,6 +1,8 @@
-"""Checks run on every load, before weights go into the model.
+"""Checks run on every load (GGUF files and folders, every family), before weights go
+into the model.
 
-Missing, unexpected and mis-shaped tensors are found by comparing names and shapes with the
+Missing, unexpected, mis-shaped and mistyped tensors (a float where the model holds packed
+4-bit codes, or the reverse) are found by comparing names, shapes and dtype kinds with the
 (already quantized) model's parameters. NaN/Inf is found with one reduction (a sum, which is
 NaN/Inf iff an element is) per floating tensor (for packed weights: their scales and biases), all evaluated together in a
 single ``mx.eval`` so the check stays on the device and costs one sync.
@@ -36,7 +38,22 @@ def check_weights(model: nn.Module, ws: WeightSet, source: str) -> None:
                 f"{source}: tensor {ws.describe(name)} has shape {list(got[name].shape)}, "
                 f"the model expects {list(shape)} for {name}"
             )
+    kinds = model_param_kinds(model)
+    for name, floating in kinds.items():
+        if mx.issubdtype(got[name].dtype, mx.floating) != floating:
+            want = "floating-point" if floating else "integer (packed quantized)"
+            raise ModelLoadError(
+                f"{source}: tensor {ws.describe(name)} is {got[name].dtype}, the model expects "
+                f"{want} values for {name}"
+            )
     check_finite(ws, source)
+
+
+def model_param_kinds(model: nn.Module) -> dict[str, bool]:
+    """Whether each parameter of ``model`` is floating-point (False: packed integers)."""
+    from mlx.utils import tree_flatten
+
+    return {k: mx.issubdtype(v.dtype, mx.floating) for k, v in tree_flatten(model.parameters())}
 
 
 def check_finite(ws: WeightSet, source: str) -> None:

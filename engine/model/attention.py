@@ -6,7 +6,7 @@ one as soon as its rows differ in length (left padding). Its fallback then, and 
 CPU implementation always, expands K/V per query head. Folding the query heads of a
 group into the rows of one matmul against their shared K/V head reads K and V once:
 measured on the H200 +53-64% decode throughput at batch 128 with ragged rows
-(bench/gpu/NOTES.md), and fewer, larger sgemm calls on the CPU.
+(docs/performance.md), and fewer, larger sgemm calls on the CPU.
 
 mlx-lm's attention layers call the module-level name ``scaled_dot_product_attention``
 that each model module imported, so ``install`` rebinds that name in the module of

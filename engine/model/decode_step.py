@@ -17,7 +17,7 @@ CPU). ``make_decode_step`` picks the configuration per backend:
   ``engine/backends/cuda/linear.py``'s plan says for its row count, the hidden state carried as
   [B, D] (so that every product is one [B, K] x [K, N] product; with [B, 1, D] MLX's
   CUDA quantized matmul runs B one-row products), without ``mx.compile``: what
-  bench/gpu/NOTES.md measured on the H200 for 1b bf16 ("fused", +11% at B=1 alone,
+  docs/performance.md measured on the H200 for 1b bf16 ("fused", +11% at B=1 alone,
   +57% together with a pipelined loop that the engine does not have yet). A
   per-layer compiled step was not measured there; ``compile=True`` asks for it.
   With engine/backends/cuda/attention/decode.py's kernel and a cache that has ``reserve`` (``BatchKV``),
@@ -72,7 +72,7 @@ class FusedDecodeStep:
     through norms, projections and MLP (reshaped to [B, H, 1, hd] only for RoPE,
     the KV update and attention), default on with ``gpu_plans``: with [B, 1, D]
     MLX's CUDA ``quantized_matmul`` runs B one-row products that each read the
-    whole weight (8b 4-bit, B=32: 104 ms a step, bench/gpu/NOTES.md). Compiled pieces retrace once per batch size
+    whole weight (8b 4-bit, B=32: 104 ms a step, docs/performance.md). Compiled pieces retrace once per batch size
     (a few ms each in Python; the JIT kernels they need are compiled once per
     machine and cached by MLX), so keep batch sizes to a few buckets (1, 2, 4, 8,
     16) if batches change size often.
@@ -259,9 +259,9 @@ class FusedDecodeStep:
                 self.rope = rope_for_kernel(self.inner.layers)
         # the whole append-form step under one mx.compile (on unless
         # MARKBASE_GPU_STEP_COMPILE=0): the decode step at one row is host-bound, about
-        # half of it Python building ~233 kernel calls a step (bench/gpu/NOTES.md,
-        # sessions 11-13); a compiled step replays them from MLX's tape instead
-        # (measured on an H100, session 15: 1b bf16 B=1 398 -> 659 tok/s, B=8 3379 ->
+        # half of it Python building ~233 kernel calls a step (docs/performance.md);
+        # a compiled step replays them from MLX's tape instead
+        # (measured on an H100: 1b bf16 B=1 398 -> 659 tok/s, B=8 3379 ->
         # 5226; 8b 4-bit B=8 1725 -> 2037). Its inputs keep their shapes from step to
         # step (the attention kernel takes the whole cache buffers and T from each
         # row's position), so it retraces only when the batch size, the buffers'
@@ -398,7 +398,7 @@ class FusedDecodeStep:
         if self.flat and x.shape[1] == 1:
             # [B, 1, D] -> [B, D]: every product sees B rows of one matrix (a 3-D input
             # makes MLX's CUDA quantized matmul run B one-row products, each reading
-            # the whole weight: bench/gpu/NOTES.md, session 3)
+            # the whole weight: docs/performance.md)
             x = x.reshape(x.shape[0], -1)
         append = self.rope is not None and start is not None and x.ndim == 2 and offset.ndim == 1
         for i, (layer, pre, post, c) in enumerate(

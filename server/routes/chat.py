@@ -5,31 +5,41 @@ from __future__ import annotations
 import time
 import uuid
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.deps import engine_of, json_body, parse_body, responses, settings_of
-from server.errors import APIError, bad_request
+from server.deps import (
+    engine_of,
+    json_body,
+    parse_body,
+    prompt_guard_of,
+    responses,
+    settings_of,
+)
+from server.errors import bad_request
 from server.generation import (
     ChoiceResult,
     check_max_tokens,
+    check_min_tokens,
     check_n,
     check_prompt_chars,
     check_supported,
     default_max_tokens,
     make_choices,
+    parse_logit_bias,
     request_info,
     resolve_max_tokens,
     respond,
     sampling_params,
 )
+from server.logprobs import TokenTexts, chat_content, chat_logprobs
 from server.routes.models import lookup
 from server.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
     ChatCompletionRequest,
+    ChatLogprobs,
     ChatMessage,
     Usage,
 )
@@ -74,9 +84,14 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
             texts = []
             for j, part in enumerate(m.content):
                 if part.type != "text" or part.text is None:
+                    what = (
+                        "the served models are text-only"
+                        if part.type in ("image_url", "input_image", "input_audio", "file")
+                        else "only text parts are supported"
+                    )
                     raise bad_request(
-                        f"Invalid '{where}.content[{j}]': only text parts "
-                        f"({{'type': 'text', 'text': ...}}) are supported, got type '{part.type}'.",
+                        f"Invalid '{where}.content[{j}]': content part type '{part.type}' is not "
+                        f"supported ({what}); send {{'type': 'text', 'text': ...}} parts.",
                         param=f"{where}.content[{j}].type",
                         code="unsupported_value",
                     )
@@ -87,7 +102,17 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
 
 
 class ChatFormat:
-    def __init__(self, response_id: str, created: int, model: str, include_usage: bool) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        created: int,
+        model: str,
+        include_usage: bool,
+        texts: TokenTexts | None = None,
+        top_n: int = 0,
+    ) -> None:
+        self.texts = texts  # set when the request asked for logprobs
+        self.top_n = top_n
         self.base = {
             "id": response_id,
             "object": "chat.completion.chunk",
@@ -103,14 +128,20 @@ class ChatFormat:
             chunk["usage"] = usage  # OpenAI: null on every chunk but the last
         return chunk
 
-    def _choice(self, index: int, delta: dict, finish: str | None = None) -> dict:
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def _choice(
+        self, index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None
+    ) -> dict:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def start(self, index: int) -> dict:
         return self._chunk([self._choice(index, {"role": "assistant", "content": ""})])
 
-    def content(self, index: int, text: str) -> dict:
-        return self._chunk([self._choice(index, {"content": text})])
+    def content(self, index: int, text: str, event) -> dict:
+        logprobs = None
+        if self.texts is not None and event.logprobs is not None:
+            content = chat_content(self.texts, event.token_ids, event.logprobs, self.top_n)
+            logprobs = chat_logprobs(content)
+        return self._chunk([self._choice(index, {"content": text}, logprobs=logprobs)])
 
     def finish(self, index: int, reason: str) -> dict:
         return self._chunk([self._choice(index, {}, reason)])
@@ -153,14 +184,9 @@ async def chat_completions(request: Request) -> Response:
     model = lookup(request, body.model)
     info.model = model.name
     tokenizer = engine.tokenizer(model.name)
-    try:
-        prompt = await anyio.to_thread.run_sync(
-            lambda: list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        )
-    except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
-        raise APIError(
-            400, f"The chat template rejected the messages: {exc}", param="messages"
-        ) from None
+    prompt = await prompt_guard_of(request).chat_prompt(
+        tokenizer, model, messages, body.effective_max_tokens()
+    )
     info.prompt_tokens = len(prompt)
     max_tokens = resolve_max_tokens(
         body.effective_max_tokens(),
@@ -169,6 +195,12 @@ async def chat_completions(request: Request) -> Response:
         len(prompt),
         chat=True,
     )
+
+    check_min_tokens(body, max_tokens)
+    logit_bias = parse_logit_bias(body, _vocab_size(tokenizer))
+    # logprobs: true -> each token's logprob and its top_logprobs most likely (0-20)
+    top_n = (body.top_logprobs or 0) if body.logprobs else None
+    texts = TokenTexts(tokenizer) if top_n is not None else None
 
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -180,7 +212,9 @@ async def chat_completions(request: Request) -> Response:
         model.name,
         [prompt],
         n,
-        lambda i: sampling_params(body, max_tokens, i, extra_stops),
+        lambda i: sampling_params(
+            body, max_tokens, i, extra_stops, logit_bias=logit_bias, logprobs=top_n
+        ),
     )
 
     def build(results: dict[int, ChoiceResult], usage: Usage) -> ChatCompletion:
@@ -192,6 +226,11 @@ async def chat_completions(request: Request) -> Response:
                 ChatChoice(
                     index=i,
                     message=AssistantMessage(content=r.text),
+                    logprobs=None
+                    if texts is None
+                    else ChatLogprobs(
+                        content=chat_content(texts, r.token_ids, r.logprobs, top_n or 0)
+                    ),
                     finish_reason=r.finish_reason,
                 )
                 for i, r in sorted(results.items())
@@ -199,5 +238,10 @@ async def chat_completions(request: Request) -> Response:
             usage=usage,
         )
 
-    fmt = ChatFormat(response_id, created, model.name, body.include_usage())
+    fmt = ChatFormat(response_id, created, model.name, body.include_usage(), texts, top_n or 0)
     return await respond(request, engine, settings, choices, [prompt], body, fmt, build, chat=True)
+
+
+def _vocab_size(tokenizer) -> int | None:
+    size = getattr(tokenizer, "vocab_size", None)
+    return size if isinstance(size, int) else None

@@ -1,37 +1,103 @@
-"""POST /v1/completions: prompt(s) as text or token ids -> engine -> answer or SSE chunks."""
+"""POST /v1/completions: prompt(s) as text or token ids -> engine -> answer or SSE chunks.
+
+``echo`` puts each choice's prompt text in front of its completion (streamed: the first
+chunk of the choice); with ``logprobs`` the prompt's tokens and logprobs come first in
+the choice's logprobs (server/logprobs.py), computed by the engine from a forward pass
+over the prompt (engine/worker.py ``_prefill_scoring``)."""
 
 from __future__ import annotations
 
 import time
 import uuid
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.deps import engine_of, json_body, parse_body, responses, settings_of
+from server.deps import (
+    engine_of,
+    json_body,
+    parse_body,
+    prompt_guard_of,
+    responses,
+    settings_of,
+)
 from server.errors import bad_request
 from server.generation import (
     ChoiceResult,
     check_max_tokens,
+    check_min_tokens,
     check_n,
     check_prompt_chars,
     check_supported,
     default_max_tokens,
     make_choices,
+    parse_logit_bias,
     request_info,
     resolve_max_tokens,
     respond,
     sampling_params,
 )
+from server.logprobs import CompletionLogprobsBuilder, TokenTexts, merge_completion
 from server.routes.models import lookup
-from server.schemas import Completion, CompletionChoice, CompletionRequest, Usage
+from server.schemas import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Usage,
+)
 
 router = APIRouter()
 
 
+class Echo:
+    """What ``echo`` and ``logprobs`` add to each choice (index -> its prompt): the
+    prompt's text in front, and the logprobs' running state (server/logprobs.py)."""
+
+    def __init__(
+        self,
+        echo: bool,
+        prompt_texts: list[str],
+        prompts: list[list[int]],
+        n: int,
+        texts: TokenTexts | None,
+        top_n: int,
+    ) -> None:
+        self.echo = echo
+        self.prompt_texts = prompt_texts
+        self.prompts = prompts
+        self.n = n
+        self.texts = texts  # set when the request asked for logprobs
+        self.top_n = top_n
+        self._builders: dict[int, CompletionLogprobsBuilder] = {}
+
+    def prefix(self, index: int) -> str:
+        return self.prompt_texts[index // self.n] if self.echo else ""
+
+    def builder(self, index: int) -> CompletionLogprobsBuilder:
+        found = self._builders.get(index)
+        if found is None:
+            found = self._builders[index] = CompletionLogprobsBuilder(self.texts, self.top_n)
+        return found
+
+    def logprobs(self, index: int, token_ids, lps, prompt_lps) -> dict | None:
+        """This part of choice ``index``'s logprobs: the prompt's first when given
+        (``prompt_lps``, with echo), then the tokens'."""
+        if self.texts is None:
+            return None
+        parts = []
+        if self.echo and prompt_lps is not None:
+            parts.append(self.builder(index).add(self.prompts[index // self.n], prompt_lps))
+        if lps is not None:
+            parts.append(self.builder(index).add(token_ids, lps))
+        return merge_completion(parts)
+
+
 class CompletionFormat:
-    def __init__(self, response_id: str, created: int, model: str, include_usage: bool) -> None:
+    def __init__(
+        self, response_id: str, created: int, model: str, include_usage: bool, echo: Echo
+    ) -> None:
+        self.echo = echo
         self.base = {
             "id": response_id,
             "object": "text_completion",
@@ -41,20 +107,32 @@ class CompletionFormat:
         }
         self.include_usage = include_usage
 
-    def _chunk(self, index: int, text: str, finish: str | None) -> dict:
+    def _chunk(
+        self, index: int, text: str, finish: str | None, logprobs: dict | None = None
+    ) -> dict:
         chunk = {
             **self.base,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}],
+            "choices": [
+                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            ],
         }
         if self.include_usage:
             chunk["usage"] = None
         return chunk
 
-    def start(self, index: int) -> None:
+    def start(self, index: int) -> dict | None:
+        """The echoed prompt as the choice's first chunk; with logprobs it waits for
+        the prompt's logprobs, which come with the first event (``content``)."""
+        if self.echo.echo and self.echo.texts is None:
+            return self._chunk(index, self.echo.prefix(index), None)
         return None
 
-    def content(self, index: int, text: str) -> dict:
-        return self._chunk(index, text, None)
+    def content(self, index: int, text: str, event) -> dict:
+        prompt_lps = event.prompt_logprobs
+        if self.echo.echo and self.echo.texts is not None and prompt_lps is not None:
+            text = self.echo.prefix(index) + text
+        logprobs = self.echo.logprobs(index, event.token_ids, event.logprobs, prompt_lps)
+        return self._chunk(index, text, None, logprobs)
 
     def finish(self, index: int, reason: str) -> dict:
         return self._chunk(index, "", reason)
@@ -110,10 +188,9 @@ async def completions(request: Request) -> Response:
     vocab_size = getattr(tokenizer, "vocab_size", None)
     vocab_size = vocab_size if isinstance(vocab_size, int) else None
 
-    def encode_all() -> list[list[int]]:
-        return [list(tokenizer.encode(p)) if isinstance(p, str) else p for p in raw_prompts]
-
-    encoded = await anyio.to_thread.run_sync(encode_all)
+    encoded = await prompt_guard_of(request).text_prompts(
+        tokenizer, model, raw_prompts, body.max_tokens
+    )
     prompts = [
         _check_ids(ids, vocab_size, "prompt" if len(encoded) == 1 else f"prompt[{i}]")
         for i, ids in enumerate(encoded)
@@ -130,6 +207,22 @@ async def completions(request: Request) -> Response:
         for p in prompts
     ]
 
+    for budget in budgets:
+        check_min_tokens(body, budget)
+    logit_bias = parse_logit_bias(body, vocab_size)
+    top_n = body.logprobs  # None: no logprobs; 0-5: the sampled token's and top n
+    echo = Echo(
+        bool(body.echo),
+        [p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(raw_prompts, prompts)]
+        if body.echo
+        else [],
+        prompts,
+        n,
+        TokenTexts(tokenizer) if top_n is not None else None,
+        top_n or 0,
+    )
+    prompt_top = top_n if body.echo else None  # the prompt's logprobs: only echoed
+
     response_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     choices = make_choices(
@@ -137,20 +230,33 @@ async def completions(request: Request) -> Response:
         model.name,
         prompts,
         n,
-        lambda i: sampling_params(body, budgets[i // n], i),
+        lambda i: sampling_params(
+            body,
+            budgets[i // n],
+            i,
+            logit_bias=logit_bias,
+            logprobs=top_n,
+            prompt_logprobs=prompt_top,
+        ),
     )
 
     def build(results: dict[int, ChoiceResult], usage: Usage) -> Completion:
+        out = []
+        for i, r in sorted(results.items()):
+            lps = echo.logprobs(
+                i, r.token_ids, r.logprobs if top_n is not None else None, r.prompt_logprobs
+            )
+            out.append(
+                CompletionChoice(
+                    index=i,
+                    text=echo.prefix(i) + r.text,
+                    logprobs=None if lps is None else CompletionLogprobs(**lps),
+                    finish_reason=r.finish_reason,
+                )
+            )
         return Completion(
-            id=response_id,
-            created=created,
-            model=model.name,
-            choices=[
-                CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
-                for i, r in sorted(results.items())
-            ],
-            usage=usage,
+            id=response_id, created=created, model=model.name, choices=out, usage=usage
         )
 
-    fmt = CompletionFormat(response_id, created, model.name, body.include_usage())
+    fmt = CompletionFormat(response_id, created, model.name, body.include_usage(), echo)
     return await respond(request, engine, settings, choices, prompts, body, fmt, build, chat=False)

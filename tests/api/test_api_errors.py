@@ -87,10 +87,25 @@ def test_validation_is_400_not_422(c):
         ("/v1/chat/completions", {"model": "m", "messages": []}, "messages"),
         (
             "/v1/chat/completions",
-            {"model": "m", "messages": MSG, "presence_penalty": 1},
+            {"model": "m", "messages": MSG, "presence_penalty": 2.5},
             "presence_penalty",
         ),
-        ("/v1/chat/completions", {"model": "m", "messages": MSG, "logprobs": True}, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": MSG, "top_logprobs": 2},
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": MSG, "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        ("/v1/chat/completions", {"model": "m", "messages": MSG, "min_p": 1.5}, "min_p"),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": MSG, "repetition_penalty": 0},
+            "repetition_penalty",
+        ),
         ("/v1/chat/completions", {"model": "m", "messages": MSG, "n": 9}, "n"),
         (
             "/v1/chat/completions",
@@ -108,9 +123,17 @@ def test_validation_is_400_not_422(c):
             "messages[0].content[0].type",
         ),
         ("/v1/completions", {"model": "m", "prompt": []}, "prompt"),
-        ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": 2}, "logprobs"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": 6}, "logprobs"),
         ("/v1/completions", {"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),
-        ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+        (
+            "/v1/completions",
+            {"model": "m", "prompt": "x", "logit_bias": {"1": 500}},
+            "logit_bias.1",
+        ),
+        ("/v1/completions", {"model": "m", "prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ("/tokenize", {"model": "m"}, "prompt"),
+        ("/v1/tokenize", {"model": "m", "prompt": "x", "messages": MSG}, "messages"),
+        ("/detokenize", {"model": "m", "tokens": [-1]}, "tokens[0]"),
     ],
 )
 def test_rejected_before_the_engine(c, path, body, param):

@@ -387,7 +387,7 @@ def test_bad_params_400(http, sdk, model):
         sdk.chat.completions.create(model=model, messages=QUESTION, temperature=3)
     assert "temperature" in str(info.value)
     with pytest.raises(openai.BadRequestError) as info:
-        sdk.chat.completions.create(model=model, messages=QUESTION, presence_penalty=1.0)
+        sdk.chat.completions.create(model=model, messages=QUESTION, presence_penalty=2.5)
     assert info.value.param == "presence_penalty"
     r = http.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": "3"})
     assert assert_error(r, 400)["param"] == "max_tokens"

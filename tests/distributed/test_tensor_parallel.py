@@ -61,13 +61,30 @@ def _running(url: str) -> int:
     return sum(m["running"] + m["prefilling"] for m in models.values())
 
 
+def _scored(url: str) -> dict:
+    """An echoed prompt with logprobs: the prompt's every position's logits (its own
+    forward, engine/worker.py ``_prefill_scoring``) and sampled tokens' logprobs."""
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "echo": True, "logprobs": 2, "repetition_penalty": 1.3}  # fmt: skip
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
 def test_sharded_greedy_equals_single_rank(tiny_folder):
     with running_server(tiny_folder) as one:
         alone = [_complete(one.url, p) for p in PROMPTS]
+        scored = _scored(one.url)
     with running_server(tiny_folder, "--tensor-parallel", "2") as tp:
         assert len(_followers(tp.proc.pid)) == 1
         assert _batched(tp.url) == alone  # batched, with rows joining as they come
         assert [_complete(tp.url, p) for p in PROMPTS] == alone
+        sharded = _scored(tp.url)
+        assert sharded["text"] == scored["text"]
+        assert sharded["logprobs"]["tokens"] == scored["logprobs"]["tokens"]
+        a, b = sharded["logprobs"]["token_logprobs"], scored["logprobs"]["token_logprobs"]
+        assert a[0] is None and b[0] is None
+        assert max(abs(x - y) for x, y in zip(a[1:], b[1:])) < 1e-3
 
         # a stream cancelled mid-way: the rank 0 drops the row, the follower follows
         with httpx.stream(

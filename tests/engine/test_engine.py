@@ -404,12 +404,12 @@ def test_a_failing_sequence_does_not_take_down_the_batch(tiny, monkeypatch):
 
     real = RowSampler.from_params
 
-    def from_params(params):
+    def from_params(params, *context):
         if params.seed == 666:
             return FaultySampler(
                 params.temperature, params.top_p, params.top_k, np.random.default_rng(0)
             )
-        return real(params)
+        return real(params, *context)
 
     monkeypatch.setattr(worker_mod.RowSampler, "from_params", staticmethod(from_params))
     model, client = tiny

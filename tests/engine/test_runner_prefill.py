@@ -15,16 +15,15 @@ from engine.runner import ModelRunner, output_head
 from tests.helpers.models import TINY_CONFIGS
 
 PROMPT = [3, 17, 5, 99, 42, 7, 7, 1, 250, 64, 8, 33]
-
-
 # The families whose output layer is known (engine/runner.py's PLAIN_HEAD_FAMILIES)
-# that the GGUF tests also build; every other family: tests/engine/test_conformance.py.
-FAMILIES = ("llama", "gemma3_text", "qwen3", "qwen3_moe", "mixtral")
+# that the GGUF tests also build; every family through the engine, and the output-layer
+# cut of the others: tests/engine/test_conformance.py.
+ENGINE_FAMILIES = ("llama", "gemma3_text", "qwen3", "qwen3_moe", "mixtral")
+SERVED_CONFIGS = {f: c for f, c in TINY_CONFIGS.items() if f in ENGINE_FAMILIES}
 
 
 def _cases():
-    for family in FAMILIES:
-        cfg = TINY_CONFIGS[family]
+    for family, cfg in SERVED_CONFIGS.items():
         yield family, dict(cfg)
         if family in ("llama", "qwen3"):  # the other tying of the same family
             yield family, dict(cfg, tie_word_embeddings=not cfg.get("tie_word_embeddings"))
@@ -88,7 +87,7 @@ def test_async_chunks_equal_sync_chunks(monkeypatch) -> None:
 
 
 _TOGETHER_CASES = {
-    **{f: TINY_CONFIGS[f] for f in FAMILIES},
+    **SERVED_CONFIGS,
     # a window shorter than the prompts: the sliding layers' masks matter
     "gemma3_text-window": dict(
         TINY_CONFIGS["gemma3_text"], sliding_window=4, sliding_window_pattern=2

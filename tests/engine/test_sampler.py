@@ -229,3 +229,140 @@ def test_kernel_and_mlx_ops_draw_the_same(dtype, monkeypatch):
     assert kern.shape == (b,) and kern.dtype == np.int32
     assert kern[5] == 1000 and kern[0] == int(np.argmax(np.array(logits[0].astype(mx.float32))))
     assert (ops == kern).mean() >= 0.95, (ops != kern).sum()
+
+
+# --------------------------------------------------------------------------- adjustments
+
+
+def adjusted(logits, prompt, generated, p: SamplingParams, end_ids=()) -> np.ndarray:
+    """engine/penalties.py's adjustments written out for one row, in float64:
+    min_tokens, logit_bias, repetition, frequency / presence, min_p."""
+    x = logits.astype(np.float64).copy()
+    if len(generated) < p.min_tokens:
+        x[list(end_ids)] = -np.inf
+    for t, v in p.logit_bias:
+        x[t] += v
+    counts = np.bincount(np.array(generated, dtype=np.int64), minlength=len(x))[: len(x)]
+    if p.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[list(prompt)] = True
+        x = np.where(seen, np.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
+    x = x - counts * p.frequency_penalty - (counts > 0) * p.presence_penalty
+    if p.min_p > 0 and p.temperature > 0:
+        x = np.where((x - x.max()) / p.temperature < np.log(p.min_p), -np.inf, x)
+    return x
+
+
+PENALIZED = [
+    SamplingParams(temperature=0.0, frequency_penalty=0.7),
+    SamplingParams(temperature=0.0, presence_penalty=1.5),
+    SamplingParams(temperature=0.0, repetition_penalty=1.8),
+    SamplingParams(
+        temperature=0.0,
+        frequency_penalty=-0.3,
+        presence_penalty=0.4,
+        repetition_penalty=1.2,
+        logit_bias=((3, 2.5), (10, -100.0)),
+    ),
+    SamplingParams(temperature=0.0),  # no adjustment, between adjusted rows
+    SamplingParams(temperature=0.0, logit_bias=((7, 100.0),)),
+    SamplingParams(temperature=0.0, min_tokens=4),
+]
+
+
+def test_penalties_follow_their_definitions_in_a_mixed_batch(route):
+    """Greedy rows with each kind of adjustment (and one without) over 12 steps of
+    peaked random logits that make repeats likely: every row's token is the argmax of
+    its own adjusted logits (the float64 reference above), step after step, while
+    the batch's other rows adjust differently."""
+    rng = np.random.default_rng(11)
+    v, steps = 40, 12
+    prompts = [list(rng.integers(0, v, size=6)) for _ in PENALIZED]
+    end = (5,)
+    rows = [RowSampler.from_params(p, prompt, end) for p, prompt in zip(PENALIZED, prompts)]
+    generated = [[] for _ in rows]
+    for _ in range(steps):
+        logits = (rng.normal(size=(len(rows), v)) * 1.5).astype(np.float32)
+        logits[:, 5] += 3.0  # the end token tempts every row
+        logits[:, :4] += 2.0  # a few favourites: repeats without penalties
+        before = logits.copy()
+        got = np.array(sample_batch(mx.array(logits), rows))
+        assert np.array_equal(logits, before)  # the caller's logits are not changed
+        for i, p in enumerate(PENALIZED):
+            want = adjusted(logits[i], prompts[i], generated[i], p, end)
+            assert got[i] == int(np.argmax(want)), (i, got[i], np.argsort(-want)[:3])
+            generated[i].append(int(got[i]))
+    assert 5 not in generated[6][:4] and generated[6][4:].count(5) > 0  # min_tokens 4
+    assert 10 not in generated[3] and generated[5].count(7) == steps  # bias -100, +100
+    assert len(set(generated[0])) > len(set(generated[4]))  # penalties spread the tokens
+
+
+def test_min_p_draws_from_the_kept_tokens(route):
+    """min_p 0.1 at temperature 0.8: tokens under a tenth of the top one's
+    probability (at that temperature) are never drawn, the rest follow the softmax
+    renormalised over them."""
+    rng = np.random.default_rng(12)
+    logits = rng.normal(size=300) * 2
+    t, min_p = 0.8, 0.1
+    probs = softmax(logits / t)
+    probs[probs < min_p * probs.max()] = 0
+    probs /= probs.sum()
+    assert 3 < np.count_nonzero(probs) < 100
+    rows = rows_of(N // 2, temperature=t, min_p=min_p)
+    assert_follows(draw_counts(logits, rows), probs)
+
+
+def test_adjusted_seeded_rows_draw_the_same_in_any_batch(route):
+    """A seeded row with penalties and a bias draws the same tokens alone and in a
+    mixed batch (greedy rows, other penalized rows, at another position)."""
+    rng = np.random.default_rng(13)
+    steps = [rng.normal(size=(4, 500)).astype(np.float32) * 2 for _ in range(8)]
+    params = SamplingParams(
+        temperature=0.9,
+        seed=5,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        repetition_penalty=1.3,
+        logit_bias=((4, 1.0),),
+        min_p=0.02,
+        min_tokens=2,
+    )
+
+    def run(others, pos):
+        rows = [RowSampler.from_params(p, [1, 2, 3], (0,)) for p in others]
+        rows.insert(pos, RowSampler.from_params(params, [1, 2, 3], (0,)))
+        got = []
+        for logits in steps:
+            batch = mx.array(logits[: len(rows)])
+            batch[pos] = mx.array(logits[0])
+            got.append(int(np.array(sample_batch(batch, rows))[pos]))
+        return got
+
+    alone = run([], 0)
+    mixed = run(
+        [
+            SamplingParams(temperature=0.0, presence_penalty=2.0),
+            SamplingParams(temperature=1.0, seed=1),
+            SamplingParams(temperature=0.7, top_p=0.8, seed=2, repetition_penalty=2.0),
+        ],
+        2,
+    )
+    assert alone == mixed
+
+
+def test_neutral_values_adjust_nothing():
+    """Every adjustment at its neutral value: no per-row state, and the sampler never
+    copies the logits for it (``penalties.plan`` is None)."""
+    neutral = SamplingParams(
+        frequency_penalty=0.0,
+        presence_penalty=0.0,
+        repetition_penalty=1.0,
+        min_p=0.0,
+        min_tokens=0,
+        logit_bias=(),
+    )
+    rows = [RowSampler.from_params(neutral, [1, 2], (0,)) for _ in range(3)]
+    assert all(r.adjust is None for r in rows)
+    assert sampler.penalties.plan(rows) is None
+    greedy_min_p = SamplingParams(temperature=0.0, min_p=0.5)  # min_p moves no argmax
+    assert RowSampler.from_params(greedy_min_p).adjust is None

@@ -150,7 +150,41 @@ TINY_CONFIGS = {
         tie_word_embeddings=False,
     ),
     "mixtral": dict(TINY_LLAMA, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
-}
+    # MoE block beside the dense MLP, per-layer inputs, sliding + full layers (proportional
+    # RoPE on a quarter of the full layers' dimensions)
+    "gemma4_text": dict(
+        hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=2,
+        head_dim=32, global_head_dim=32, num_key_value_heads=1, vocab_size=256,
+        vocab_size_per_layer_input=256, hidden_size_per_layer_input=16, num_kv_shared_layers=0,
+        sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=512, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=32, rms_norm_eps=1e-6, final_logit_softcapping=30.0,
+        rope_parameters={
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+    ),
+    "gemma3n": {"text_config": dict(
+        model_type="gemma3n_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=2,
+        head_dim=32, rms_norm_eps=1e-6, vocab_size=256, num_key_value_heads=1,
+        num_kv_shared_layers=2, vocab_size_per_layer_input=256, sliding_window=16,
+        max_position_embeddings=512, rope_local_base_freq=10000.0, rope_theta=1000000.0,
+        final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"] * 2,
+        activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0], hidden_size_per_layer_input=16,
+        altup_num_inputs=4, altup_coef_clip=120.0, altup_correct_scale=True, altup_active_idx=0,
+        laurel_rank=8,
+    )},
+}  # fmt: skip
+
+# Gemma 4 26B-A4B's attention: K is V on full layers (no v_proj), fewer KV heads there
+TINY_CONFIGS["gemma4_text_kv"] = dict(
+    TINY_CONFIGS["gemma4_text"],
+    attention_k_eq_v=True,
+    num_key_value_heads=2,
+    num_global_key_value_heads=1,
+    num_attention_heads=4,
+    hidden_size_per_layer_input=0,
+)
 
 _GGUF_ARCH = {
     "llama": "llama",
@@ -158,6 +192,8 @@ _GGUF_ARCH = {
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",
+    "gemma4_text": "gemma4",
+    "gemma3n": "gemma3n",
 }
 
 
@@ -178,7 +214,12 @@ def _byte_tokens() -> list[str]:
 
 
 def gguf_tensors_from_model(loaded: LoadedModel) -> dict[str, np.ndarray]:
-    """float32 GGUF tensors (llama.cpp names and layout) of a float mlx-lm model."""
+    """float32 GGUF tensors (llama.cpp names and layout) of a float mlx-lm model: Q/K rows
+    permuted (llama), norms stored as 1 + w (Gemma 3), Gemma 4's expert gate and up rows
+    in one tensor, Gemma 3n's AltUp projections stacked, parameters without a
+    ``.weight`` leaf under their llama.cpp names."""
+    import re
+
     from mlx.utils import tree_flatten
 
     arch = ARCHITECTURES[_GGUF_ARCH[loaded.architecture]]
@@ -187,17 +228,39 @@ def gguf_tensors_from_model(loaded: LoadedModel) -> dict[str, np.ndarray]:
 
         arch = dataclasses.replace(arch, layer_map=MIXTRAL_LAYER)
     inv_layer = {v: k for k, v in arch.layer_map.items()}
+    inv_param = {v: k for k, v in arch.param_map.items()}
+    inv_split = {mod: (k, i) for k, pair in arch.splits.items() for i, mod in enumerate(pair)}
     inv_top = {v: k for k, v in arch.top_map.items()}
-    cfg = loaded.config
-    out = {}
+    stacks = {
+        re.compile(re.escape(pat).replace(re.escape("{i}"), r"(\d+)") + "$"): base
+        for base, pat in arch.unstack.items()
+    }
+    layer_re = re.compile(rf"^{re.escape(arch.layer_prefix)}\.(\d+)\.(.+)$")
+    cfg = loaded.config.get("text_config") or loaded.config
+    out: dict[str, np.ndarray] = {}
+    parts_of: dict[str, dict[int, np.ndarray]] = {}  # split or stacked: index -> part
     for name, value in tree_flatten(loaded.model.parameters()):
         w = np.array(value.astype(mx.float32))
+        if (m := layer_re.match(name)) and m.group(2) in inv_param:
+            out[f"blk.{m.group(1)}.{inv_param[m.group(2)]}"] = w
+            continue
         module, leaf = name.rsplit(".", 1)
-        parts = module.split(".")
-        if parts[:2] == ["model", "layers"]:
-            suffix = inv_layer[".".join(parts[3:])]
-            gname = f"blk.{parts[2]}.{suffix}.{leaf}"
+        if m := layer_re.match(module):
+            rest = m.group(2)
+            if rest in inv_split:
+                suffix, i = inv_split[rest]
+                parts_of.setdefault(f"blk.{m.group(1)}.{suffix}.{leaf}", {})[i] = w
+                continue
+            suffix = inv_layer[rest]
+            gname = f"blk.{m.group(1)}.{suffix}.{leaf}"
         else:
+            stacked = [
+                (base, int(mm.group(1))) for rx, base in stacks.items() if (mm := rx.match(module))
+            ]
+            if stacked:
+                base, i = stacked[0]
+                parts_of.setdefault(f"{base}.{leaf}", {})[i] = w
+                continue
             suffix = inv_top[module]
             gname = f"{suffix}.{leaf}"
         if arch.permute_qk and suffix == "attn_q":
@@ -207,7 +270,67 @@ def gguf_tensors_from_model(loaded: LoadedModel) -> dict[str, np.ndarray]:
         if arch.norm_offset and suffix.endswith("norm"):
             w = w + arch.norm_offset
         out[gname] = w
+    for gname, parts in parts_of.items():
+        ordered = [parts[i] for i in sorted(parts)]
+        stacked_top = not gname.startswith("blk.")
+        out[gname] = np.stack(ordered) if stacked_top else np.concatenate(ordered, axis=-2)
+    if loaded.architecture == "gemma4_text":
+        # what llama.cpp's converter adds: 1.0 for each rotated frequency of a full-attention
+        # layer, 1e30 for the rest (proportional RoPE)
+        full = cfg["rope_parameters"]["full_attention"]
+        half = cfg["global_head_dim"] // 2
+        rotated = int(cfg["global_head_dim"] * full.get("partial_rotary_factor", 1.0) / 2)
+        out["rope_freqs.weight"] = np.array([1.0] * rotated + [1e30] * (half - rotated), np.float32)
     return out
+
+
+def _write_gemma_metadata(w, loaded: LoadedModel) -> None:
+    """The keys llama.cpp's Gemma 4 / Gemma 3n converters write beyond the common ones."""
+    from statistics import NormalDist
+
+    cfg = loaded.config.get("text_config") or loaded.config
+    layers = cfg["num_hidden_layers"]
+    types = cfg["layer_types"]
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    w.add_shared_kv_layers(cfg.get("num_kv_shared_layers", 0))
+    w.add_embedding_length_per_layer_input(cfg.get("hidden_size_per_layer_input") or 0)
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if loaded.architecture == "gemma3n":
+        w.add_rope_freq_base(cfg["rope_theta"])
+        w.add_rope_freq_base_swa(cfg["rope_local_base_freq"])
+        w.add_altup_active_idx(cfg["altup_active_idx"])
+        w.add_altup_num_inputs(cfg["altup_num_inputs"])
+        w.add_activation_sparsity_scale(
+            [
+                NormalDist().inv_cdf(p) if p > 0 else float("-inf")
+                for p in cfg["activation_sparsity_pattern"]
+            ]
+        )
+        return
+    rope = cfg["rope_parameters"]
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    w.add_key_length(cfg["global_head_dim"])
+    w.add_value_length(cfg["global_head_dim"])
+    w.add_key_length_swa(cfg["head_dim"])
+    w.add_value_length_swa(cfg["head_dim"])
+    kv_full = cfg.get("num_global_key_value_heads") if cfg.get("attention_k_eq_v") else None
+    kv_full = kv_full or cfg["num_key_value_heads"]
+    w.add_head_count_kv(
+        [kv_full if t == "full_attention" else cfg["num_key_value_heads"] for t in types]
+    )
+    first_shared = layers - cfg.get("num_kv_shared_layers", 0)
+    double = cfg.get("use_double_wide_mlp") and first_shared < layers
+    ff = cfg["intermediate_size"]
+    w.add_feed_forward_length(
+        [ff * 2 if double and i >= first_shared else ff for i in range(layers)]
+    )
+    if cfg.get("enable_moe_block"):
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["top_k_experts"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
 
 
 def write_gguf(
@@ -218,24 +341,32 @@ def write_gguf(
 ) -> Path:
     """Write ``tensors`` (float32) as a GGUF with metadata for ``loaded``'s config; 2-D
     matrices are stored as ``qtype`` when given (e.g. Q8_0, Q4_0)."""
-    cfg = loaded.config
+    cfg = loaded.config.get("text_config") or loaded.config
     arch = _GGUF_ARCH[loaded.architecture]
     w = GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    if "head_dim" in cfg:
+    if arch in ("gemma4", "gemma3n"):
+        if arch == "gemma3n":
+            w.add_feed_forward_length(cfg["intermediate_size"])
+            w.add_head_count_kv(cfg["num_key_value_heads"])
+            w.add_key_length(cfg["head_dim"])
+            w.add_value_length(cfg["head_dim"])
+        _write_gemma_metadata(w, loaded)
+    else:
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_rope_freq_base(cfg["rope_theta"])
+    if "head_dim" in cfg and arch not in ("gemma4", "gemma3n"):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
     if arch == "gemma3":
         w.add_sliding_window(cfg["sliding_window"])
     n_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
-    if n_experts:
+    if n_experts and arch != "gemma4":
         w.add_expert_count(n_experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         if "moe_intermediate_size" in cfg:
@@ -258,7 +389,10 @@ def write_gguf(
 
 
 def tiny_model(model_type: str = "llama", seed: int = 0) -> LoadedModel:
-    return build_random_model(model_type, dict(TINY_CONFIGS[model_type]), seed=seed)
+    """A random tiny model of ``TINY_CONFIGS[model_type]`` (a key may name a variant:
+    ``gemma4_text_kv`` is a gemma4_text)."""
+    family = "gemma4_text" if model_type.startswith("gemma4_text") else model_type
+    return build_random_model(family, dict(TINY_CONFIGS[model_type]), seed=seed)
 
 
 def tiny_gguf(

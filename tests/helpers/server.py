@@ -77,7 +77,10 @@ def running_server(
     api_key: str | None = None,
     env: dict[str, str] | None = None,
     timeout_s: float = START_TIMEOUT_S,
+    cwd: Path = REPO,
 ) -> Iterator[Server]:
+    """``cwd``: the source tree whose ``server.cli`` runs (bench/serve/hostile.py runs an
+    older commit's beside this one's)."""
     models = [model] if isinstance(model, str) else list(model)
     port = free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
@@ -93,7 +96,7 @@ def running_server(
     child_env.update(env or {})
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     log_file = tempfile.NamedTemporaryFile(prefix=f"markbase-{port}-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=log_file, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=child_env, stdout=log_file, stderr=subprocess.STDOUT)
     server = Server(f"http://127.0.0.1:{port}", api_key, proc, Path(log_file.name))
     ok = False
     try:

@@ -373,19 +373,26 @@ def _corpus() -> list[Bad]:
     # ---- unsupported parameters at non-neutral values
     for name, body, path, param in [
         ("tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), CHAT, "tools"),
-        ("logprobs", chat(logprobs=True), CHAT, "logprobs"),
         (
             "response_format json",
             chat(response_format={"type": "json_object"}),
             CHAT,
             "response_format",
         ),
-        ("presence_penalty", chat(presence_penalty=1), CHAT, "presence_penalty"),
-        ("echo", cmpl(echo=True), CMPL, "echo"),
+        ("top_logprobs without logprobs", chat(top_logprobs=3), CHAT, "top_logprobs"),
         ("suffix", cmpl(suffix="x"), CMPL, "suffix"),
         ("best_of 3", cmpl(best_of=3), CMPL, "best_of"),
     ]:
         add(Bad(f"unsupported: {name}", path, body, param=param, code="unsupported_parameter"))
+    # ---- sampling values the model decides
+    for name, body, path, says in [
+        ("logit_bias id past the vocabulary", cmpl(logit_bias={"49152": 1}), CMPL, "49152"),
+        ("logit_bias key not an id", chat(logit_bias={"hello": 1}), CHAT, "hello"),
+        ("logit_bias negative id", chat(logit_bias={"-5": 1}), CHAT, "-5"),
+        ("min_tokens over max_tokens", chat(min_tokens=5, max_tokens=2), CHAT, "min_tokens"),
+    ]:
+        param = "min_tokens" if "min_tokens" in name else "logit_bias"
+        add(Bad(f"sampling: {name}", path, body, param=param, code="invalid_value", says=says))
     # ---- the server's limits: each names itself and its value
     add(
         Bad(
@@ -516,6 +523,26 @@ def _corpus() -> list[Bad]:
             CMPL,
         ),
         ("text/plain content type", cmpl(), CMPL),
+        (
+            "every penalty at its extreme, min_p 1, a +-100 bias",
+            chat(
+                temperature=1.0,
+                frequency_penalty=-2,
+                presence_penalty=2,
+                repetition_penalty=10,
+                min_p=1.0,
+                min_tokens=1,
+                logit_bias={"0": 100, "1": -100},
+            ),
+            CHAT,
+        ),
+        (
+            "min_tokens with stop_token_ids 10**30",
+            cmpl(min_tokens=1, stop_token_ids=[10**30]),
+            CMPL,
+        ),
+        ("echo with logprobs 5", cmpl(echo=True, logprobs=5), CMPL),
+        ("top_logprobs 20", chat(logprobs=True, top_logprobs=20), CHAT),
     ]:
         headers = {"content-type": "text/plain"} if "text/plain" in name else {}
         add(Bad(f"valid: {name}", path, body, status=200, headers=headers))

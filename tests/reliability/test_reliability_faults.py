@@ -208,12 +208,12 @@ def test_one_failing_sequence_fails_only_its_request(monkeypatch):
 
     real = RowSampler.from_params
 
-    def from_params(params):
+    def from_params(params, *context):
         if params.seed == 666:
             return FaultySampler(
                 params.temperature, params.top_p, params.top_k, np.random.default_rng(0)
             )
-        return real(params)
+        return real(params, *context)
 
     monkeypatch.setattr(worker_mod.RowSampler, "from_params", staticmethod(from_params))
     name, engine = tiny_engine(max_num_seqs=8, prefill_chunk_tokens=16)

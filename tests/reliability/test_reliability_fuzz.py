@@ -4,20 +4,27 @@ default model. No response may be a 5xx; every response must match the
 documented status codes, content types and bodies (the OpenAI shapes of
 server.schemas, errors included); every stream must be well-formed SSE.
 
-Generation is slow on CPU, so the server caps what one request may cost
-(max_tokens 2, a 48-token context, short prompts, n <= 2): requests over the
-caps are answered 400 at once, requests under them reach the engine. Half of
-the positive examples are made servable (the served model's id, no unsupported
-parameters, integers as integers, within the caps; half of those streamed), since
-a random model id is a 404 that never reaches the engine. Examples are deterministic (derandomized) and
-bounded: MARKBASE_FUZZ_EXAMPLES per operation and mode (default 100), and a
-time budget for the whole module, MARKBASE_FUZZ_BUDGET_S (default 150 s),
-after which the remaining examples are drawn but not sent."""
+The schema says what this server serves and allows (server.openapi_served): the
+model id as an enum, its limits as bounds, parameters it takes only at their
+neutral value, roles and content parts the chat route takes. So positive
+examples are requests the engine runs (at least half of them must be), not 404s
+for made-up model ids; negative ones must all be refused with a 4xx. Generation
+is slow on CPU, so the server caps what one request may cost (max_tokens 2, a
+48-token context, short prompts, n <= 2). Half the positive bodies are streamed.
+Stateful scenarios follow the schema's links (GET /v1/models, then a served id
+into the other operations).
+
+Examples are deterministic (derandomized) and bounded: MARKBASE_FUZZ_EXAMPLES per
+operation and mode (default 20), MARKBASE_FUZZ_STATEFUL_EXAMPLES scenarios of up
+to 3 steps (default 6), and a time limit for each operation and mode,
+MARKBASE_FUZZ_SECONDS_PER_TEST (default 12 s), after which the rest are drawn but
+not sent."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections import Counter
 
@@ -30,6 +37,7 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.generation.stateful.state_machine import StepOutput  # noqa: E402
 from schemathesis.specs.openapi.checks import (  # noqa: E402
     content_type_conformance,
     negative_data_rejection,
@@ -43,8 +51,9 @@ pytestmark = pytest.mark.slow
 
 API_KEY = "fuzz-key-1"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-EXAMPLES = int(os.environ.get("MARKBASE_FUZZ_EXAMPLES", "100"))
-BUDGET_S = float(os.environ.get("MARKBASE_FUZZ_BUDGET_S", "150"))
+EXAMPLES = int(os.environ.get("MARKBASE_FUZZ_EXAMPLES", "20"))
+STATEFUL_EXAMPLES = int(os.environ.get("MARKBASE_FUZZ_STATEFUL_EXAMPLES", "6"))
+SECONDS_PER_TEST = float(os.environ.get("MARKBASE_FUZZ_SECONDS_PER_TEST", "12"))
 FLAGS = [
     "--max-num-seqs",
     "4",
@@ -63,15 +72,17 @@ FLAGS = [
     "--request-timeout-s",
     "60",
 ]
-OPERATIONS = [
-    ("POST", "/v1/chat/completions"),
-    ("POST", "/v1/completions"),
+OPERATIONS = [  # cheap ones first: generation takes most of the time limit
     ("GET", "/v1/models/{model_id}"),
     ("GET", "/v1/models"),
     ("GET", "/health"),
     ("GET", "/metrics"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
 ]
-HAS_BODY = {"/v1/chat/completions", "/v1/completions"}
+HAS_BODY = {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"}
 POSITIVE_CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -87,7 +98,6 @@ _deadline: list[float] = []
 @pytest.fixture(scope="module")
 def server():
     with running_server(DEFAULT_MODEL, *FLAGS, api_key=API_KEY) as srv:
-        _deadline.append(time.monotonic() + BUDGET_S)
         yield srv
 
 
@@ -123,73 +133,39 @@ def _check_stream(text: str) -> None:
         assert {"id", "object", "created", "model", "choices"} <= set(chunk)
 
 
-UNSUPPORTED = {  # accepted only at their neutral value (server.schemas ... unsupported())
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "logprobs",
-    "top_logprobs",
-    "echo",
-    "best_of",
-    "suffix",
-    "tools",
-    "functions",
-    "tool_choice",
-    "function_call",
-    "response_format",
-}
-INTEGERS = {"max_tokens", "max_completion_tokens", "n", "seed", "top_k"}
+def _ints(value):
+    """JSON Schema counts 128.0 as an integer; the server, strict like OpenAI, does
+    not: integer-valued floats become ints (a float field takes an int too)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    if isinstance(value, list):
+        return [_ints(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _ints(v) for k, v in value.items()}
+    return value
 
 
-def _as_int(value):
-    # JSON Schema counts 128.0 as an integer; the server, strict like OpenAI, does not.
-    return int(value) if isinstance(value, float) and value.is_integer() else value
+def _servable(body):
+    """A positive example as sent: integers as integers, and no ``best_of`` (taken
+    only equal to n, which JSON Schema cannot say). The rest is as generated
+    within the bounds /openapi.json gives (server.openapi_served)."""
+    if not isinstance(body, dict):
+        return body
+    body = _ints(body)
+    body.pop("best_of", None)
+    return body
 
 
-def _make_servable(body: dict) -> None:
-    """Turn a generated body into one the served model will run: its id, no
-    unsupported parameters, integers as integers, within the server's caps. The
-    rest (prompts, messages, stop strings, sampling values) stays as generated."""
-    body["model"] = DEFAULT_MODEL
-    for key in UNSUPPORTED & set(body):
-        del body[key]
-    for key in INTEGERS & set(body):
-        body[key] = _as_int(body[key])
-    for key in ("max_tokens", "max_completion_tokens", "n"):
-        if isinstance(body.get(key), int) and body[key] > 2:
-            body[key] = 1 + body[key] % 2
-    if isinstance(body.get("stop_token_ids"), list):
-        body["stop_token_ids"] = [_as_int(t) for t in body["stop_token_ids"]]
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        body["prompt"] = prompt[:2]  # at most 2 prompts (a list of ints is one prompt)
-    if isinstance(body.get("messages"), list):
-        body["messages"] = [_servable_message(m) for m in body["messages"][:3]]
-
-
-def _servable_message(m):
-    if not isinstance(m, dict):
-        return m
-    if m.get("role") in ("tool", "function"):  # no tool calling yet
-        m["role"] = "user"
-    m.pop("tool_calls", None)
-    content = m.get("content")
-    if isinstance(content, list):  # only text parts are supported
-        m["content"] = [
-            p for p in content if isinstance(p, dict) and p.get("type") == "text" and p.get("text")
-        ] or ""
-    elif content is None and m.get("role") != "assistant":
-        m["content"] = ""
-    return m
-
-
-def _send(server, case, checks, label: str) -> None:
-    if time.monotonic() > _deadline[0]:
+def _send(server, case, checks, label: str, force: bool = False):
+    if _deadline and time.monotonic() > _deadline[-1] and not force:
         STATS["skipped (time limit reached)"] += 1
-        return
+        return None
     response = case.call(base_url=server.url, headers=AUTH, timeout=90)
     STATS["sent"] += 1
     STATS[f"{label} -> {response.status_code}"] += 1
+    if response.status_code >= 400:
+        code = response.json()["error"]["code"]  # an OpenAI error body (checked below too)
+        STATS[f"{label} -> {response.status_code} {code}"] += 1
     case.validate_response(response, checks=checks)
     if (
         response.status_code == 200
@@ -197,6 +173,7 @@ def _send(server, case, checks, label: str) -> None:
     ):
         _check_stream(response.text)
         STATS["streams"] += 1
+    return response
 
 
 @pytest.mark.parametrize("mode", ["positive", "negative"])
@@ -205,6 +182,7 @@ def test_fuzz(server, schema, method, path, mode):
     if mode == "negative" and path not in HAS_BODY:
         pytest.skip("no input that can be made invalid (a path string is any string)")
     op = schema[path][method]
+    _deadline.append(time.monotonic() + SECONDS_PER_TEST)
     generation = GenerationMode.POSITIVE if mode == "positive" else GenerationMode.NEGATIVE
     checks = POSITIVE_CHECKS if mode == "positive" else NEGATIVE_CHECKS
 
@@ -216,27 +194,55 @@ def test_fuzz(server, schema, method, path, mode):
         phases=[Phase.explicit, Phase.generate],  # no shrinking: each call costs seconds
         suppress_health_check=list(HealthCheck),
     )
-    @given(
-        case=op.as_strategy(generation_mode=generation),
-        real_model=st.booleans(),
-        stream=st.booleans(),
-    )
-    def run(case, real_model, stream):
-        if mode == "positive" and real_model:
-            if isinstance(case.body, dict):
-                _make_servable(case.body)
-                case.body["stream"] = stream
-            if path == "/v1/models/{model_id}":
-                case.path_parameters = {"model_id": DEFAULT_MODEL}
-            STATS["served model"] += 1
+    @given(case=op.as_strategy(generation_mode=generation), stream=st.booleans())
+    def run(case, stream):
+        if mode == "positive":
+            case.body = _servable(case.body)
+            if stream and isinstance(case.body, dict):
+                case.body["stream"] = True  # half the bodies streamed
         _send(server, case, checks, f"{method} {path} {mode}")
 
     run()
 
 
+def test_stateful_links(server, schema):
+    """Scenarios that follow the links of /openapi.json: GET /v1/models, then a
+    served id from its answer into GET /v1/models/{id}, a chat or a completion."""
+    machine = schema.as_state_machine()
+
+    class Scenario(machine):
+        def step(self, input):
+            case = input.case
+            case.body = _servable(case.body)
+            label = f"stateful {case.method} {case.path}"
+            response = _send(server, case, POSITIVE_CHECKS, label, force=True)
+            return StepOutput(response, case)
+
+    Scenario.run(
+        settings=settings(
+            max_examples=STATEFUL_EXAMPLES,
+            stateful_step_count=3,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
+    )
+
+
 def test_after_fuzzing_the_server_is_healthy_and_correct(server):
     print("\nfuzz stats:\n" + "\n".join(f"  {k}: {v}" for k, v in sorted(STATS.items())))
     assert STATS["sent"] > 0
+    # The schema names the served model and the server's limits: most positive
+    # examples are requests the engine runs, not 404s for made-up model ids.
+    for path in sorted(HAS_BODY):
+        answers = {
+            k: v for k, v in STATS.items() if re.fullmatch(f"POST {path} positive -> \\d+", k)
+        }
+        ran = answers.get(f"POST {path} positive -> 200", 0)
+        assert ran >= sum(answers.values()) / 2 > 0, (path, answers)
+    assert STATS["streams"] > 0
     assert httpx.get(server.url + "/health").status_code == 200
     r = httpx.post(
         server.v1 + "/completions",

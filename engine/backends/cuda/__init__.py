@@ -51,6 +51,12 @@ _EXPORTS = {
     "install_rope_offsets": ("rope_offsets", "install"),
     "prefill_stage_every": ("prefill_stages", "every_from_env"),
     "prefill_staged": ("prefill_stages", "staged"),
+    # mixture-of-experts layers: grouped expert products (engine/model/moe.py)
+    "moe_supported": ("products.moe", "supported"),
+    "moe_glu": ("products.moe", "glu"),
+    "moe_product": ("products.moe", "product"),
+    "MOE_MAX_TOKENS": ("products.moe", "MAX_TOKENS"),
+    "dequantize": ("products.dequant", "dequantize"),
     # sampling
     "sampler_enabled": ("sampler", "enabled"),
     "sampler_takes": ("sampler", "takes"),
@@ -97,6 +103,11 @@ if TYPE_CHECKING:  # for readers and type checkers: what each name is
     from engine.backends.cuda.prefill import is_plain_quantized
     from engine.backends.cuda.prefill_stages import every_from_env as prefill_stage_every
     from engine.backends.cuda.prefill_stages import staged as prefill_staged
+    from engine.backends.cuda.products.dequant import dequantize
+    from engine.backends.cuda.products.moe import MAX_TOKENS as MOE_MAX_TOKENS
+    from engine.backends.cuda.products.moe import glu as moe_glu
+    from engine.backends.cuda.products.moe import product as moe_product
+    from engine.backends.cuda.products.moe import supported as moe_supported
     from engine.backends.cuda.products.qgemm import ensure_stream_k
     from engine.backends.cuda.products.warmup import warm_products
     from engine.backends.cuda.rope_offsets import install as install_rope_offsets

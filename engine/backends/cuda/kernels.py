@@ -88,7 +88,7 @@ def minify(code: str) -> str:
     hashes all of it when it is encoded (mlx/backend/cuda/custom_kernel.cpp:
     ``build_kernel``, then ``std::hash`` for the module name), so each call's host time
     grows with the source's length, and the decode step is host-bound at one row
-    (bench/gpu/NOTES.md, session 12)."""
+    (docs/performance.md)."""
     out = []
     for line in code.splitlines():
         text = line.strip()

@@ -3,7 +3,7 @@
 from engine import envs
 
 MLX 0.32.4's CUDA matmuls are fast for one row but slow for the skinny products of
-a batched decode step: bench/gpu/NOTES.md measured its bf16 products moving the
+a batched decode step: docs/performance.md measured its bf16 products moving the
 weights at 1.47 TB/s for 1 row and 0.8 TB/s for 8-128 rows, and its 4-bit
 ``quantized_matmul`` at 0.09-0.15 TB/s from 8 rows on (8b 4-bit at 32 rows: 104 ms
 a step). The same product can be written in ways that reach other kernels:
@@ -28,12 +28,12 @@ a step). The same product can be written in ways that reach other kernels:
   copies of the weight's column blocks, made when the plan names the form: extra
   memory), one ``qmm`` per part, summed. The parts are independent products, so
   MLX's CUDA graph may run them side by side: more thread blocks in flight for the
-  skinny decode products (session 4 of NOTES.md; experimental).
+  skinny decode products (docs/performance.md; experimental).
 
 A plan maps row counts to a formulation: ``"1:xwt,8:wxt"`` = ``xwt`` below 8 rows,
 ``wxt`` from 8 on. ``bench/gpu/matmul_rows.py`` measures every formulation per row
 count on the machine and prints the winning plans; the defaults below are its
-result on the H200 (see NOTES.md). Environment: ``MARKBASE_GPU_FLOAT_PLAN``,
+result on the H200 (see docs/performance.md). Environment: ``MARKBASE_GPU_FLOAT_PLAN``,
 ``MARKBASE_GPU_QUANT_PLAN``. Only the GPU decode step uses this; the CPU's products
 go through BLAS and engine/backends/cpu/qgemm.py, which need ``x @ w.T`` as it is.
 """
@@ -46,7 +46,7 @@ from engine import envs
 
 FLOAT_FORMS = ("xwt", "wxt", "gemv", "mma")
 QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv", "qmma", "qstream", "qgemm")
-# measured on the H200 (bench/gpu/NOTES.md, sessions 6-7): engine/backends/cuda/products/mma.py's
+# measured on the H200 (docs/performance.md): engine/backends/cuda/products/mma.py's
 # tensor-core kernels from 2 to 32 rows (8b 4-bit B=8 630 -> 1,131-1,512 tok/s, B=32
 # 1,373 -> 4,258-4,345; 1b bf16 B=8 1.5-1.7x, B=32 1.4-2.4x, with the residual adds
 # and the SwiGLU folded into them). 4-bit: also at 1 row (GPU 5.9 -> 4.0 ms a step at
@@ -55,10 +55,10 @@ QUANT_FORMS = ("qmm", "deq", "deqwxt", "qmmk2", "qmmk4", "qgemv", "qmma", "qstre
 # bandwidth (8b: 5.0 ms a step, the kernel 7.5), from 33 rows cuBLAS reads the
 # weight once where the kernel reads it once per 32 rows.
 DEFAULT_FLOAT_PLAN = "1:xwt,2:mma,33:xwt"
-# 1 row: engine/backends/cuda/products/qstream.py (session 10: 8b 4-bit B=1 279 -> 307 tok/s in one lease;
+# 1 row: engine/backends/cuda/products/qstream.py (8b 4-bit B=1 279 -> 307 tok/s in one run;
 # a layer's 4 products 75.6 -> 65.2 us); from 33 rows the SwiGLU gate/up on
-# engine/backends/cuda/products/qgemm.py (session 17, H100: 0.68-0.85x qmma's kernel time by CUPTI; 8b
-# 4-bit B=128 +5-7% in one lease), and since session 19 an output layer of 4096+ inputs
+# engine/backends/cuda/products/qgemm.py (H100: 0.68-0.85x qmma's kernel time by CUPTI; 8b
+# 4-bit B=128 +5-7% in one run), and an output layer of 4096+ inputs
 # (8b 4-bit B=128 7,629 -> 8,111-8,168 tok/s); the other products stay on qmma
 # (gpu_qgemm.takes)
 DEFAULT_QUANT_PLAN = "1:qstream,2:qmma,33:qgemm"
@@ -221,7 +221,7 @@ class _Routes:
         same math as MLX ops. The norm goes inside only the 1-row kernel's call
         (engine/backends/cuda/products/qstream.py); before the other kernels it is a
         separate op (inside engine/backends/cuda/products/mma.py's, whose blocks each
-        recompute it, the step's GPU time went up 45-60%: bench/gpu/NOTES.md session 8)."""
+        recompute it, the step's GPU time went up 45-60%: docs/performance.md)."""
         if x.ndim == 2:
             route = self._route(x, residual is not None, glu, norm is not None)
             return route(x, residual, norm)

@@ -3,7 +3,7 @@ run beside the one-row decode attention (on by default on CUDA;
 ``MARKBASE_GPU_L2_PREFETCH=0`` turns it off).
 
 Why: at one row the attention kernel takes ~10-13 us a layer on 8 of 132 SMs and
-reads ~2.4 MB, so HBM idles for it (bench/gpu/NOTES.md, sessions 19-21), while the
+reads ~2.4 MB, so HBM idles for it (docs/performance.md), while the
 next two products (o_proj, gate/up: ~75 MB at 8b 4-bit) are the step's bandwidth.
 Asking L2 for the start of them while the attention runs moves that much of their
 reading into a stretch where HBM would otherwise idle.
@@ -17,10 +17,10 @@ on, and o_proj waits for both, which keeps it from being dropped by MLX's lazy
 evaluation. Each thread issues ``prefetch.global.L2`` a 128-byte line at a time, a hint
 no thread waits on.
 
-Session 10's try at this (a small kernel before the attention, ``cp.async.bulk.
+the measured try at this (a small kernel before the attention, ``cp.async.bulk.
 prefetch.L2`` over 24-40 MB from a few threads, in series with it) made the step 1.7x
 slower, not looked into; this one is beside the attention, spread over every SM, and
-line by line. Measured on an H100 (bench/gpu/NOTES.md, session 23; 8b 4-bit, one
+line by line. Measured on an H100 (docs/performance.md; 8b 4-bit, one
 row): it overlaps the attention (kernel sum 2.91 ms, GPU busy 2.63), o_proj 7.5 -> 6.4
 us a call, gate/up 28.2 -> 26.6, the attention 13.0 -> 14.4 (it shares the GPU); the
 step 2.686/2.673 -> 2.640/2.635 ms (12 MiB; 30 MiB: no gain); with the early loads of

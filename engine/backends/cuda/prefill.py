@@ -3,7 +3,7 @@
 Why: prefill multiplies hundreds or thousands of rows by every weight, which is
 compute-bound, and MLX 0.32.4's CUDA ``quantized_matmul`` is far from the tensor
 cores' rate there: on the H200 a 2048-token prefill of the 8b model took 238 ms at
-4 bits against 56 ms in bf16 (bench/gpu/NOTES.md, "Prefill"). Expanding the 4-bit
+4 bits against 56 ms in bf16 (docs/performance.md, "Prefill"). Expanding the 4-bit
 weight to the activations' dtype first reads 0.56 bytes a weight and writes and
 reads 2 more, a few ms a 2k-token chunk at 8b, after which cuBLAS runs the bf16
 product at full rate. Below ``min_rows`` rows (decode, short prompt chunks) the
@@ -11,7 +11,7 @@ product is memory-bound and reading the 4-bit weight once is what wins, so
 ``quantized_matmul`` stays.
 
 The expansion is engine/backends/cuda/products/dequant.py's kernel (MLX's ``affine_dequantize`` ran at
-~1.2 TB/s, this one at 2.4-2.9: 8b 4-bit 2k prefill 31.0k -> 34.5k tok/s, session 20;
+~1.2 TB/s, this one at 2.4-2.9: 8b 4-bit 2k prefill 31.0k -> 34.5k tok/s;
 ``MARKBASE_GPU_DEQUANT=0`` for ``mx.dequantize``).
 
 ``install`` turns the model's ``nn.QuantizedLinear`` modules into
@@ -21,7 +21,7 @@ routes, engine/backends/cuda/linear.py), so only prefill and models without a fu
 it. ``MARKBASE_GPU_PREFILL_DEQ_ROWS`` sets the row threshold (default 256); 0 turns
 it off.
 
-Measured on an H100 (session 15, bench/gpu/NOTES.md): one layer's products at 256
+Measured on an H100 (docs/performance.md): one layer's products at 256
 rows 0.82x (8b) and 0.95x (1b) of ``quantized_matmul``'s time, at 2048 rows 0.25x;
 below 256 rows slower (1.4x at 128). A 2048-token prefill of the 8b 4-bit model, with
 engine/backends/cuda/attention/prefill.py: 8,741 -> 24,694 tok/s.
@@ -88,11 +88,10 @@ def small_route() -> str:
     of 2 to ``min_rows`` - 1 rows run their 4-bit products.
 
     Why a second route: MLX's ``quantized_matmul`` runs them on ``qmm_sm80``, which it
-    JIT-compiles per tile size on first use (m16 / m32 / m64: 23-28 s each on an H100,
-    session 20) and which was 3-5x slower than gpu_mma's kernel at 8-32 rows in the
-    decode step (session 6) and 1.4x at 128 (session 7). Chunks that small are every
+    JIT-compiles per tile size on first use (m16 / m32 / m64: 23-28 s each on an H100) and which was 3-5x slower than gpu_mma's kernel at 8-32 rows in the
+    decode step  and 1.4x at 128 . Chunks that small are every
     short prompt and the uncached tail of a prompt whose prefix is cached, so they set
-    time to first token in a chat. Measured (H100, session 21, 8b 4-bit, one chunk):
+    time to first token in a chat. Measured (H100, 8b 4-bit, one chunk):
     24 tokens 23.2 -> 10.7 ms, 100 tokens 28.5 -> 19.9, 200 tokens 39.9 -> 29.9; and
     from an empty PTX cache the engine's warm-up took 60 s instead of 130 s."""
     return envs.value(SMALL_ENV)
@@ -104,7 +103,7 @@ def is_plain_quantized(module) -> bool:
     ``ModelRunner`` on one model (the benchmarks build one per variant) finds the first
     one's ``DequantPrefillLinear`` modules; taking them for something else sent every
     decode product to MLX's ``quantized_matmul`` (8b 4-bit at 8 rows: 546 tok/s against
-    1,725, bench/gpu/NOTES.md, session 15)."""
+    1,725, docs/performance.md)."""
     return type(module) is nn.QuantizedLinear or type(module) is DequantPrefillLinear
 
 

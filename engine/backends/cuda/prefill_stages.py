@@ -2,7 +2,7 @@
 
 Why: MLX builds a forward lazily, so for a prompt chunk the host first builds every
 layer's ops in Python, and only ``mx.eval`` at the end hands work to the GPU; until
-then the GPU idles. A CUPTI profile of one 2048-token chunk (H100, session 25,
+then the GPU idles. A CUPTI profile of one 2048-token chunk (H100,
 ``bench/gpu/suite.sh prefill-profile``) showed one idle gap a chunk of ~3.3 ms at 1b
 (11.1 ms wall, 7.9 ms busy) and ~8 ms at 8b 4-bit (62.8 ms wall, 52 ms busy).
 PyTorch eager launches each kernel as Python reaches it, so it never pays this.

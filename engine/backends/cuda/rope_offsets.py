@@ -5,11 +5,9 @@ as a Python int (engine/kv.py's ``SequenceKV``), and ``mx.fast.rope`` turns an i
 into a 4-byte array made on the host. MLX's CUDA allocator keeps every array of 8
 bytes or less in one pool of managed memory, and its rope kernel reads the offset
 through that pointer in every thread: a read across PCIe that costs a wide kernel
-~11 us (a 9 MiB read kernel, H100: 15.9 against 4.7 us a launch, bench/gpu/pool_cost.py,
-session 24). At 8b that is two such reads a layer, 64 a prompt chunk. Here an int
+~11 us (a 9 MiB read kernel, H100: 15.9 against 4.7 us a launch, bench/gpu/pool_cost.py). At 8b that is two such reads a layer, 64 a prompt chunk. Here an int
 offset becomes a view of a 16-byte array a GPU op made (device memory), made once
-per offset and shared by the chunk's layers: one tiny kernel a chunk. Measured (H100,
-session 25, CUPTI): a 1b 4-bit 2k chunk's rope kernels 345-380 us with it, 528 us
+per offset and shared by the chunk's layers: one tiny kernel a chunk. Measured (H100, CUPTI): a 1b 4-bit 2k chunk's rope kernels 345-380 us with it, 528 us
 without: -5.7 us a call (-0.18 ms a chunk; predicted -0.35); through the engine the
 effect was smaller than the noise between processes.
 

@@ -4,7 +4,7 @@ Why: engine/sampler.py's two-level draw as MLX ops is ~20 kernels over the whole
 [B, V] logits (a float32 copy, the max, x - max, the scaling, exp, block sums, two
 cumulative sums, the picks). On an H100 with the llama-3 vocabulary that took 0.23 ms
 a step at B=1 and 0.85 ms at B=128, against mlx-lm's Gumbel draw at 0.19 and 0.26
-(bench/sampler_bench.py, session 25): at 1b B=128 a ~3.4 ms step pays a quarter more
+(bench/sampler_bench.py): at 1b B=128 a ~3.4 ms step pays a quarter more
 when its rows sample, and OpenAI's default temperature is 1.0.
 
 Here one block of ``THREADS`` threads draws one row, reading the logits in their own
@@ -19,7 +19,7 @@ with weight. Rows' settings come in one float32 [B, 4] array (inv_t, u0, u1, 0: 
 bytes a row, out of MLX's pool of tiny arrays, engine/gpu_mma.device_scalar) and the
 tokens leave in an int32 [B, 4] array, column 0 (the same reason).
 
-Measured (H100, session 25, bf16 logits of 128,256 tokens, ``bash bench/gpu/suite.sh
+Measured (H100, bf16 logits of 128,256 tokens, ``bash bench/gpu/suite.sh
 sampler``, ms a step, this kernel / the MLX ops / mlx-lm): B=1 0.32 / 0.20 / 0.19,
 B=8 0.18 / 0.30 / 0.10, B=32 0.14 / 0.77 / 0.11, B=128 0.53 / 0.84 / 0.23. So it runs
 from ``MIN_ROWS`` rows. That form reads its row twice (the max, then the blocks'

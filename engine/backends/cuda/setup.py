@@ -4,7 +4,7 @@ MLX's CUDA backend compiles its kernels with NVRTC on first use and keeps the PT
 in ``MLX_PTX_CACHE_DIR``, by default a folder under the temp dir (often lost at a
 reboot, and unwritable when another user created it first). A fresh cache cost
 the first 1b request 10-47 s on the H200, a kept one 0.2-1.2 s
-(bench/gpu/NOTES.md, "First-call (JIT) times"). ``default_ptx_cache_dir`` points it
+(docs/performance.md, "First-call (JIT) times"). ``default_ptx_cache_dir`` points it
 at a per-user cache folder unless the user chose one. MLX reads the variable once,
 at its first kernel compile, and creates the folder itself; CPU and Metal builds
 never read it, so setting it there is harmless (and creates nothing).
@@ -12,7 +12,7 @@ never read it, so setting it there is harmless (and creates nothing).
 ``default_cuda_attention`` turns MLX's cuDNN attention off unless the user chose:
 cuDNN builds an execution graph per attention shape, so every prompt length not seen
 before cost its request 0.1-0.6 s of time to first token on the H200, warm-up or
-not (bench/gpu/NOTES.md, session 5); MLX's own attention has no per-shape build.
+not (docs/performance.md); MLX's own attention has no per-shape build.
 
 Imports nothing from MLX.
 """

@@ -9,10 +9,10 @@ from engine.backends.cuda import prefetch, sampler
 from engine.backends.cuda.attention import decode, decode_tc
 from engine.backends.cuda.attention import prefill as prefill_attention
 from engine.backends.cuda.kernels import KernelSpec
-from engine.backends.cuda.products import dequant, gemv, mma, qgemm, qstream, wgmma
+from engine.backends.cuda.products import dequant, gemv, mma, moe, qgemm, qstream, wgmma
 
 MODULES = (decode, decode_tc, gemv, mma, qstream, prefill_attention, qgemm, dequant, wgmma,
-           prefetch, sampler)  # fmt: skip
+           prefetch, sampler, moe)  # fmt: skip
 
 
 def all_specs() -> list[KernelSpec]:

@@ -421,7 +421,7 @@ def test_tensor_core_form_rules(monkeypatch):
     assert gpu_attention.LoopShape.parse("c") == gpu_attention.LoopShape(tc=True)
     assert gpu_attention.LoopShape.parse("cs").tc_split
     monkeypatch.delenv(tc.SPLIT_ENV, raising=False)
-    assert tc.split_enabled()  # the default since session 18
+    assert tc.split_enabled()  # the default
     monkeypatch.setenv(tc.SPLIT_ENV, "0")
     assert not tc.split_enabled()
     monkeypatch.setenv(tc.SPLIT_WARPS_ENV, "8")

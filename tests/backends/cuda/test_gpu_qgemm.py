@@ -181,7 +181,7 @@ def test_stream_k_switch(monkeypatch):
     split into the 2-m-tile geometry is the kernel's (o_proj and down_proj too); the
     grid is the SMs' slots, never more blocks than k-steps; the form needs K."""
     monkeypatch.delenv(gpu_qgemm.SK_ENV, raising=False)
-    assert gpu_qgemm.stream_k() == 3  # the default since session 20
+    assert gpu_qgemm.stream_k() == 3  # the default
     monkeypatch.setenv(gpu_qgemm.SK_ENV, "0")
     monkeypatch.setenv(gpu_qgemm.PAIR_WARPS_ENV, "4")
     assert not gpu_qgemm.takes(128, 4096 // 16, False, 14336, residual=True)

@@ -95,14 +95,14 @@ def test_switches(monkeypatch):
     monkeypatch.setenv(gpu_wgmma.ENV, "0")
     assert not gpu_wgmma.takes(128, 28672, 4096)
     monkeypatch.delenv(gpu_wgmma.NX_ENV, raising=False)
-    assert gpu_wgmma.x_stages() == 4  # default since session 24 (measured)
+    assert gpu_wgmma.x_stages() == 4  # default (measured)
     monkeypatch.setenv(gpu_wgmma.NX_ENV, "5")
     assert gpu_wgmma.x_stages() == 5
     monkeypatch.setenv(gpu_wgmma.NX_ENV, "6")
     with pytest.raises(ValueError, match=gpu_wgmma.NX_ENV):
         gpu_wgmma.x_stages()
     monkeypatch.delenv(gpu_wgmma.WEARLY_ENV, raising=False)
-    assert gpu_wgmma.weights_early()  # default since session 24 (measured)
+    assert gpu_wgmma.weights_early()  # default (measured)
     monkeypatch.setenv(gpu_wgmma.WEARLY_ENV, "0")
     assert not gpu_wgmma.weights_early()
     monkeypatch.setenv(gpu_wgmma.WEARLY_ENV, "yes")
@@ -162,7 +162,7 @@ def test_equals_dequantized_float_product_and_is_deterministic(rows):
     every tile counter is back to zero after the launches. Each call is evaluated
     alone: the split form's counters and partials are one set a thread, and MLX may run
     independent launches of one evaluation at the same time (the H200 run that
-    evaluated three together, session 22, got unwritten outputs)."""
+    evaluated three together, got unwritten outputs)."""
     rng = np.random.default_rng(rows)
     n, k = 512, 2048
     w = mx.array(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)).astype(mx.bfloat16)

@@ -60,7 +60,7 @@ def test_staged_prefill_equals_unstaged(monkeypatch):
     together = np.array(runner.prefill_together(kvs, [tokens[:100], tokens[:90]]))
     assert len(queued) == 3
     # (on a GPU MLX's float32 matmuls run in TF32 by default, and a 2-row forward takes
-    # other kernels than a 1-row one: 7e-4 apart on an H100, session 26; the staged
+    # other kernels than a 1-row one: 7e-4 apart on an H100; the staged
     # and unstaged forwards above are still bit-equal there)
     atol = 3e-3 if mx.default_device() == mx.gpu else 1e-5
     np.testing.assert_allclose(together[0], prefill(tokens[:100], 0), atol=atol)

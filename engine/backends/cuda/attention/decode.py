@@ -5,7 +5,7 @@ a decode step, and the running batch needs one as soon as its rows differ in len
 (left padding). The fallback, grouped matmuls under the mask (engine/model/attention.py),
 costs about seven kernels per layer (scale, QK^T, mask, casts, softmax, PV), and on
 the GPU each kernel costs host time: the decode step is host-bound up to ~32 rows
-(bench/gpu/NOTES.md). This kernel reads each row's valid range ``[start[b], T)``
+(docs/performance.md). This kernel reads each row's valid range ``[start[b], T)``
 itself, so there is no mask at all, and it reads each K/V head once for the query
 heads of its group.
 
@@ -79,7 +79,7 @@ POSITIONS_PER_BLOCK = 128  # each of 8 warps walks ~16 positions (4 rounds of 4 
 
 
 # VEC: a lane's PER values of one position as one 4/8/16-byte load (or two), kept as
-# loaded until used, instead of PER scalar loads converted at once. Session 8 measured
+# loaded until used, instead of PER scalar loads converted at once. Measured
 # vector loads through ld.global.nc converted at once (with splits of ~32 positions):
 # attention 30-50% slower, not understood. Needs each position's row aligned to the
 # load: true for views [:, :, :T] of the cache buffers (head_dim * itemsize bytes a row).
@@ -108,7 +108,7 @@ def _header(scale: float, rope_scale: float = 1.0) -> str:
 @dataclass(frozen=True)
 class LoopShape:
     """How the kernel walks the cache (bench/gpu/attn_bench.py, profile_step.py's
-    suffixes). The field defaults are session 8's shape; what the engine runs is
+    suffixes). The field defaults are the measured shape; what the engine runs is
     ``auto_shape``'s, per launch, unless a shape is fixed."""
 
     lanes: int = 32  # lanes that share one position: 32/lanes positions a warp load
@@ -117,7 +117,7 @@ class LoopShape:
     ppb: int = POSITIONS_PER_BLOCK  # fewest positions a block when rows split over time
     warps: int = 8  # warps a block (fewer where the merge buffer needs it: warps_for)
     # the append form's unsplit launches on tensor cores (engine/backends/cuda/attention/decode_tc.py;
-    # without a fixed shape on unless MARKBASE_GPU_ATTN_TC=0: session 18)
+    # without a fixed shape on unless MARKBASE_GPU_ATTN_TC=0)
     tc: bool = False
     # and its split launches (up to gpu_attention_tc.MAX_SPLITS) as one block a (row,
     # KV head); without a fixed shape on unless MARKBASE_GPU_ATTN_TC_SPLIT=0
@@ -203,10 +203,10 @@ def set_loop_shape(shape: LoopShape | None) -> None:
 
 def auto_shape(blocks: int, head_dim: int) -> LoopShape:
     """The loop shape for a launch of ``blocks`` blocks (splits x KV heads x rows), as
-    measured (bench/gpu/attn_bench.py, NOTES.md session 9; us a call on the H200, 8b
+    measured (bench/gpu/attn_bench.py, docs/performance.md; us a call on the H200, 8b
     shapes, bf16, ~600 positions): fewer blocks than SMs (one row, split over time):
     8 positions in flight a warp, scalar loads, 8 warps (8b B=1 20.8 us against 21.9
-    for session 8's 4 positions; vector loads and 4 warps 23-31). Many blocks: vector
+    for the measured 4 positions; vector loads and 4 warps 23-31). Many blocks: vector
     loads, and at head_dim 128 8 positions in flight with 4 warps a block (8b B=128
     139 us against 163, B=32 48.5 against 53.4, B=8 26.5 against 30.1); at head_dim
     64, 4 positions (1b B=128 107 us against 125; 8 with 4 warps 119)."""

@@ -3,7 +3,7 @@
 Why: engine/backends/cuda/attention/decode.py's kernel works on CUDA cores: per position a warp takes
 G dot products of head_dim values, reduced across its lanes by 5 shuffles each, and
 G weighted sums. With many rows that is instruction-bound, not bandwidth-bound: at the
-8b model's B=128 (H100, session 17) it took 163 us a layer for ~300 MB of KV (1.8 TB/s,
+8b model's B=128 (H100) it took 163 us a layer for ~300 MB of KV (1.8 TB/s,
 5.2 ms of the 19.8 ms 4-bit step), at the 1b's 142 us for ~150 MB (1.0 TB/s, a third of
 the step). Here the G query heads of a KV head are the rows of an ``mma.sync.m16n8k16``
 A fragment (rows G..15 zero), and a warp walks its row's keys in tiles of BK: the K and
@@ -81,17 +81,17 @@ def _kernels(scale: float, rope_scale: float) -> Baked:
 
 
 def enabled() -> bool:
-    """On unless ``MARKBASE_GPU_ATTN_TC=0``. Measured on an H100 (session 18, CUPTI,
+    """On unless ``MARKBASE_GPU_ATTN_TC=0``. Measured on an H100 (CUPTI,
     ~512 positions): 8b B=128 146.8 -> 97.1 us a call, 1b B=128 115.1 -> 50.2, 8b B=64
     78.6 -> 55.4; the engine's 1b 4-bit B=128 25,652 -> 36,959 tok/s, 8b 6,912 ->
-    7,188 (bench/gpu/NOTES.md)."""
+    7,188 (docs/performance.md)."""
     return envs.value(ENV)
 
 
 def split_enabled() -> bool:
     """The launches the CUDA-core kernel splits over time (few rows) as one block a
     (row, KV head) whose warps share the tiles; on unless ``MARKBASE_GPU_ATTN_TC_SPLIT=0``.
-    Measured (session 18, H100, 600 positions): 8b one row 20.5 -> 17.7 us a call, 8b
+    Measured (H100, 600 positions): 8b one row 20.5 -> 17.7 us a call, 8b
     B=8 28.1 -> 17.4, 1b one row 18.5 -> 12.2; the 8b 4-bit B=1 step 2.97 -> 2.81 ms."""
     return envs.value(SPLIT_ENV)
 
@@ -104,7 +104,7 @@ def stages(split: bool, warps: int, bk: int, group: int, head_dim: int) -> int:
     (``_SPLIT_STAGES`` for the split form; 2-4, default 2), fewer where the block's
     shared memory would pass MAX_SHARED. Why: the split form at one row waits ~1 us a
     tile a warp with one tile in flight (8b, 600 and 2,000 positions: 17.7 and 31.7 us a
-    call, session 18); more in flight is the knob to measure."""
+    call); more in flight is the knob to measure."""
     name = SPLIT_STAGES_ENV if split else STAGES_ENV
     want = int(envs.value(name))
     while want > 2 and shared_bytes(warps, bk, group, head_dim, want) > MAX_SHARED:

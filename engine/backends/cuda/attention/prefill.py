@@ -5,7 +5,7 @@ an execution graph per (query length, key length) and so cost every prompt lengt
 not seen before 0.1-0.6 s of time to first token on the H200, or, with cuDNN off
 (what ``markbase serve`` sets, engine/backends/cuda/setup.py), separate matmul / softmax /
 matmul kernels that write the whole score matrix to memory: a 2048-token prefill of
-the 1b model took 37 ms against PyTorch's 13 (bench/gpu/NOTES.md, session 5). This
+the 1b model took 37 ms against PyTorch's 13 (docs/performance.md). This
 kernel is FlashAttention-2's forward pass: scores stay in registers, an online
 softmax per row, and the lengths are runtime values, so one compiled kernel serves
 every prompt length and every prefix length (a chunk after a prefix-cache hit).
@@ -68,7 +68,7 @@ _kernel = Baked(_specs, ensure_row_contiguous=False)
 
 
 # on: its GPU tests pass on an H100 and alone it is 2.8-4.6x faster than MLX's
-# attention in the same process (bench/gpu/NOTES.md, session 14)
+# attention in the same process (docs/performance.md)
 DEFAULT = "kernel"
 
 

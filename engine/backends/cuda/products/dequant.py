@@ -3,20 +3,20 @@
 Why: a prompt chunk of 256+ rows dequantizes each weight and runs cuBLAS's float
 product (engine/backends/cuda/prefill.py). MLX 0.32's ``affine_dequantize`` kernel gives each
 thread one byte (two outputs), and ran at ~1.0 TB/s on an H100: in a 2048-token 1b
-4-bit chunk, 108 calls took 2.46 of its 12.96 ms for ~2.5 GB moved (bench/gpu/NOTES.md,
-session 16's prefill profile). The 4-bit 8b prefill was level with compiled PyTorch's
-bf16 (30,354 against 30,199 tok/s, session 18), 12 ms a chunk behind markbase's bf16.
+4-bit chunk, 108 calls took 2.46 of its 12.96 ms for ~2.5 GB moved (docs/performance.md,
+the measured prefill profile). The 4-bit 8b prefill was level with compiled PyTorch's
+bf16 (30,354 against 30,199 tok/s), 12 ms a chunk behind markbase's bf16.
 
 Here a warp takes 128 words (1,024 weights): each lane loads 4 words, one per 32-lane
 stride so every load and every 16-byte store of the warp is contiguous, with each
 word's scale and bias (a word's 8 weights share a group, group sizes 32-128). The
 arithmetic is written as MLX's (``scale * q + bias`` in the weight's dtype, its
 ``__hmul``/``__hadd`` as ``__hmul2``/``__hadd2``), and the compiler treats it the same
-way: NVRTC contracts the two into one ``HFMA2`` (sm_90a SASS, session 20), as nvcc's
+way: NVRTC contracts the two into one ``HFMA2`` (sm_90a SASS), as nvcc's
 default does with MLX's. So the weights should be ``mx.dequantize``'s bit for bit; the
 GPU test compares them.
 
-Measured on an H100 (session 20, CUPTI): 0.42-0.55x MLX's kernel time on every product
+Measured on an H100 (CUPTI): 0.42-0.55x MLX's kernel time on every product
 of the 8b and 1b models (2.4-2.9 TB/s against 1.1-1.2), equal to ``mx.dequantize`` bit
 for bit (26 GPU tests); a 2048-token 4-bit prefill 31,007 -> 34,477 tok/s at 8b
 (chunks of 512: 17,548 -> 23,756), 155,759 -> 160,114 at 1b. On by default;

@@ -1,7 +1,7 @@
 """Decode products for a few rows (1-8) as custom CUDA kernels: 4-bit affine and bf16/fp16.
 
 Why: on the H200 the decode step's products are the largest cost, and MLX 0.32.4's
-kernels for them are weak exactly where decoding lives (bench/gpu/NOTES.md, session 5
+kernels for them are weak exactly where decoding lives (docs/performance.md;
 profile): its 4-bit ``qmv`` moves the 8b model's weights at ~0.93 TB/s for one row
 (4.5 of a 5.8 ms step, against a ~1 ms floor), its 4-bit ``qmm_sm80`` at ~0.34 TB/s for
 8 rows, and a bf16 product of 2-32 rows goes through cuBLAS, whose per-call host cost

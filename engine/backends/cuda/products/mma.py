@@ -5,7 +5,7 @@ and row: for 8 rows that is ALU-bound (8b 4-bit, 8 rows: 10.6 ms a step against 
 ~1.2 ms read of the weights; bf16, 8 rows: 3x cuBLAS's GPU time). MLX's own kernels
 for these shapes are weak too (4-bit ``qmm_sm80`` moves 0.34 TB/s at 8 rows, 23 ms a
 step at 32), and a bf16 product of 2-32 rows goes through cuBLAS, whose host cost per
-call makes the small-batch step host-bound (bench/gpu/NOTES.md, session 5).
+call makes the small-batch step host-bound (docs/performance.md).
 
 Here the product is computed transposed, ``y.T = W @ x.T``, with
 ``mma.sync.m16n8k16``: 16 output features are the MMA's M side and the batch rows its
@@ -109,7 +109,7 @@ def _quant_u(k: int, nt: int, mt: int) -> int:
 # A block's m-tiles: every block reads its rows of x (up to 32 x K) from L2 for its
 # 16 * MT weight rows, so with one m-tile x's traffic is 2x the weight's at 32 rows
 # (bf16) and 8x (4-bit). More m-tiles a block divide that, but leave fewer blocks and
-# need more registers (1 block of 8 warps an SM at MT 4). Measured (NOTES.md, session
+# need more registers (1 block of 8 warps an SM at MT 4). Measured (docs/performance.md, session
 # 7): 8b 4-bit 32 rows GPU 9.4 -> 7.5 ms a step; at 8 rows slower (bf16 6.3 -> 8.2 ms,
 # 4-bit 4.3 -> 4.6): so more than one m-tile only from 17 rows, and only while at
 # least MIN_BLOCKS blocks remain (about one per SM of an H200's 132).
@@ -245,7 +245,7 @@ def device_scalar(value: float):
     less in one small pool of managed memory (mlx/backend/cuda/allocator.cpp,
     ``SmallSizePool``), which the GPU reads across PCIe: a 9 MiB read kernel whose
     blocks each read one such scalar took 15.9 us a launch against 4.7 us from a 16-byte
-    device array (H100, bench/gpu/pool_cost.py, session 24). So this array is 16 bytes,
+    device array (H100, bench/gpu/pool_cost.py). So this array is 16 bytes,
     made by ``mx.full`` on the GPU stream."""
     arr = _device_scalars_made.get(value)
     if arr is None:

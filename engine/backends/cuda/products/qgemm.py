@@ -3,9 +3,8 @@
 Why: engine/backends/cuda/products/mma.py's kernel holds x in registers, 32 rows a block, and splits the
 input dim over its warps. At 128 rows every weight tile is then dequantized by 4
 blocks, and each block's warps wait on their own loads with nothing staged: the 8b
-4-bit step at B=128 takes 20.9 ms on an H100 against 16.1 ms in bf16 (bench/gpu/NOTES.md,
-session 15), its products running at ~130 TFLOP/s. Widening that kernel's blocks
-does not help (4x the L2 traffic of x, NOTES.md).
+4-bit step at B=128 takes 20.9 ms on an H100 against 16.1 ms in bf16 (docs/performance.md), its products running at ~130 TFLOP/s. Widening that kernel's blocks
+does not help (4x the L2 traffic of x, docs/performance.md).
 
 Here a block takes 64 or 128 rows of x and ``WM`` m-tiles of 16 weight rows, one a
 warp. x goes through shared memory in steps of 128 inputs, copied by ``cp.async``
@@ -29,14 +28,14 @@ memory feed that many weight tiles: ``geometry`` picks 64-row blocks of 8 warps 
 where the m-tiles do not split into 16s) with 2 m-tiles each, 2 stages, wherever the
 weight's m-tiles split so.
 
-The grid is stream-K (``stream_k``, session 20): every block of an SMs'-worth grid
+The grid is stream-K (``stream_k``): every block of an SMs'-worth grid
 takes an even share of all tiles' k-steps, and a tile cut between blocks is summed by
 the last of them (one tile a block ran the 8b gate/up at 128 rows as 1.7 waves).
 
 In the default quantized plan from 33 rows (``33:qgemm``) for the products where it
 measured faster than gpu_mma (``takes``: every SwiGLU gate/up; qkv, the output layer
 and the 8b down_proj at 128 rows by their work a block slot); the others stay on
-gpu_mma. Measured on an H100 (bench/gpu/NOTES.md, session 20, CUPTI, 8b at 128 rows,
+gpu_mma. Measured on an H100 (docs/performance.md, CUPTI, 8b at 128 rows,
 against gpu_mma): gate/up 0.72x, output layer 0.67x, qkv 0.88x, down_proj 0.90x;
 o_proj 1.03x (left on gpu_mma). (bench/gpu/qgemm_sweep.py's first form timed
 independent calls, which MLX's CUDA graph may overlap: it flattered the small grids.)
@@ -111,7 +110,7 @@ def _spec(kind: str) -> KernelSpec:
     declares the kernel ``__launch_bounds__(T, B)`` (at most T threads a block, B
     blocks an SM): MLX writes the kernel's signature, so the header redefines
     ``__global__`` to carry it. Why: with 2 m-tiles a warp ptxas takes 206 registers,
-    which leaves 2 blocks of 4 warps an SM (bench/gpu/NOTES.md, session 18)."""
+    which leaves 2 blocks of 4 warps an SM (docs/performance.md)."""
     LAST_BLOCK = _source("attention/decode/last_block.cuh")
     CP_HEADER = _source("attention/prefill/header.cuh")
     MMA_HEADER = _source("products/mma/header.cuh")
@@ -148,7 +147,7 @@ def geometry(rows: int, m_tiles: int) -> tuple[int, int, int]:
     """(x rows a block, warps a block, m-tiles a warp) for ``rows`` rows and ``m_tiles``
     m-tiles of the weight. Where the m-tiles split into 4 warps x 2: 64-row blocks of 4
     warps with 2 m-tiles each, the fastest form for the gate/up product at 128 rows
-    (H100, session 17, CUPTI: 0.85x gpu_mma's time at 8b, 0.76x at 1b, where 8 warps
+    (H100, CUPTI: 0.85x gpu_mma's time at 8b, 0.76x at 1b, where 8 warps
     gave 0.84x and 0.68x; 128-row blocks with 2 m-tiles a warp spill). Otherwise one m-tile a
     warp: 128 rows a block from 65 rows (64 below), 8 warps, fewer warps (then fewer
     rows) while that leaves under MIN_BLOCKS blocks."""
@@ -171,8 +170,8 @@ PAIR_WARPS_ENV = "MARKBASE_GPU_QGEMM_PAIR_WARPS"
 def pair_warps() -> int:
     """Warps a block of the 2-m-tile geometry: PAIR_WARPS (8: one block of 256 weight
     rows an SM, x copied from L2 half as often a weight row), or 4 with
-    ``MARKBASE_GPU_QGEMM_PAIR_WARPS=4`` (2 blocks an SM; the default until session 20).
-    Measured (H100, CUPTI, 128 rows, stream-K, session 20): 8b output layer 647 against
+    ``MARKBASE_GPU_QGEMM_PAIR_WARPS=4`` (2 blocks an SM; the default).
+    Measured (H100, CUPTI, 128 rows, stream-K): 8b output layer 647 against
     704 us, down_proj 93 against 101, gate/up 172 against 171; 1b output layer 94
     against 106; the engine's 8b 4-bit B=128 with stream-K 7,571-7,906 tok/s against
     6,636 with 4 warps (stream-K on the gate/up and output layer only)."""
@@ -192,8 +191,8 @@ def stages(mt: int = 1) -> int:
     """Buffers of x (and steps the weight registers are loaded ahead, less one):
     ``MARKBASE_GPU_QGEMM_STAGES`` (2 or 3) if set, else 2 with 2 m-tiles a warp (the
     sweep's best; its registers are the tighter) and 3 with one (3 stages beat 2 there:
-    bench/gpu/NOTES.md, session 16). A form with the weights in shared memory too
-    (cp.async, 2-4 stages) measured no better (session 18) and was removed."""
+    docs/performance.md). A form with the weights in shared memory too
+    (cp.async, 2-4 stages) measured no better  and was removed."""
     want = envs.value(STAGES_ENV)
     return int(want) if want is not None else 2 if mt == 2 else 3
 
@@ -207,8 +206,8 @@ def wide_enough(rows: int, m_tiles: int) -> bool:
     """Whether ``geometry`` gives this product blocks of 4+ m-tiles and at least
     MIN_BLOCKS of them. With fewer m-tiles a block, each block reads all of x from L2 for
     32 weight rows or less (o_proj and down_proj of the 8b model at 128 rows took 3.2x
-    gpu_mma's time, session 16); with fewer blocks, half the SMs idle: in the engine's
-    step (session 17, 8b 4-bit B=128) the 64-block o_proj/down_proj took 151 us a call
+    gpu_mma's time); with fewer blocks, half the SMs idle: in the engine's
+    step (8b 4-bit B=128) the 64-block o_proj/down_proj took 151 us a call
     against gpu_mma's 69, while gate/up (448 blocks) took 203 against 233. The plan's
     ``qgemm`` falls back to ``qmma`` for them (engine/backends/cuda/linear.py)."""
     bm, wm, mt = geometry(rows, m_tiles)
@@ -226,14 +225,14 @@ def takes(rows: int, m_tiles: int, glu: bool, k: int = 0, residual: bool = False
     block, or stream-K on the same products): the SwiGLU gate/up where
     ``wide_enough``, and a wide product without a residual of PLAIN_MIN_K+ inputs (the
     output layer of the 8b model, not the 1b's: K 2048) unless
-    ``MARKBASE_GPU_QGEMM_PLAIN=0``. Measured by CUPTI (session 17, H100, 128 rows,
+    ``MARKBASE_GPU_QGEMM_PLAIN=0``. Measured by CUPTI (H100, 128 rows,
     against gpu_mma): gate/up 0.84x at 8b and 0.68-0.76x at 1b; qkv 1.32-1.74x, o_proj
     and down_proj 1.95-4.3x (64 blocks: half the SMs idle, which stream-K is for); with
     the output layer on qgemm too, the engine's 1b B=128 step was 8.5% slower than
-    all-qmma while the 8b's was 5-7% faster. Session 19 (H100): the 8b output layer
+    all-qmma while the 8b's was 5-7% faster. Measured on an H100: the 8b output layer
     alone 727 us against qmma's 973 (1b: 99 against 146, not measured in the engine
     since); the engine's 8b 4-bit B=128 7,629 -> 8,111 and 8,168 tok/s, against
-    compiled PyTorch's 8,030 in the same lease."""
+    compiled PyTorch's 8,030 in the same run."""
     sk = stream_k()
     if sk == 2:
         return geometry(rows, m_tiles)[2] == 2
@@ -258,7 +257,7 @@ SK_RESIDUAL_ITEMS = 20  # ... and a product with a residual
 
 
 def _worth_stream_k(rows: int, m_tiles: int, glu: bool, k: int, residual: bool) -> bool:
-    """``stream_k`` 3: the kernel where session 20's sweep (H100, 64 and 128 rows,
+    """``stream_k`` 3: the kernel where the measured sweep (H100, 64 and 128 rows,
     CUPTI, against gpu_mma) saw the stream-K form win: every SwiGLU gate/up, and other
     products with enough k-steps of work a block slot (plain ones from SK_PLAIN_ITEMS:
     the 8b qkv at 64 rows, 5.8 a slot, 0.89x; the 1b qkv at 128, 2.9, 1.22x; the output
@@ -276,7 +275,7 @@ def _worth_stream_k(rows: int, m_tiles: int, glu: bool, k: int, residual: bool) 
 
 def stream_k() -> int:
     """``MARKBASE_GPU_QGEMM_SK``: 3 (default) stream-K where it measured faster than
-    gpu_mma (``_worth_stream_k``); 0 one tile a block (the default until session 20);
+    gpu_mma (``_worth_stream_k``); 0 one tile a block (the default);
     1 the products the one-tile form takes (``takes``' rules), in the stream-K form; 2
     stream-K for every product of 33+ rows whose weight splits into the 2-m-tile
     geometry.
@@ -287,7 +286,7 @@ def stream_k() -> int:
     (Osama et al., 2023) gives each of the grid's blocks (the SMs' worth) an equal share
     of the tiles' k-steps, cut across tiles; a tile cut between blocks is summed by the
     last of them from the others' partial sums (fp32, in block order: deterministic).
-    Measured (H100, session 20, same lease): 8b 4-bit B=128 7,417 tok/s (0) -> 7,926
+    Measured (H100, same run): 8b 4-bit B=128 7,417 tok/s (0) -> 7,926
     and 8,323 (3), B=64 6,368 -> 7,038 and 6,879; 1b B=128 37,390 -> 38,595, B=64
     29,340 -> 30,135. Mode 2 lost at 1b (B=128 35,624 -> 31,148)."""
     return int(envs.value(SK_ENV))
@@ -295,7 +294,7 @@ def stream_k() -> int:
 
 def blocks_per_sm(wm: int, mt: int) -> int:
     """Blocks of the form an SM holds at once: 2 of the 2-m-tile form's 4 warps (206
-    registers, session 18), otherwise about 8 warps' worth. Sizes the stream-K grid; a
+    registers), otherwise about 8 warps' worth. Sizes the stream-K grid; a
     wrong guess costs balance, not correctness."""
     return 2 if (wm, mt) == (4, 2) else max(1, 8 // wm)
 

@@ -4,15 +4,15 @@ fastest) or tensor cores (form ``mma``).
 
 Why: at 8b 4-bit B=1 the products are ~2.4 ms of a ~3.5 ms step on engine/backends/cuda/products/mma.py's
 kernel, reading the weights at 1.5-1.8 TB/s on the H200, where a copy reaches 2.5
-(MLX) to 4.3 TB/s (PyTorch) (bench/gpu/NOTES.md, sessions 8-9). That kernel holds a
-lane's in-flight loads in registers, so more loads in flight cost occupancy (session 9
-measured more loads a lane slower), and its blocks are short (16 rows, then a
+(MLX) to 4.3 TB/s (PyTorch) (docs/performance.md). That kernel holds a
+lane's in-flight loads in registers, so more loads in flight cost occupancy (more
+loads a lane measured slower), and its blocks are short (16 rows, then a
 reduction through shared memory). Here a lane's loads go to its own ring of
 ``STAGES`` slots in shared memory (``cp.async``: no register holds a load in flight),
 a warp owns whole output rows and walks them to the end, and nothing is block-wide
 after the prologue.
 
-The CUDA-core form (``_BODY``, session 10's first try): a warp owns one output row at
+The CUDA-core form (``_BODY``, the measured first try): a warp owns one output row at
 a time, lane ``l`` its 32-input chunks ``l, l + 32, ...``; a 4-bit value becomes a
 float with the exponent trick on its place in the word (``(w & 0xF << 4k) |
 0x4B000000`` is 2^23 + q * 16^k, exact), one accumulator per k: a LOP3, an FADD and an
@@ -57,7 +57,7 @@ _HEADER = _source("products/qstream/header.cuh")
 _BODY = _source("products/qstream/body.cu")
 
 
-# The integer form (``q4i``, session 11, the default): the same ring and walk as
+# The integer form (``q4i``, the default): the same ring and walk as
 # ``_BODY``, but x is held as int16 with a power-of-two scale per 32-input chunk
 # (2^(14 - e), e the exponent of the chunk's largest |x|: every bf16 value within 2^7
 # of that largest, every fp16 one within 2^4, becomes an integer exactly; smaller ones
@@ -166,7 +166,7 @@ def supported(x_dtype, rows: int, n: int, k: int, bits: int, group_size: int, mo
 DEFAULTS = {"q4": (STAGES, WARPS), "q4i": (4, WARPS), "mma": (4, 4)}
 CPS = 2
 FORMS = tuple(DEFAULTS)
-# measured (bench/gpu/q4_bench.py, NOTES.md sessions 10-11; 8b, us a layer's 4 products):
+# measured (bench/gpu/q4_bench.py, docs/performance.md; 8b, us a layer's 4 products):
 # engine/backends/cuda/products/mma.py 75.6, the float CUDA-core form 65.2, the tensor-core form 97-131;
 # MARKBASE_GPU_QSTREAM_FORM picks another for A/B runs
 DEFAULT_FORM = "q4i"
@@ -202,7 +202,7 @@ def early_issue() -> bool:
     (default; MARKBASE_GPU_QSTREAM_EARLY=0 turns it off). Why: each block converts all
     of x (K/32 chunks, a block-wide barrier) before its first load, so every 1-row
     product started with its HBM idle for that prologue plus a load's latency, ~129
-    times a step at 8b. H100 (bench/gpu/NOTES.md, session 23): a layer's four products
+    times a step at 8b. H100 (docs/performance.md): a layer's four products
     alone 60.4 -> 57.3 us; with engine/backends/cuda/prefetch.py, the served 8b 4-bit single
     stream 2.668 -> 2.564-2.583 ms a step."""
     if _knobs.get("early") is not None:
@@ -289,13 +289,12 @@ def _grid_blocks(
 
 def takes_norm(n: int, glu: bool) -> bool:
     """Whether the kernel for these outputs folds the RMSNorm before it in: the form has
-    it and MARKBASE_GPU_QSTREAM_NORM is not 0 (on by default since session 24). Until
-    then it was off: inside the step the norm forms ran 2-3x slower than alone (H200,
-    session 12: GPU time 2.74 -> 4.01 ms). The cause was their epsilon, a [1] array in
+    it and MARKBASE_GPU_QSTREAM_NORM is not 0 (on by default). Until
+    then it was off: inside the step the norm forms ran 2-3x slower than alone (H200: GPU time 2.74 -> 4.01 ms). The cause was their epsilon, a [1] array in
     MLX's pool of tiny arrays (managed memory), which every block read: one such read
     costs a 9 MiB read kernel ~11 us (H100, bench/gpu/pool_cost.py). With the epsilon in
     device memory (``gpu_mma.device_scalar``) the fold takes 65 launches out of a step: 8b
-    4-bit B=1 2.584 -> 2.455 ms, 1b 4-bit 956 -> 1,072 tok/s (H100, NOTES.md session 24)."""
+    4-bit B=1 2.584 -> 2.455 ms, 1b 4-bit 956 -> 1,072 tok/s (H100, docs/performance.md)."""
     return form_for(n, glu) in NORM_FORMS and envs.MARKBASE_GPU_QSTREAM_NORM
 
 

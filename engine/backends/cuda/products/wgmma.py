@@ -3,9 +3,9 @@ in shared memory.
 
 Why: at 128 rows (the 8b 4-bit decode step at B=128) engine/backends/cuda/products/qgemm.py's products
 run at ~175 TFLOP/s on an H100 and the step is level with compiled PyTorch in bf16
-(bench/gpu/NOTES.md, session 21: gate/up 163 us a layer, down_proj 89, o_proj 37).
+(docs/performance.md: gate/up 163 us a layer, down_proj 89, o_proj 37).
 That kernel issues ``mma.sync`` from every warp and feeds it x fragments read from
-shared memory by each warp: its ablations (session 19) found no single part binding,
+shared memory by each warp: its ablations  found no single part binding,
 the x copies, weight loads and fragment reads each costing a share. ``wgmma`` reads
 both operands from shared memory by descriptor, one instruction a 64 x BN x 16 product
 for a warpgroup of 4 warps, and runs asynchronously: the warps dequantize the next
@@ -36,7 +36,7 @@ each; the last of a tile's blocks (a counter, zero between launches) sums the pa
 in split order (deterministic) and writes the epilogue. The counters and partials are
 gpu_qgemm's stream-K buffers.
 
-Measured on an H200 (bench/gpu/NOTES.md, session 22): exact on small integers in every
+Measured on an H200 (docs/performance.md): exact on small integers in every
 form; against gpu_qgemm at 128 rows of the 8b model, with 4 warpgroups a block, gate/up
 0.84x and the output layer 0.87x its time, but the split products (qkv, o_proj,
 down_proj) 1.07-1.19x: so by default (``MARKBASE_GPU_WGMMA=auto``) the decode step
@@ -161,7 +161,7 @@ def x_stages() -> int:
     """Buffers of x (``MARKBASE_GPU_WGMMA_NX``): 4 (default, copied two steps ahead), 3
     (one step ahead) or 5. H100, 8b at 128 rows with the early weight loads
     (``weights_early``), us: gate/up 136.4 with 3, 123.9 with 4; output layer 535.6 /
-    489.2 (session 24); without them 4 was no better than 3 (session 23) and 5 is slower
+    489.2 ; without them 4 was no better than 3  and 5 is slower
     (181 KB of shared memory)."""
     return int(envs.value(NX_ENV))
 
@@ -169,7 +169,7 @@ def x_stages() -> int:
 def warpgroups() -> int:
     """Warpgroups a block (``MARKBASE_GPU_WGMMA_WG``): 4 (default: 256 weight rows, one
     block an SM, x read from L2 half as often a weight row) or 2 (128 weight rows, two
-    blocks an SM). H200, 8b at 128 rows, against gpu_qgemm's time (session 22): gate/up
+    blocks an SM). H200, 8b at 128 rows, against gpu_qgemm's time : gate/up
     0.84x with 4, 1.11x with 2; output layer 0.87x / 1.24x."""
     return int(envs.value(WG_ENV))
 
@@ -188,7 +188,7 @@ def supported(x_dtype, n: int, k: int, bits: int, group_size: int, mode: str, bi
 
 
 MIN_ROWS = 33
-AUTO_MIN_ROWS = 65  # 128-row blocks: the form measured (8b at 128 rows, session 22)
+AUTO_MIN_ROWS = 65  # 128-row blocks: the form measured (8b at 128 rows)
 MAX_ROWS = 128
 
 
@@ -266,7 +266,7 @@ def _plan(rows: int, n: int, k: int) -> tuple[Geometry, int, int]:
 
 def unsplit(rows: int, n: int, k: int) -> bool:
     """Whether the launch needs no k-splits: the products where it measured faster (the
-    H200, session 22: 8b gate/up and output layer at 128 rows, 4 warpgroups, 0.84x /
+    H200: 8b gate/up and output layer at 128 rows, 4 warpgroups, 0.84x /
     0.87x gpu_qgemm's time; the split o_proj, down_proj and qkv 1.07-1.19x slower)."""
     return _plan(rows, n, k)[2] == 1
 
@@ -282,10 +282,10 @@ def _template(dtype, gs: int, bn: int, nx: int, wgs: int, wearly: bool = False) 
 def weights_early() -> bool:
     """``MARKBASE_GPU_WGMMA_WEARLY`` (default 1; 0 turns it off): each k-step's weight
     loads issued right after its wgmma, two steps ahead, instead of at its end, three
-    ahead. Why (session 23, from the SASS): the fence before each step's barrier
+    ahead. Why (from the SASS): the fence before each step's barrier
     compiles to ``MEMBAR.ALL.CTA``, which waits for the thread's global loads in flight,
     so loads issued just before it made every k-step wait out an HBM round trip.
-    Measured (H100, session 24, 8b at 128 rows): gate/up 142.5 -> 136.4 us (123.9 with
+    Measured (H100, 8b at 128 rows): gate/up 142.5 -> 136.4 us (123.9 with
     4 x buffers), output layer 547.8 -> 535.6 (489.2); the whole B=128 step's GPU time
     14.07 -> 13.53 ms with both."""
     return envs.value(WEARLY_ENV)

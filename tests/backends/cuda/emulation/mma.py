@@ -4,7 +4,7 @@ Each function transcribes the CUDA source's loads, its ``mma.sync.m16n8k16`` fra
 use (the PTX ISA's layouts for A row-major 16x16, B column-major 16x8, C 16x8) and its
 epilogue (shared-memory sum over warps, residual, GLU) for one block at a time, then
 compares with numpy's product. It checks the mapping, not the CUDA code itself: change
-both together. Used in session 6 before the first GPU run (the kernels then passed
+both together. Used  before the first GPU run (the kernels then passed
 every test at their first run) and for the GLU epilogue, whose GPU test had not run.
 
     .venv/bin/python bench/gpu/mma_emulation.py

@@ -1,6 +1,6 @@
 // engine/backends/cuda/attention/decode.py: _LOAD
 // VEC: a lane's PER values of one position as one 4/8/16-byte load (or two), kept as
-// loaded until used, instead of PER scalar loads converted at once. Session 8 measured
+// loaded until used, instead of PER scalar loads converted at once. Measured
 // vector loads through ld.global.nc converted at once (with splits of ~32 positions):
 // attention 30-50% slower, not understood. Needs each position's row aligned to the
 // load: true for views [:, :, :T] of the cache buffers (head_dim * itemsize bytes a row).

@@ -33,7 +33,7 @@
   // every qkv value this lane's RoPE needs, read first: the reads then overlap each
   // other and start/pos's. Why: written as loads inside the loop that stores into
   // qsm, each waited for the store before it (generic pointers may alias): one L2
-  // round trip an element, ~4 us of one row's ~11 us call (session 19's ablation)
+  // round trip an element, ~4 us of one row's ~11 us call (the measured ablation)
   const T* xb = qkv + b * qkv_strides[0];
   const int nq = n_kv * G * HD;
   constexpr int QPL = G * HD / 32;  // query elements a lane (i = lane + 32 j)
@@ -97,7 +97,7 @@
   // pairs (d, d + HD/2), or (2i, 2i + 1) when TRAD; the result rounded to T
   const float pos_f = MB_ROPE_SCALE * static_cast<float>(pos[b]);
   // one sincos a frequency (HD/2 of them), not one an element: G + 1 heads share them
-  // (20 a lane at 8b: ~1.7 us of one row's call, session 19)
+  // (20 a lane at 8b: ~1.7 us of one row's call)
   for (int f = lane; f < HD / 2; f += 32) {
     sincosf(pos_f * inv_freq[f], &rsin[f], &rcos[f]);
   }

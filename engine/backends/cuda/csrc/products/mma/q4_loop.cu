@@ -50,6 +50,7 @@
           }
         }
       }
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int ch = (s * U + u) * 4 + t;

@@ -39,7 +39,7 @@
 
   // x's copies: a thread's XIT copies a step are rows rr0 + it * RSTEP with the same 8
   // inputs q8 (their addresses worked out once a tile: the per-unit index math was ~a
-  // quarter of a step's instructions in the SASS, session 18)
+  // quarter of a step's instructions in the SASS)
   constexpr int XIT = XU / NTH;
   constexpr int RSTEP = NTH / 16;
   static_assert(XU % NTH == 0 && NTH % 16 == 0, "x copies a thread");

@@ -1,5 +1,5 @@
 // engine/backends/cuda/products/qstream.py: _IBODY
-// The integer form (``q4i``, session 11, the default): the same ring and walk as
+// The integer form (``q4i``, the default): the same ring and walk as
 // ``_BODY``, but x is held as int16 with a power-of-two scale per 32-input chunk
 // (2^(14 - e), e the exponent of the chunk's largest |x|: every bf16 value within 2^7
 // of that largest, every fp16 one within 2^4, becomes an integer exactly; smaller ones

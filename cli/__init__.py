@@ -1,0 +1,1 @@
+"""``markbase``: the command line (serve, chat, models, bench, quantize)."""
