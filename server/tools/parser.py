@@ -176,7 +176,10 @@ class ToolCallParser:
         if self.state == GEMMA and self.buf:
             self._gemma_truncated(out)
         elif self.state in (HEAD, MISTRAL_START, MISTRAL_NAME) and self.buf:
-            self._say(out, self.buf)
+            if self._tagged:  # a call marker, then the end: an unfinished call, not text
+                self._drop_unfinished_call()
+            else:
+                self._say(out, self.buf)
         elif self.state == ARGS and self._scan is not None and self._scan.kind == "string":
             self._args(out, self._string_args)  # cut short: as written
         elif self.state == TEXT and self.buf:
@@ -292,6 +295,9 @@ class ToolCallParser:
         end = json_value_end(buf, start)
         if end < 0 and not final:
             return False
+        if end < 0 and self._tagged:  # cut short inside a marked call, its name unread
+            self._drop_unfinished_call()
+            return True
         try:
             obj = json.loads(buf[start:end] if end >= 0 else buf[start:])
         except ValueError:
@@ -305,6 +311,14 @@ class ToolCallParser:
         self.buf = buf[end:] if end >= 0 else ""
         self.state = AFTER_CALL
         return True
+
+    def _drop_unfinished_call(self) -> None:
+        """max_tokens cut a call before its name was complete. The marker and the
+        start of its JSON are neither content nor a call: the streamed answer held
+        them back, and the whole answer leaves them out the same way."""
+        self._in_list = False
+        self.buf = self._held_ws = ""  # as before a call, the whitespace before it too
+        self.state = TEXT
 
     def _not_a_call(self, out: list[Delta], upto: int) -> None:
         self._in_list = False

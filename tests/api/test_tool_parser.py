@@ -103,6 +103,11 @@ CASES = [
         None,
         [("get_weather", '{"city": "Par')],
     ),
+    # cut short after the marker, before the call's name is complete: the unfinished
+    # call is left out (never leaked as content), the text before it stays
+    (HERMES, 'Let me check.\n<tool_call>\n{"na', "Let me check.", []),
+    (HERMES, "Let me check.<tool_call>\n", "Let me check.", []),
+    (MISTRAL, 'Sure. [TOOL_CALLS] [{"name": "get_wea', "Sure.", []),
     # cut short inside the close tag
     (HERMES, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool', None, [("f", "{}")]),
     # broken JSON after the marker: the text comes back as content
