@@ -3,6 +3,7 @@
     .venv/bin/python bench/structured_bench.py                       # B=1,8,32; 0/50/100%
     .venv/bin/python bench/structured_bench.py --tokens 128 --rounds 3
     .venv/bin/python bench/structured_bench.py --model gemma3-270m --batches 8
+    .venv/bin/python bench/structured_bench.py --batches 8 --top-logprobs 5  # logprobs on too
 
 For each batch size B and share of constrained rows (``--fractions``), B requests with
 one chat prompt are run together through the real engine (``EngineClient``, the served
@@ -91,6 +92,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=48, help="tokens decoded per row")
     p.add_argument("--rounds", type=int, default=2, help="runs per configuration (best kept)")
     p.add_argument(
+        "--top-logprobs",
+        type=int,
+        default=None,
+        help="every row (constrained or not) also asks for its tokens' logprobs and this many top",
+    )
+    p.add_argument(
         "--warmup",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -157,7 +164,15 @@ class MaskClock:
 
 
 async def run_batch(
-    client, model: str, prompt: list[int], b: int, n_constrained: int, tokens: int, spec, tag: str
+    client,
+    model: str,
+    prompt: list[int],
+    b: int,
+    n_constrained: int,
+    tokens: int,
+    spec,
+    tag: str,
+    top_logprobs: int | None = None,
 ) -> dict:
     from engine.types import GenerationRequest, SamplingParams
 
@@ -165,7 +180,11 @@ async def run_batch(
     for i in range(b):
         constrained = i < n_constrained
         params = SamplingParams(
-            max_tokens=tokens, temperature=0.8, seed=1000 + i, ignore_eos=not constrained
+            max_tokens=tokens,
+            temperature=0.8,
+            seed=1000 + i,
+            ignore_eos=not constrained,
+            logprobs=top_logprobs,
         )
         reqs.append(
             GenerationRequest(
@@ -276,14 +295,24 @@ def main() -> None:
     async def bench():
         # untimed: every batch size once, constrained, so the first timed run is warm
         for b in batches:
-            await run_batch(client, lm.name, prompt, b, b, 8, spec, f"warm{b}")
+            await run_batch(
+                client, lm.name, prompt, b, b, 8, spec, f"warm{b}", args.top_logprobs
+            )
         clock.take()
         best: dict[tuple[int, int], dict] = {}
         for r in range(args.rounds):
             for b in batches:
                 for n_c in counts(b):
                     res = await run_batch(
-                        client, lm.name, prompt, b, n_c, args.tokens, spec, f"r{r}-{b}-{n_c}"
+                        client,
+                        lm.name,
+                        prompt,
+                        b,
+                        n_c,
+                        args.tokens,
+                        spec,
+                        f"r{r}-{b}-{n_c}",
+                        args.top_logprobs,
                     )
                     fill, wait, apply = clock.take()
                     res.update(
@@ -309,7 +338,8 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, MLX {mx.__version__} "
         f"on {device}",
         f"model: {args.model}, {args.tokens} tokens a row, best of {args.rounds} rounds, "
-        "temperature 0.8",
+        "temperature 0.8"
+        + (f", every row with logprobs (top {args.top_logprobs})" if args.top_logprobs else ""),
         "",
         "| B | constrained rows | decode tok/s | step ms | vs 0% | fill ms | wait ms | apply ms |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
