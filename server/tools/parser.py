@@ -266,10 +266,14 @@ class ToolCallParser:
                 self._head_skip = len(fmt.open_tag)
                 self.state = HEAD
             return True
-        keep = 0 if final else partial_suffix(buf, fmt.open_tag)
+        keep = partial_suffix(buf, fmt.open_tag)
+        if final and keep < 2:  # a lone "<" or "[" at the end is text
+            keep = 0
         if len(buf) > keep:
             self._say(out, buf[: len(buf) - keep])
             self.buf = buf[len(buf) - keep :]
+        if final and keep:  # the answer ends in the start of a marker: a call cut short
+            self._drop_unfinished_call()
         return False
 
     def _head(self, out: list[Delta], final: bool) -> bool:

@@ -391,3 +391,20 @@ def test_gemma3_without_a_template_gets_the_generic_tool_prompt():
         assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 50
         assert r.choices[0].finish_reason == "tool_calls"
         check_call(r.choices[0].message.tool_calls[0], names=["get_weather"])
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3, 5, 8])
+def test_a_call_cut_short_never_leaks_its_marker_as_content(http, max_tokens):
+    """max_tokens cutting a forced call inside its marker or before its name: the
+    answer has no call and no content starting a marker, streamed or whole."""
+    ask = body(tools=TOOLS, tool_choice="required", max_tokens=max_tokens)
+    whole = http.post("/v1/chat/completions", json=ask).json()["choices"][0]
+    assert whole["finish_reason"] == "length"
+    assert "<tool" not in (whole["message"]["content"] or "")
+    content = "".join(
+        c["choices"][0]["delta"].get("content") or ""
+        for c in sse_chunks(http.post("/v1/chat/completions", json={**ask, "stream": True}))
+        if c["choices"]
+    )
+    assert "<tool" not in content
+    assert content == (whole["message"]["content"] or "")
