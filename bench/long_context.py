@@ -193,6 +193,12 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     positions = [int(x) for x in args.positions.split(",")]
+    if not args.device_models:
+        # before MLX loads, as `markbase serve` does: MLX's matmuls then take the sgemm
+        # shim (engine/backends/cpu/native), which also runs decode attention's products
+        from engine.backends.cpu.blas import ensure_fast_blas
+
+        print(ensure_fast_blas(allow_reexec=False), flush=True)
 
     import mlx.core as mx
 
@@ -202,9 +208,6 @@ def main(argv=None) -> None:
 
         models = {n: moe_bench.build(n) for n in ("llama-1b", "qwen3-30b-a3b")}
     else:
-        from engine.backends.cpu.blas import ensure_fast_blas
-
-        ensure_fast_blas(allow_reexec=False)
         models = cpu_models()
     t0 = time.perf_counter()
     rows = run(models, positions, args.steps, args.repeat)
