@@ -321,7 +321,7 @@ class CpuDecodeStep:
 
 
 def layer_form(model) -> str:
-    """"llama" or "gemma3": the layer form of ``model`` the lean step computes; raises
+    """The layer form of ``model`` the lean step computes ("llama" or "gemma3"); raises
     ``_Unsupported`` (why) for anything else."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
