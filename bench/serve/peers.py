@@ -400,6 +400,14 @@ def _signal_group(pgid: int, sig: int) -> None:
 # ----------------------------------------------------------------------------- specs
 
 
+def _git_head(tree: Path) -> str:
+    """``tree``'s commit (short), or "?" outside git."""
+    proc = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True
+    )
+    return proc.stdout.strip() or "?"
+
+
 def make_specs(args, log=print) -> tuple[list[ServerSpec], dict[str, str], dict[str, Any]]:
     """The specs for ``args.servers``; unavailable ones go into the returned notes."""
     specs: list[ServerSpec] = []
@@ -431,9 +439,14 @@ def make_specs(args, log=print) -> tuple[list[ServerSpec], dict[str, str], dict[
 
     for name in args.servers:
         try:
-            if name in ("markbase", "markbase-nobatch"):
-                if not (REPO / "server" / "cli.py").is_file():
-                    raise Unavailable("server/cli.py does not exist yet")
+            if name in ("markbase", "markbase-nobatch", "markbase-base"):
+                tree = REPO
+                if name == "markbase-base":
+                    if not getattr(args, "baseline_tree", None):
+                        raise Unavailable("--baseline-tree names no source tree")
+                    tree = Path(args.baseline_tree).resolve()
+                if not (tree / "server" / "cli.py").is_file():
+                    raise Unavailable(f"{tree}/server/cli.py does not exist")
                 seqs = args.max_num_seqs if name == "markbase" else 1
                 argv = [
                     py, "-m", "server.cli", "serve", "--model", args.markbase_model or args.model,
@@ -454,7 +467,9 @@ def make_specs(args, log=print) -> tuple[list[ServerSpec], dict[str, str], dict[
                         model_field=args.markbase_model_field or args.model,
                         extra_body=extra,
                         env=env,
+                        cwd=tree,
                         notes=[
+                            *([f"source tree {tree} ({_git_head(tree)})"] if tree != REPO else []),
                             f"--weight-format {args.weight_format} (resolves to {resolved})",
                             f"--max-num-seqs {seqs}"
                             + (" (batching off)" if seqs == 1 else " (continuous batching)"),
