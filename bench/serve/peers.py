@@ -464,7 +464,7 @@ def make_specs(args, log=print) -> tuple[list[ServerSpec], dict[str, str], dict[
                     tree = Path(args.baseline_tree).resolve()
                 if not (tree / "server" / "cli.py").is_file():
                     raise Unavailable(f"{tree}/server/cli.py does not exist")
-                seqs = args.max_num_seqs if name == "markbase" else 1
+                seqs = 1 if name == "markbase-nobatch" else args.max_num_seqs
                 argv = [
                     py, "-m", "server.cli", "serve", "--model", args.markbase_model or args.model,
                     "--host", "127.0.0.1", "--port", "{port}", "--max-num-seqs", str(seqs),
