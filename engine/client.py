@@ -22,6 +22,7 @@ from engine.types import (
     EngineDeadError,
     EngineError,
     GenerationRequest,
+    GrammarSpec,
     ModelInfo,
     OverloadedError,
     TokenEvent,
@@ -141,6 +142,13 @@ class EngineClient:
     def tokenizer(self, name: str):
         self.get_model(name)
         return self._workers[name].tokenizer
+
+    def compile_grammar(self, name: str, spec: GrammarSpec) -> None:
+        """Compile ``spec`` for model ``name`` now (kept in the model's grammar cache, so
+        the worker only copies it); raises GrammarError naming what is not supported.
+        Blocking (the first call per model builds llguidance's token trie, ~1 s): call
+        it from a thread."""
+        self.worker(name).grammars.compile(spec)
 
     def worker(self, name: str) -> ModelWorker:
         self.get_model(name)

@@ -1,10 +1,25 @@
-"""Reuse of prompt KV across requests: a trie over fixed-size token blocks.
+"""Reuse of prompt caches across requests: a trie over fixed-size token blocks.
 
-A node holds the KV (every layer) of one block of ``block`` tokens, reached by the
-blocks before it, so a prompt that starts like an earlier one (same system prompt,
-the next turn of a chat) takes the cached KV for its longest cached block prefix and
-prefills only the rest. Leaves are evicted least-recently-used when the cache holds
-more than ``budget_tokens``, so it never grows without bound.
+A node stands for one block of ``block`` tokens, reached by the blocks before it, and
+holds, per leaf of the model's cache layout (engine/cache_layout.py), what that leaf
+needs to continue from the end of the block:
+
+- attention leaves: the block's keys and values (reuse at any block end: the blocks
+  of the path, concatenated);
+- window leaves: the block's keys and values too, where the sequence still held them
+  (a prompt holds all of its own; a finished row of the running batch only its last
+  window); reuse at a block end needs only the blocks that cover the last
+  ``window - 1`` positions before it;
+- state leaves (SSM / linear attention): the state after exactly this block's end,
+  where one was kept. A state is known only at the end of what was fed, so the worker
+  splits a prompt's prefill at its last block end and keeps the state there: a prompt
+  that repeats or extends an earlier one (the next turn of a chat) reuses it; a
+  prompt that only shares a shorter start with it does not.
+
+``lookup`` returns the deepest node of the longest matching path where every leaf can
+continue. Leaves are evicted least-recently-used when the cache holds more than
+``budget_tokens``, counted as the layout counts the KV budget (a block of a
+full-attention model costs ``block`` tokens), so it never grows without bound.
 """
 
 from __future__ import annotations
@@ -14,23 +29,32 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-LayerKV = tuple[mx.array, mx.array]  # keys, values: [1, H, L, D]
+from engine.cache_layout import ATTENTION, STATE, WINDOW, CacheLayout, LeafSpec
+from engine.kv import KVRows
+from engine.state_cache import StateRows
+
+Block = tuple[mx.array, mx.array]  # one leaf's keys, values of one block: [1, H, block, D]
 
 
 @dataclass(eq=False)
 class _Node:
     key: tuple[int, ...]
     parent: _Node | None
-    kv: list[LayerKV] | None = None
+    kv: list[Block | None] = field(default_factory=list)  # per leaf (None: not held)
+    states: list[StateRows | None] | None = None  # per leaf, after this block (state leaves)
+    cost: int = 0  # budget tokens this node holds
+    nbytes: int = 0  # bytes of the arrays it holds
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
     last_used: int = 0
-    nbytes: int = 0
 
 
 class PrefixCache:
-    def __init__(self, budget_tokens: int, block: int = 16) -> None:
+    def __init__(
+        self, budget_tokens: int, block: int = 16, layout: CacheLayout | None = None
+    ) -> None:
         self.budget_tokens = budget_tokens
         self.block = block
+        self.layout = layout
         self.root = _Node((), None)
         self.tokens_held = 0
         self.bytes_held = 0  # of the arrays in the cache: what it adds to the process's memory
@@ -42,16 +66,20 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.budget_tokens >= self.block
 
+    def _specs(self, n: int) -> list[LeafSpec]:
+        if self.layout is None:
+            return [LeafSpec(ATTENTION)] * n
+        return self.layout.leaves
+
     def _blocks(self, tokens: list[int], limit: int):
         b = self.block
         for start in range(0, limit - b + 1, b):
             yield tuple(tokens[start : start + b])
 
-    def lookup(self, tokens: list[int]) -> tuple[int, list[LayerKV] | None]:
-        """Longest cached prefix of ``tokens`` (leaving at least one token to compute).
-
-        Returns the number of tokens matched and their KV per layer, concatenated.
-        """
+    # -- lookup ----------------------------------------------------------------------
+    def lookup(self, tokens: list[int]) -> tuple[int, list[KVRows | StateRows] | None]:
+        """Longest usable cached prefix of ``tokens`` (leaving at least one token to
+        compute): the number of tokens matched and what each leaf holds after them."""
         self.query_tokens += len(tokens)
         if not self.enabled:
             return 0, None
@@ -65,47 +93,117 @@ class PrefixCache:
             node = child
         if not path:
             return 0, None
+        specs = self._specs(len(path[0].kv))
+        for depth in range(len(path), 0, -1):
+            firsts = self._usable(path, depth, specs)
+            if firsts is not None:
+                break
+        else:
+            return 0, None
         now = next(self._clock)
-        for n in path:
+        for n in path[:depth]:
             n.last_used = now
-        layers = len(path[0].kv)
-        kv = [
-            (
-                mx.concatenate([n.kv[i][0] for n in path], axis=2),
-                mx.concatenate([n.kv[i][1] for n in path], axis=2),
+        out: list[KVRows | StateRows] = []
+        for i, (spec, first) in enumerate(zip(specs, firsts)):
+            if spec.kind == STATE:
+                out.append(path[depth - 1].states[i])
+                continue
+            blocks = [n.kv[i] for n in path[first:depth]]
+            out.append(
+                KVRows(
+                    mx.concatenate([b[0] for b in blocks], axis=2),
+                    mx.concatenate([b[1] for b in blocks], axis=2),
+                    first * self.block,
+                )
             )
-            for i in range(layers)
-        ]
-        matched = len(path) * self.block
+        matched = depth * self.block
         self.hit_tokens += matched
-        return matched, kv
+        return matched, out
 
-    def insert(self, tokens: list[int], kv: list[LayerKV]) -> None:
-        """Store the full blocks of ``tokens`` whose KV (per layer, [1,H,>=len,D]) is given."""
+    def _usable(self, path: list[_Node], depth: int, specs: list[LeafSpec]) -> list[int] | None:
+        """Per leaf, the first block it needs to continue after ``depth`` blocks, or
+        None when some leaf cannot continue there."""
+        if self.layout is None or self.layout.plain:
+            return [0] * len(specs)
+        end = depth * self.block
+        firsts = []
+        last = path[depth - 1]
+        for i, spec in enumerate(specs):
+            if spec.kind == STATE:
+                if last.states is None or last.states[i] is None:
+                    return None
+                firsts.append(depth)
+                continue
+            first = 0
+            if spec.kind == WINDOW:
+                first = max(0, end - (spec.window - 1)) // self.block
+            if any(n.kv[i] is None for n in path[first:depth]):
+                return None
+            firsts.append(first)
+        return firsts
+
+    # -- insert ----------------------------------------------------------------------
+    def insert(
+        self,
+        tokens: list[int],
+        rows: list[KVRows | StateRows | tuple | None],
+        state: tuple[int, list[StateRows | None]] | None = None,
+    ) -> None:
+        """Store the full blocks of ``tokens`` that ``rows`` hold: per leaf a
+        ``KVRows`` (or (keys, values) from position 0), None for state leaves; and
+        ``state = (position, per-leaf states)``, kept at the node ending there if
+        ``position`` is a block end."""
         if not self.enabled:
             return
-        limit = min(len(tokens), kv[0][0].shape[2])
+        rows = [KVRows(*r) if isinstance(r, tuple) else r for r in rows]
+        specs = self._specs(len(rows))
+        kv_ends = [r.end for r, s in zip(rows, specs) if s.kind == ATTENTION]
+        limit = min([len(tokens), *kv_ends])  # every node holds every attention leaf
         node = self.root
         now = next(self._clock)
-        added = []
+        added: list[mx.array] = []
+        b = self.block
         for i, key in enumerate(self._blocks(tokens, limit)):
+            s, e = i * b, (i + 1) * b
             child = node.children.get(key)
             if child is None:
-                s, e = i * self.block, (i + 1) * self.block
-                blocks = [
-                    (mx.contiguous(k[:, :, s:e, :]), mx.contiguous(v[:, :, s:e, :])) for k, v in kv
-                ]
-                nbytes = sum(k.nbytes + v.nbytes for k, v in blocks)
-                child = _Node(key, node, blocks, nbytes=nbytes)
+                child = _Node(key, node, [None] * len(rows))
                 node.children[key] = child
-                self.tokens_held += self.block
-                self.bytes_held += nbytes
-                added.append(child)
+            for j, (spec, r) in enumerate(zip(specs, rows)):
+                if spec.kind == STATE or child.kv[j] is not None:
+                    continue
+                if r is not None and r.base <= s and e <= r.end:
+                    lo, hi = s - r.base, e - r.base
+                    blk = (
+                        mx.contiguous(r.keys[:, :, lo:hi, :]),
+                        mx.contiguous(r.values[:, :, lo:hi, :]),
+                    )
+                    child.kv[j] = blk
+                    added += blk
+            if state is not None and state[0] == e and child.states is None:
+                child.states = list(state[1])
+                added += [
+                    a for st in state[1] if st is not None for a in st.arrays if a is not None
+                ]
+            self._recost(child)
             child.last_used = now
             node = child
         if added:
-            mx.eval([a for n in added for kv_pair in n.kv for a in kv_pair])
+            mx.eval(added)
         self._evict()
+
+    def _recost(self, node: _Node) -> None:
+        """The node's bytes and budget tokens after what it holds changed."""
+        nbytes = sum(a.nbytes + v.nbytes for a, v in (k for k in node.kv if k is not None))
+        if node.states is not None:
+            nbytes += sum(s.nbytes for s in node.states if s is not None)
+        if self.layout is None or self.layout.plain:
+            cost = self.block
+        else:
+            cost = max(1, self.layout.cost_tokens(nbytes))  # every node counts: none is free
+        self.tokens_held += cost - node.cost
+        self.bytes_held += nbytes - node.nbytes
+        node.cost, node.nbytes = cost, nbytes
 
     def _evict(self) -> None:
         while self.tokens_held > self.budget_tokens:
@@ -114,7 +212,7 @@ class PrefixCache:
                 return
             victim = min(leaves, key=lambda n: n.last_used)
             del victim.parent.children[victim.key]
-            self.tokens_held -= self.block
+            self.tokens_held -= victim.cost
             self.bytes_held -= victim.nbytes
 
     def _iter_nodes(self):

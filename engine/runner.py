@@ -1,32 +1,56 @@
-"""Batched forward passes over an mlx-lm model with our KV caches.
+"""Batched forward passes over an mlx-lm model with the engine's caches.
 
-``prefill`` runs one sequence's prompt chunk; ``decode`` runs one token for every
-row of the running batch. Both return logits lazily (nothing is evaluated here
-except what must be), so the worker decides when to synchronise.
+``prefill`` runs one sequence's prompt chunk; ``prefill_together`` the last chunks of
+several prompts in one forward; ``decode`` runs one token for every row of the running
+batch. They return logits lazily (nothing is evaluated here except what must be), so
+the worker decides when to synchronise. The caches are those the model asks for
+(engine/cache_layout.py); a model whose caches the engine cannot serve is refused
+here, at load, with a ``ModelLoadError`` naming its family.
 """
 
 from __future__ import annotations
 
 import contextlib
+from contextlib import contextmanager
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from engine import envs, platform
 from engine.backends import cpu, cuda
-from engine.kv import BatchKV, PromptBatchKV, SequenceKV
+from engine.cache_layout import WINDOW, CacheLayout, Caches, UnsupportedCache
+from engine.load_check import load_check
+from engine.loading.loaded_model import ModelLoadError
 from engine.model import attention, moe
 from engine.model.decode_step import make_decode_step
 
 
 class ModelRunner:
     def __init__(
-        self, model, cpu_shadows: dict | None = None, *, fused_decode: bool = True
+        self,
+        model,
+        cpu_shadows: dict | None = None,
+        *,
+        fused_decode: bool = True,
+        check: bool = True,
     ) -> None:
         self.model = model
+        self.family = type(model).__module__.rsplit(".", 1)[-1]
+        # Arrays the model made for itself outside its parameters (a RoPE's
+        # frequencies, ``_freqs``) stay lazy until something evaluates them, and MLX
+        # evaluates an array only on the thread whose stream made it: evaluated here,
+        # the worker thread finds them ready (else gemma4_text's first prefill failed
+        # with "There is no Stream(cpu, 0) in current thread").
+        materialize(model)
+        try:
+            self.layout = CacheLayout.of(model, self.family)
+        except UnsupportedCache as exc:
+            raise ModelLoadError(str(exc)) from None
         attention.install(model)
         moe.install(model)  # expert products grouped per expert (engine/model/moe.py)
         cpu.install_fast_math(model)  # CPU: prefill's SwiGLU without MLX's slow exp
-        self.num_layers = len(model.layers)
+        self.num_layers = len(self.layout.groups)  # caches the model takes (make_cache())
         # The inner transformer (no lm_head): prompt positions whose logits nobody
         # needs skip the vocabulary projection, the largest matmul for small models.
         self.body = getattr(model, "model", None)
@@ -36,6 +60,10 @@ class ModelRunner:
         # again for one row (a 2048-token GPU prefill of the 8b model: ~12 ms of ~54 ms
         # busy in 1-row products, H100, 2026-12-05).
         self.head = output_head(model) if self.body is not None else None
+        # Other families: the model's own call with its final norm cut to the wanted
+        # positions (``LastPositions``), kept only if the load check finds it exact.
+        self.cut = LastPositions.find(model) if self.head is None else None
+        self.together_ok = True  # the load check may find right-padded rows inexact
         # A chunk whose logits nobody wants is queued, not waited on, so the host builds
         # the next chunk (or decode step) while the device runs it. On by default on a
         # GPU: an 8192-token prompt in 512-token chunks 1.38-1.44x faster at 1b and
@@ -50,7 +78,9 @@ class ModelRunner:
         # Llama-family models decode through a step of their own (CPU: the lean step,
         # engine/backends/cpu/step.py; GPU: the fused one, engine/model/decode_step.py); other
         # families, or fused_decode=False, call the model as is.
-        self.decode_step = _make_decode_step(model) if fused_decode else None
+        plain = self.layout.plain
+        self.decode_step = _make_decode_step(model) if fused_decode and plain else None
+        self.windowed = any(s.kind == WINDOW for s in self.layout.leaves)
         # GPU: a prompt chunk's first layers start while the host builds the rest
         # (engine/backends/cuda/prefill_stages.py; MARKBASE_GPU_PREFILL_STAGES=0 turns it off).
         self.stage_every = cuda.prefill_stage_every() if on_gpu else 0
@@ -65,77 +95,105 @@ class ModelRunner:
         # After the step fused its weights: on the CPU, decode products read the
         # quantized copies of the float32 weights (engine/backends/cpu/qgemm.py).
         self.qgemm = cpu.register_qgemm_model(model, cpu_shadows) if cpu_shadows else None
+        if check and not (plain and self.head is not None):
+            load_check(self)
+        elif not check:
+            self.cut = None  # kept only where the load check found it exact
 
-    def new_sequence_kv(self) -> list[SequenceKV]:
-        return [SequenceKV() for _ in range(self.num_layers)]
+    # -- caches --------------------------------------------------------------------
+    def new_sequence_kv(self) -> Caches:
+        return self.layout.sequence()
 
-    def new_batch_kv(self) -> list[BatchKV]:
-        return [BatchKV() for _ in range(self.num_layers)]
+    def new_batch_kv(self) -> Caches:
+        return self.layout.batch()
 
-    def join_batch(self, batch: list[BatchKV], kv: list[SequenceKV], layer_kv) -> None:
-        """A prefilled sequence joins the running batch as its last row (``layer_kv``:
-        its per-layer keys and values, ``kv``'s ``c.kv()``)."""
-        for layer, (k, v) in zip(batch, layer_kv):
-            layer.add(k, v)
+    def sequence_from(self, rows: list) -> Caches:
+        """A sequence continuing from what the prefix cache returned (one per leaf)."""
+        return self.layout.sequence_from(rows)
 
-    def keep_rows(self, batch: list[BatchKV], rows: list[int]) -> None:
+    def join_batch(self, batch: Caches, kv: Caches, rows: list) -> None:
+        """A prefilled sequence joins the running batch as its last row (``rows``:
+        ``kv.rows()``, one per leaf)."""
+        batch.add(rows)
+
+    def keep_rows(self, batch: Caches, rows: list[int]) -> None:
         """Keeps only ``rows`` of the running batch, in that order."""
-        for layer in batch:
-            layer.keep(rows)
+        batch.keep(rows)
 
-    def prefill(
-        self, kv: list[SequenceKV], tokens: list[int], want_logits: bool
-    ) -> mx.array | None:
+    # -- prefill -------------------------------------------------------------------
+    def prefill(self, kv: Caches, tokens: list[int], want_logits: bool) -> mx.array | None:
         """Feed ``tokens`` of one sequence; return the last position's logits [V] if asked."""
         with self._staged(kv, len(tokens)):
             return self._prefill(kv, tokens, want_logits)
 
-    def _prefill(
-        self, kv: list[SequenceKV], tokens: list[int], want_logits: bool
-    ) -> mx.array | None:
+    def _prefill(self, kv: Caches, tokens: list[int], want_logits: bool) -> mx.array | None:
+        x = mx.array([tokens], dtype=mx.int32)
         if not want_logits:
-            self._forward_body(kv, tokens)
+            self._forward_without_logits(kv, x, [len(tokens) - 1])
             evaluate = mx.async_eval if self.async_prefill else mx.eval
-            evaluate([c.keys for c in kv] + [c.values for c in kv])
+            evaluate(kv.arrays() if isinstance(kv, Caches) else [c.keys for c in kv])
             return None
-        if self.head is not None:
-            hidden = self.body(mx.array([tokens], dtype=mx.int32), cache=kv)
-            return self.head(hidden[:, -1:, :])[0, -1]
-        if len(tokens) > 1:
-            self._forward_body(kv, tokens[:-1])
-        logits = self.model(mx.array([tokens[-1:]], dtype=mx.int32), cache=kv)
-        return logits[0, -1]
+        return self._last_logits(kv, x, [len(tokens) - 1])[0]
 
-    def prefill_all_logits(self, kv: list[SequenceKV], tokens: list[int]) -> mx.array:
+    def _last_logits(self, caches, x: mx.array, last: list[int]) -> mx.array:
+        """Logits [B, V] of row i's position ``last[i]`` after one forward over ``x``."""
+        rows = mx.arange(len(last))
+        cols = mx.array(last, dtype=mx.int32)
+        if self.head is not None:
+            hidden = self.body(x, cache=caches)
+            return self.head(hidden[rows, cols])
+        if self.cut is not None:
+            with self.cut.positions(rows, cols):
+                return self.model(x, cache=caches)[:, 0]
+        return self.model(x, cache=caches)[rows, cols]
+
+    def _forward_without_logits(self, caches, x: mx.array, last: list[int]) -> None:
+        if self.head is not None:
+            self.body(x, cache=caches)
+        elif self.cut is not None:  # the output layer on one position a row only
+            with self.cut.positions(mx.arange(len(last)), mx.array(last, dtype=mx.int32)):
+                self.model(x, cache=caches)
+        else:
+            self.model(x, cache=caches)
+
+    def prefill_all_logits(self, kv: Caches, tokens: list[int]) -> mx.array:
         """Feed ``tokens`` of one sequence and return every position's logits [n, V]
         (prompt logprobs need them all): the model's own call, whatever its family."""
         return self.model(mx.array([tokens], dtype=mx.int32), cache=kv)[0]
 
     def can_prefill_together(self) -> bool:
-        """Whether ``prefill_together`` applies: the one-pass output layer is known
-        (``MARKBASE_PREFILL_TOGETHER=0`` turns it off, for A/B runs)."""
-        return self.head is not None and envs.MARKBASE_PREFILL_TOGETHER
+        """Whether ``prefill_together`` applies: the last positions' logits can be had
+        from one forward (a known output layer, or the checked cut), right-padded rows
+        passed the load check (``MARKBASE_PREFILL_TOGETHER=0`` turns it off, for A/B
+        runs)."""
+        if self.head is None and self.cut is None:
+            return False
+        return self.together_ok and envs.MARKBASE_PREFILL_TOGETHER
 
-    def prefill_together(self, kvs: list[list[SequenceKV]], chunks: list[list[int]]) -> mx.array:
+    def prefill_together(
+        self, kvs: list[Caches], chunks: list[list[int]], want_logits: bool = True
+    ) -> mx.array | None:
         """The rest of several sequences' prompts in one forward: ``chunks[i]`` follows
         what ``kvs[i]`` holds (nothing for a new prompt, a cached prefix otherwise) and
-        ends its prompt; returns each one's last-position logits [B, V].
+        ends its prompt; returns each one's last-position logits [B, V] (None without
+        ``want_logits``: the chunks then only fill the caches).
 
         Why: a burst of short prompts prefilled one by one pays a pass over every
         weight per prompt (and on a GPU a dequantized copy of the 4-bit weights per
         prompt from 256 rows): 48 prompts of 256 tokens at 8b 4-bit took 1.75 s to
-        the last first token on an H100 (2026-12-05). The chunks
-        are right-padded to the longest (``PromptBatchKV``)."""
+        the last first token on an H100 (2026-12-05). The chunks are right-padded to
+        the longest (``PromptBatchKV``; state layers keep each row's state at its real
+        end, ``PromptBatchState``)."""
         lengths = [len(c) for c in chunks]
         width = max(lengths)
         tokens = mx.array([c + [0] * (width - len(c)) for c in chunks], dtype=mx.int32)
-        layers = [
-            PromptBatchKV([kv[layer] for kv in kvs], lengths) for layer in range(self.num_layers)
-        ]
-        with self._staged(layers, tokens.size):
-            hidden = self.body(tokens, cache=layers)
-        last = hidden[mx.arange(len(chunks)), mx.array(lengths, dtype=mx.int32) - 1]
-        return self.head(last)
+        caches = self.layout.prompt_batch(kvs, lengths)
+        last = [n - 1 for n in lengths]
+        with self._staged(caches, tokens.size):
+            if not want_logits:
+                self._forward_without_logits(caches, tokens, last)
+                return None
+            return self._last_logits(caches, tokens, last)
 
     def _staged(self, caches, rows: int):
         """A prompt chunk's forward queued in stages on a GPU (the CUDA backend's
@@ -144,14 +202,8 @@ class ModelRunner:
             return contextlib.nullcontext()
         return cuda.prefill_staged(caches, rows, self.stage_every)
 
-    def _forward_body(self, kv: list[SequenceKV], tokens: list[int]) -> None:
-        x = mx.array([tokens], dtype=mx.int32)
-        if self.body is not None:
-            self.body(x, cache=kv)
-        else:
-            self.model(x, cache=kv)
-
-    def decode(self, batch: list[BatchKV], tokens: list[int] | mx.array) -> mx.array:
+    # -- decode --------------------------------------------------------------------
+    def decode(self, batch: list, tokens: list[int] | mx.array) -> mx.array:
         """One token per row; returns logits [B, V]. ``tokens`` may be the previous
         step's sampled array, still being computed: the worker's pipelined loop
         builds step i+1 on it before step i's tokens reach the host."""
@@ -160,7 +212,63 @@ class ModelRunner:
         x = tokens.astype(mx.int32)[:, None]
         if self.decode_step is not None:
             return self.decode_step(x, batch)
+        if self.windowed and isinstance(batch, Caches):
+            batch.compact()  # sliding layers drop keys no row can see any more
         return self.model(x, cache=batch)[:, -1, :]
+
+
+def materialize(model) -> None:
+    """Evaluate every array the model holds, its private ones (``_name``) included."""
+    every = model.filter_and_map(lambda _m, _k, v: isinstance(v, (dict, list, mx.array)))
+    mx.eval([a for _, a in tree_flatten(every) if isinstance(a, mx.array)])
+
+
+class LastPositions:
+    """Runs a model's own ``__call__`` with its final norm seeing only the positions
+    whose logits are wanted (one a row), so the output layer and whatever follows it
+    (soft-capping, scaling) run on those rows alone, as in the model's own code.
+
+    Most mlx-lm families end ``body -> final norm -> output layer -> extras``, but the
+    extras differ (Gemma's soft-cap, Granite's logit scaling) and some compute the
+    logits inside the body (Gemma 3n): cutting at the norm serves them all without a
+    table of heads. The load check (``load_check``) keeps it only where it gives the
+    model's own logits."""
+
+    NAMES = ("norm", "final_layernorm", "final_norm", "norm_f", "ln_f", "final_layer_norm")
+
+    def __init__(self, owner, name: str) -> None:
+        self.owner, self.name = owner, name
+        self.norm = owner[name]
+
+    @classmethod
+    def find(cls, model) -> LastPositions | None:
+        """The final norm of the module that holds the model's layers, if any."""
+        layers = getattr(model, "layers", None)
+        if not layers:
+            return None
+        for _, module in model.named_modules():
+            # the module that holds the layers, whatever it calls them (gpt2: ``h``)
+            holds = any(
+                isinstance(v, list) and v and v[0] is layers[0] for v in module.values()
+            )
+            if holds:
+                for name in cls.NAMES:
+                    if isinstance(module.get(name), nn.Module):
+                        return cls(module, name)
+        return None
+
+    @contextmanager
+    def positions(self, rows: mx.array, cols: mx.array):
+        norm = self.norm
+
+        def cut(x, *args, **kwargs):
+            return norm(x[rows, cols][:, None], *args, **kwargs)
+
+        self.owner[self.name] = cut
+        try:
+            yield
+        finally:
+            self.owner[self.name] = norm
 
 
 def _make_decode_step(model):

@@ -45,6 +45,7 @@ import numpy as np
 from engine import penalties, platform
 from engine.backends import cuda
 from engine.penalties import LogitAdjust
+from engine.structured.masks import TokenMasks, apply_token_masks
 from engine.types import DRAW_BLOCK, SamplingParams
 
 BLOCK = DRAW_BLOCK  # tokens a block of the two-level draw (the CUDA kernel's too)
@@ -88,12 +89,17 @@ class RowSampler:
         return 1.0 - float(u[0]), 1.0 - float(u[1])
 
 
-def sample_batch(logits: mx.array, rows: list[RowSampler]) -> mx.array:
+def sample_batch(
+    logits: mx.array, rows: list[RowSampler], masks: TokenMasks | None = None
+) -> mx.array:
     """Next token for each row of ``logits`` ([B, V]); returns int32 [B]: lazily on a
-    GPU, computed here on the CPU (the numpy route) when any row samples. Rows with
-    logit adjustments (engine/penalties.py) draw from their adjusted logits, which
+    GPU, computed here on the CPU (the numpy route) when any row samples. ``masks``:
+    the grammar masks of the constrained rows (engine/structured), applied first. Rows
+    with logit adjustments (engine/penalties.py) draw from their adjusted logits, which
     are a copy: ``logits`` itself is never changed."""
     xp = np if numpy_route() else mx
+    if masks is not None:
+        logits = apply_token_masks(logits.astype(mx.float32), masks, on_host=xp is np)
     adjust = penalties.plan(rows)
     if adjust is None:
         return _sample(logits, rows, xp)

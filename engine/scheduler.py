@@ -14,16 +14,19 @@ scheduler mutates nothing itself:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, default_prefill_chunk_tokens
 from engine.sequence import Sequence
 
 
-def kv_need(seq: Sequence) -> int:
-    """KV tokens a sequence may come to hold: its prompt plus all it may generate."""
-    return min(len(seq.prompt) + seq.params.max_tokens, seq.max_len)
+def kv_need(seq: Sequence, kv_tokens: Callable[[int, int], int] | None = None) -> int:
+    """KV tokens a sequence may come to hold: its prompt plus all it may generate, as
+    the model's cache layout counts them (``CacheLayout.kv_tokens``: sliding windows
+    and state layers hold other amounts than a token each)."""
+    total = min(len(seq.prompt) + seq.params.max_tokens, seq.max_len)
+    return total if kv_tokens is None else kv_tokens(len(seq.prompt), total)
 
 
 @dataclass
@@ -73,15 +76,23 @@ def prompt_groups(seqs: list[Sequence], budget: int) -> list[list[Sequence]]:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, kv_tokens: Callable[[int, int], int] | None = None
+    ) -> None:
         self.config = config
         self.chunk_tokens = config.prefill_chunk_tokens or default_prefill_chunk_tokens()
+        self.kv_tokens = kv_tokens
+
+    def kv_need(self, seq: Sequence) -> int:
+        """``kv_need`` in this model's count, at most the whole budget (a sequence the
+        context length admits can always run alone)."""
+        return min(kv_need(seq, self.kv_tokens), self.config.max_kv_tokens)
 
     def admit(self, waiting: Iterable[Sequence], active: int, kv_reserved: int) -> list[Sequence]:
         cfg = self.config
         chosen = []
         for seq in waiting:  # FIFO: the head blocks later ones, so nobody starves
-            need = kv_need(seq)
+            need = self.kv_need(seq)
             if active >= cfg.max_num_seqs or kv_reserved + need > cfg.max_kv_tokens:
                 break
             chosen.append(seq)

@@ -1,7 +1,7 @@
 """A sequence's life inside the engine, named explicitly.
 
 WAITING -> PREFILLING -> RUNNING -> FINISHED. A sequence is prefilled on its own
-``SequenceKV`` chunk by chunk, then joins the running batch (``BatchKV``) where it
+caches chunk by chunk, then joins the running batch (engine/cache_layout.py) where it
 decodes one token per step until EOS, a stop string, max_tokens, the context
 window, an abort or an error ends it.
 """
@@ -12,8 +12,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.kv import SequenceKV
 from engine.sampler import RowSampler
+from engine.structured import SequenceGrammar
 from engine.types import FinishReason, GenerationRequest, TokenLogprob
 
 
@@ -95,8 +95,12 @@ class Sequence:
     state: SeqState = SeqState.WAITING
     output_ids: list[int] = field(default_factory=list)
     sent_tokens: int = 0  # output_ids already delivered in an event
-    kv: SequenceKV | None = None  # during prefill
+    kv: object | None = None  # during prefill: engine.cache_layout.Caches (sequence forms)
     prefilled: int = 0  # prompt tokens already in kv (cached or computed)
+    # Models with state layers: the prompt position whose state the prefix cache
+    # keeps (the worker stops a chunk there), and that state once taken.
+    state_at: int | None = None
+    kept_state: tuple | None = None
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
     next_token: int | None = None  # sampled, not yet fed to the model
     arrived: float = field(default_factory=time.monotonic)
@@ -104,6 +108,7 @@ class Sequence:
     last_token_at: float | None = None
     finish_reason: FinishReason | None = None
     reserved_tokens: int = 0  # KV budget held for this sequence
+    grammar: SequenceGrammar | None = None  # constrained decoding, set at admission
     # With params.logprobs: one per output_ids entry (engine/logprobs.py)
     logprobs: list[TokenLogprob] | None = None
     # With params.prompt_logprobs: one per prompt token computed so far (the first

@@ -57,12 +57,28 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a sequence's output must match, enforced by a token mask
+    (engine/structured). ``kind``: "json_schema" (``source`` is the schema as JSON
+    text), "regex", "choice" (a JSON list of strings), "lark" (llguidance's Lark
+    dialect) or "gbnf" (llama.cpp's grammar format). Equal specs share one compiled
+    grammar."""
+
+    kind: str
+    source: str
+
+
 @dataclass
 class GenerationRequest:
     request_id: str
     model: str
     prompt_tokens: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    grammar: GrammarSpec | None = None  # constrained decoding; None: free text
+    # Keep special tokens in the text: tool-call markers such as Mistral's [TOOL_CALLS]
+    # or Gemma 4's <|tool_call>, which the tool-call parser must see.
+    skip_special_tokens: bool = True
 
 
 @dataclass(slots=True)
@@ -124,6 +140,15 @@ class ContextLengthError(EngineError):
     error_type = "invalid_request_error"
     code = "context_length_exceeded"
     param = "messages"
+
+
+class GrammarError(EngineError):
+    """A grammar or JSON schema the grammar engine refuses (a syntax error, an
+    unsupported schema keyword); the message names what."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+    code = "invalid_grammar"
 
 
 class OverloadedError(EngineError):

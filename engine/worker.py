@@ -19,8 +19,9 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from engine import metrics
+from engine import metrics, platform
 from engine.backends import cuda
+from engine.cache_layout import Caches
 from engine.config import (
     EngineConfig,
     pipeline_decode_enabled,
@@ -29,7 +30,7 @@ from engine.config import (
     warmup_prefill_rows,
 )
 from engine.events import LoopEmit, deliver_all
-from engine.kv import BatchKV, SequenceKV
+from engine.kv import KVRows
 from engine.logprobs import StepLogprobs, prompt_logprobs, step_logprobs
 from engine.prefix_cache import PrefixCache
 from engine.progress import bar
@@ -39,16 +40,18 @@ from engine.scheduler import (
     PrefillPlan,
     Scheduler,
     defer_shared_starts,
-    kv_need,
     prompt_groups,
 )
 from engine.sequence import SeqState, Sequence, StopMatcher
+from engine.state_cache import StateRows
+from engine.structured import GrammarCompiler, MaskFiller, TokenMasks
 from engine.tokenizer import StreamingDetokenizer
 from engine.types import (
     ContextLengthError,
     EngineDeadError,
     FinishReason,
     GenerationRequest,
+    GrammarError,
     OverloadedError,
     SamplingParams,
     TokenEvent,
@@ -82,11 +85,22 @@ class ModelWorker:
         # ``runner``: another way to run the model (a tensor-parallel rank 0's
         # LockstepRunner); by default the model runs here alone.
         self.runner = runner or ModelRunner(loaded.model, loaded.cpu_shadows)
-        self.scheduler = Scheduler(config)
-        self.prefix_cache = PrefixCache(config.prefix_cache_tokens)
+        layout = self.runner.layout
+        self.scheduler = Scheduler(config, kv_tokens=layout.kv_tokens)
+        self.prefix_cache = PrefixCache(config.prefix_cache_tokens, layout=layout)
         self.mlx_memory = (0, 0)  # MLX active and cached bytes, refreshed by the worker
         self.metrics = metrics.ModelMetrics(self.name)
-        self.batch: list[BatchKV] = self.runner.new_batch_kv()
+        self.batch: Caches = self.runner.new_batch_kv()
+        # Constrained decoding (engine/structured): grammars compiled for this model's
+        # vocabulary, and the filler of each step's masks. On the CPU one thread fills
+        # them row after row: llguidance's pool of spinning threads, beside OpenBLAS's
+        # on the same cores, made a B=32 step 3x slower (bench/structured_bench.py).
+        self.grammars = GrammarCompiler(self.tokenizer, model_vocab_size(loaded))
+        self.masks = MaskFiller(
+            self.grammars.vocab_size,
+            self.tokenizer.eos_token_ids,
+            parallel=not platform.on_cpu(),
+        )
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         # events of this iteration, handed over together at its end (_flush_outbox)
@@ -138,7 +152,11 @@ class ModelWorker:
         seq = Sequence(
             request=request,
             sampler=None,  # made on the worker thread at admission: no MLX call here
-            detokenizer=StreamingDetokenizer(self.tokenizer, context=request.prompt_tokens[-4:]),
+            detokenizer=StreamingDetokenizer(
+                self.tokenizer,
+                context=request.prompt_tokens[-4:],
+                skip_special_tokens=request.skip_special_tokens,
+            ),
             stop=StopMatcher(request.params.stop),
             eos_ids=frozenset() if request.params.ignore_eos else self.tokenizer.eos_token_ids,
             max_len=self.context_length,
@@ -185,6 +203,7 @@ class ModelWorker:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.error("engine worker for %s did not stop within %.0f s", self.name, timeout)
+        self.masks.close()
 
     # -- the loop (worker thread only) ------------------------------------------------
     def _loop(self) -> None:
@@ -250,8 +269,8 @@ class ModelWorker:
         runner.prefill(kv, prompt[:n], want_logits=False)
         logits = runner.prefill(kv, prompt[n:], want_logits=True)
         first = sample_batch(logits[None], [greedy])
-        layer_kv = [c.kv() for c in kv]
-        mx.eval(first, layer_kv)
+        prompt_rows = kv.rows()
+        mx.eval(first, kv.arrays())
         # temperature-only rows (a GPU's sampling kernel, engine/backends/cuda/sampler.py, from
         # MIN_ROWS rows): alone (the logits' dtype) and beside a top-p row (float32)
         n = cuda.SAMPLER_MIN_ROWS + 1
@@ -266,14 +285,13 @@ class ModelWorker:
         for rows in warmup_prefill_rows(self.scheduler.chunk_tokens, self.context_length):
             mx.eval(runner.prefill(runner.new_sequence_kv(), prompt[:rows], want_logits=True))
         token = int(first.item())
-        length = layer_kv[0][0].shape[2]
+        length = total
         for b in bar(sizes, desc=f"warm-up {self.name}", unit="batch size"):
             ragged = [length - r % min(length, 8) for r in range(b)]
             for lengths in [ragged] + ([[length] * b] if b == 2 else []):
                 batch = runner.new_batch_kv()
-                for rows in lengths:
-                    for layer, (k, v) in zip(batch, layer_kv):
-                        layer.add(k[:, :, :rows], v[:, :, :rows])
+                for held in lengths:
+                    batch.add([_first_positions(r, held) for r in prompt_rows])
                 # a seeded top-p row besides the greedy ones (the global RNG is not used)
                 samplers = [greedy] * (b - 1) + [
                     RowSampler.from_params(SamplingParams(temperature=1.0, top_p=0.9, seed=0))
@@ -284,7 +302,7 @@ class ModelWorker:
                     mx.eval(sampled)
                     tokens = sampled.tolist()
                 del batch
-        del kv, layer_kv, logits
+        del kv, prompt_rows, logits
         mx.clear_cache()  # the throwaway KV's buffers go back to the system
         return time.monotonic() - t0
 
@@ -361,7 +379,7 @@ class ModelWorker:
         for seq in self.scheduler.admit(self.waiting, active, self.kv_reserved):
             self.waiting.popleft()
             self._dequeued()
-            seq.reserved_tokens = kv_need(seq)
+            seq.reserved_tokens = self.scheduler.kv_need(seq)
             self.kv_reserved += seq.reserved_tokens
             seq.state = SeqState.PREFILLING
             try:
@@ -374,8 +392,26 @@ class ModelWorker:
                     error_kind="internal",
                 )
                 continue
+            if seq.request.grammar is not None and not self._start_grammar(seq):
+                continue
             self.metrics.prompt_tokens.inc(len(seq.prompt))
             self.prefilling.append(seq)
+
+    def _start_grammar(self, seq: Sequence) -> bool:
+        """Give a constrained sequence its own matcher (a copy of the compiled grammar,
+        compiled here only if the HTTP layer did not); False if it failed and ended."""
+        try:
+            seq.grammar = self.grammars.matcher(seq.request.grammar)
+        except GrammarError as exc:
+            self._finish(seq, FinishReason.ERROR, error=str(exc), error_kind="internal")
+            return False
+        except Exception as exc:
+            log.exception("grammar compilation failed for %s", seq.request_id)
+            self._finish(
+                seq, FinishReason.ERROR, error=f"Grammar failed: {exc!r}", error_kind="internal"
+            )
+            return False
+        return True
 
     def _start_prefill(self, seq: Sequence, found=None) -> None:
         """Take the longest cached prefix (``found``: a lookup already made). Done at
@@ -383,14 +419,31 @@ class ModelWorker:
         reuse the one prefilled before them."""
         if seq.wants_prompt_logprobs:  # every position's logits: nothing from the cache
             found = (0, None)
-        matched, cached_kv = found or self.prefix_cache.lookup(seq.prompt)
+        matched, cached = found or self.prefix_cache.lookup(seq.prompt)
         self.metrics.prefix_cache_queries.inc(len(seq.prompt))
         if matched:
-            seq.kv = [SequenceKV.from_kv(k, v) for k, v in cached_kv]
+            seq.kv = self.runner.sequence_from(cached)
             seq.prefilled = seq.cached_tokens = matched
             self.metrics.prefix_cache_hits.inc(matched)
         else:
             seq.kv = self.runner.new_sequence_kv()
+        seq.state_at = self._state_boundary(seq)
+
+    def _state_boundary(self, seq: Sequence) -> int | None:
+        """Where to keep a copy of the state layers' state, for the prefix cache: the
+        last block end before the prompt's last token (what a repeat of this prompt, or
+        a longer prompt starting with it, can reuse). None for models without state
+        layers, or when the prompt's prefix is already cached up to there."""
+        cache = self.prefix_cache
+        if not (self.runner.layout.has_state and cache.enabled):
+            return None
+        at = (len(seq.prompt) - 1) // cache.block * cache.block
+        return at if at > seq.prefilled else None
+
+    def _keep_state(self, seq: Sequence) -> None:
+        """``seq`` has been fed up to its state boundary: copy its state layers' state."""
+        seq.state_at, rows = None, seq.kv.rows()
+        seq.kept_state = (seq.prefilled, [r if isinstance(r, StateRows) else None for r in rows])
 
     def _prefill_whole_prompts(self, plan: PrefillPlan) -> list[tuple[Sequence, int]]:
         """Run the plan's prompts that end in this step and have not started yet
@@ -434,17 +487,29 @@ class ModelWorker:
 
     def _prefill_group(self, group: list[Sequence]) -> None:
         try:
+            heads = [s for s in group if s.state_at is not None]
+            if heads:  # first up to each one's state boundary, together, then the rest
+                self.runner.prefill_together(
+                    [s.kv for s in heads],
+                    [s.prompt[s.prefilled : s.state_at] for s in heads],
+                    want_logits=False,
+                )
+                mx.eval([a for s in heads for a in s.kv.arrays()])
+                for seq in heads:
+                    seq.prefilled = seq.state_at
+                    self._keep_state(seq)
             logits = self.runner.prefill_together(
                 [s.kv for s in group], [s.prompt[s.prefilled :] for s in group]
             )
-            tokens, lps = self._draw(logits, group)
-            mx.eval(tokens, *([c.keys, c.values] for s in group for c in s.kv))
+            tokens, lps = self._draw(logits, group, self._masks_now(group))
+            mx.eval(tokens, [a for s in group for a in s.kv.arrays()])
             firsts = tokens.tolist()
             first_lps = lps.for_rows(len(group)) if lps is not None else [None] * len(group)
         except Exception:  # run them one by one instead: a failure there is theirs alone
             log.exception("prefilling %d prompts together failed; one by one", len(group))
             for seq in group:
                 seq.kv, seq.prefilled, seq.cached_tokens = self.runner.new_sequence_kv(), 0, 0
+                seq.state_at, seq.kept_state = self._state_boundary(seq), None
                 self._prefill_chunk(seq, len(seq.prompt))
             return
         for seq, token, lp in zip(group, firsts, first_lps):
@@ -458,6 +523,8 @@ class ModelWorker:
             start = seq.prefilled
             if seq.wants_prompt_logprobs:
                 n = min(n, PROMPT_LOGPROBS_CHUNK)
+            if seq.state_at is not None:  # the chunk ends at the state boundary at most
+                n = min(n, seq.state_at - start)
             chunk = seq.prompt[start : start + n]
             last = start + len(chunk) >= len(seq.prompt)
             if seq.wants_prompt_logprobs:
@@ -465,10 +532,12 @@ class ModelWorker:
             else:
                 logits = self.runner.prefill(seq.kv, chunk, want_logits=last)
             seq.prefilled += len(chunk)
+            if seq.prefilled == seq.state_at:
+                self._keep_state(seq)
             if not last:
                 return
-            token, lps = self._draw(logits[None], [seq])
-            mx.eval(token, [c.keys for c in seq.kv], [c.values for c in seq.kv])
+            token, lps = self._draw(logits[None], [seq], self._masks_now([seq]))
+            mx.eval(token, seq.kv.arrays())
             lp = lps.for_rows(1)[0] if lps is not None else None
         except Exception as exc:  # this sequence fails; the batch goes on
             log.exception("prefill failed for %s", seq.request_id)
@@ -489,11 +558,11 @@ class ModelWorker:
         seq.prompt_logprobs.extend(prompt_logprobs(logits, seq.prompt, start, k))
         return logits[-1]
 
-    def _draw(self, logits: mx.array, seqs: list[Sequence]):
-        """The batch's next tokens (``sample_batch``, lazily) and the logprobs of the
-        rows that asked for them (engine/logprobs.py: the raw logits' log-softmax),
-        or None when none asked."""
-        tokens = sample_batch(logits, [s.sampler for s in seqs])
+    def _draw(self, logits: mx.array, seqs: list[Sequence], masks: TokenMasks | None = None):
+        """The batch's next tokens (``sample_batch``, lazily, the constrained rows under
+        their grammar ``masks``) and the logprobs of the rows that asked for them
+        (engine/logprobs.py: the raw logits' log-softmax), or None when none asked."""
+        tokens = sample_batch(logits, [s.sampler for s in seqs], masks)
         wants = [s.params.logprobs for s in seqs]
         if wants.count(None) == len(wants):
             return tokens, None
@@ -504,11 +573,12 @@ class ModelWorker:
         reuse, emit the token, and move the sequence into the running batch."""
         self.prefilling.remove(seq)
         kv, seq.kv = seq.kv, None
-        layer_kv = [c.kv() for c in kv]
-        self.prefix_cache.insert(seq.prompt, layer_kv)
+        rows = kv.rows()
+        kept, seq.kept_state = seq.kept_state, None
+        self.prefix_cache.insert(seq.prompt, _kv_only(rows), state=kept)
         if self._accept_token(seq, token, lp):
             return
-        self.runner.join_batch(self.batch, kv, layer_kv)
+        self.runner.join_batch(self.batch, kv, rows)
         seq.state = SeqState.RUNNING
         self.running.append(seq)
 
@@ -528,6 +598,9 @@ class ModelWorker:
             self._fail_batch(f"Decode failed: {exc!r}")
             return
         self.metrics.step_batch_size.observe(len(seqs))
+        if self.pipeline and any(s.grammar is not None for s in seqs):
+            self._decode_constrained_pipelined(logits, seqs, prev)
+            return
         if self.pipeline:
             try:
                 sampled, lps = self._draw(logits, seqs)
@@ -541,13 +614,79 @@ class ModelWorker:
                 return
         if prev is not None:
             self._deliver(*prev)
+        # the constrained rows' masks are filled on the host while the forward runs
+        pending = self.masks.start(self._grammar_rows(seqs))
         try:
             mx.eval(logits)
         except Exception as exc:
             log.exception("decode step failed")
+            if pending is not None:
+                pending.exception()  # the filler is done with the matchers before they go
             self._fail_batch(f"Decode failed: {exc!r}")
             return
-        self._accept_rows(seqs, *self._sample_rows(logits, seqs))
+        masks = self._step_masks(seqs, pending)
+        self._accept_rows(seqs, *self._sample_rows(logits, seqs, masks))
+
+    def _decode_constrained_pipelined(
+        self, logits: mx.array, seqs: list[Sequence], prev: tuple | None
+    ) -> None:
+        """A pipelined step with constrained rows: their masks need the previous step's
+        tokens on the host. The forward is queued first; while the device runs it, the
+        previous step's tokens are read back and fed to the grammars and this step's
+        masks are filled; then the masked draw is queued behind the forward."""
+        mx.async_eval(logits)
+        if prev is not None:
+            self._deliver(*prev)
+        if not any(s.state is SeqState.RUNNING for s in seqs):
+            return
+        masks = self._step_masks(seqs)  # filled here: the device is busy with the forward
+        try:
+            sampled, lps = self._draw(logits, seqs, masks)
+            mx.async_eval(sampled, *(lps.arrays() if lps is not None else ()))
+        except Exception:
+            log.exception("batched sampling failed; retrying row by row")
+            try:
+                mx.eval(logits)
+            except Exception as exc:
+                log.exception("decode step failed")
+                self._fail_batch(f"Decode failed: {exc!r}")
+                return
+            self._accept_rows(seqs, *self._sample_rows(logits, seqs, masks))
+            return
+        self._inflight = (sampled, seqs)
+
+    @staticmethod
+    def _grammar_rows(seqs: list[Sequence]) -> list:
+        """(batch row, grammar) of the constrained rows still running."""
+        return [
+            (i, s.grammar)
+            for i, s in enumerate(seqs)
+            if s.grammar is not None and s.state is not SeqState.FINISHED
+        ]
+
+    def _masks_now(self, seqs: list[Sequence]) -> TokenMasks | None:
+        """The masks of ``seqs``' constrained rows, filled now (a prefill's first token)."""
+        rows = self._grammar_rows(seqs)
+        return self.masks.fill(rows) if rows else None
+
+    def _step_masks(self, seqs: list[Sequence], pending=None) -> TokenMasks | None:
+        """This step's masks: a started fill's (``pending``), or filled now. If filling
+        failed, the constrained rows end with an error (an unmasked token could break
+        their format) and the rest go on."""
+        try:
+            return pending.result() if pending is not None else self._masks_now(seqs)
+        except Exception as exc:
+            log.exception("grammar masks failed")
+            for seq in seqs:
+                if seq.grammar is None or seq.state is SeqState.FINISHED:
+                    continue
+                self._finish(
+                    seq,
+                    FinishReason.ERROR,
+                    error=f"Grammar mask failed: {exc!r}",
+                    error_kind="internal",
+                )
+            return None
 
     def _decode_inputs(self, seqs: list[Sequence], prev: tuple | None) -> list[int] | mx.array:
         """This step's input token per row. Rows of the step still in flight take
@@ -636,13 +775,13 @@ class ModelWorker:
         self._drop_finished_rows()
 
     def _sample_rows(
-        self, logits: mx.array, seqs: list[Sequence]
+        self, logits: mx.array, seqs: list[Sequence], masks: TokenMasks | None = None
     ) -> tuple[list[int | None], list[TokenLogprob | None] | None]:
         """Sample the whole batch at once; if that fails, row by row, so only the
         rows that fail end (with an error) and the rest of the batch goes on.
         Returns the tokens and the rows' logprobs (None when no row asked)."""
         try:
-            sampled, lps = self._draw(logits, seqs)
+            sampled, lps = self._draw(logits, seqs, masks)
             mx.eval(sampled)
             return sampled.tolist(), (lps.for_rows(len(seqs)) if lps is not None else None)
         except Exception:
@@ -651,7 +790,8 @@ class ModelWorker:
         row_lps: list[TokenLogprob | None] = []
         for i, seq in enumerate(seqs):
             try:
-                tok, lps = self._draw(logits[i : i + 1], [seq])
+                row_mask = masks.row(i) if masks is not None else None
+                tok, lps = self._draw(logits[i : i + 1], [seq], row_mask)
                 out.append(int(tok.item()))
                 row_lps.append(lps.for_rows(1)[0] if lps is not None else None)
             except Exception as exc:
@@ -690,6 +830,17 @@ class ModelWorker:
         if seq.logprobs is not None:
             seq.logprobs.append(lp if lp is not None else TokenLogprob(-9999.0))
         stop = seq.stop
+        grammar_done = False
+        if seq.grammar is not None and token not in seq.end_ids:
+            if not seq.grammar.accept(token):  # not in practice: the mask allowed it
+                self._finish(
+                    seq,
+                    FinishReason.ERROR,
+                    error=f"The output left its grammar: {seq.grammar.error}",
+                    error_kind="internal",
+                )
+                return True
+            grammar_done = seq.grammar.done
         if token in seq.end_ids:  # EOS or one of the request's stop_token_ids
             text, matched = stop.feed(seq.detokenizer.flush())
             finish = FinishReason.STOP
@@ -700,8 +851,9 @@ class ModelWorker:
                 text, matched = stop.feed(text)
             if matched:
                 finish = FinishReason.STOP
-            elif len(seq.output_ids) >= seq.output_limit:  # max_tokens or the context
-                finish = FinishReason.LENGTH
+            elif grammar_done or len(seq.output_ids) >= seq.output_limit:
+                # the grammar is complete, or max_tokens / the context is reached
+                finish = FinishReason.STOP if grammar_done else FinishReason.LENGTH
                 tail, matched = stop.feed(seq.detokenizer.flush())
                 text += tail
                 if matched:
@@ -798,7 +950,9 @@ class ModelWorker:
             return
         row = self.running.index(seq)
         fed = seq.prompt + seq.output_ids[:-1]  # the last token was never fed
-        self.prefix_cache.insert(fed, [layer.row_kv(row, len(fed)) for layer in self.batch])
+        # state layers: the row's state may already include a token a pipelined step
+        # fed, and is not at a block end; only the KV leaves are kept
+        self.prefix_cache.insert(fed, _kv_only(self.batch.row(row, len(fed))))
 
     def _record_finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.metrics.finished(reason.value)
@@ -836,7 +990,7 @@ class ModelWorker:
         self.metrics.requests_running.set(len(self.running) + len(self.prefilling))
         self.metrics.requests_waiting.set(len(self.waiting))
         self.metrics.kv_usage.set(self.kv_reserved / max(1, self.config.max_kv_tokens))
-        self.metrics.kv_bytes.set(sum(layer.nbytes for layer in self.batch))
+        self.metrics.kv_bytes.set(self.batch.nbytes)
         self.metrics.prefix_cache_tokens.set(self.prefix_cache.tokens_held)
         self.metrics.prefix_cache_bytes.set(self.prefix_cache.bytes_held)
         # MLX's allocator, process-wide: arrays alive, and freed buffers kept for reuse
@@ -859,6 +1013,18 @@ class ModelWorker:
         }
 
 
+def _kv_only(rows: list) -> list[KVRows | None]:
+    """The KV leaves of one sequence's rows (state leaves as None), for the prefix cache."""
+    return [r if isinstance(r, KVRows) else None for r in rows]
+
+
+def _first_positions(rows, n: int):
+    """``rows`` (one leaf's KVRows or StateRows) cut to its first ``n`` positions."""
+    if isinstance(rows, KVRows):
+        return KVRows(rows.keys[:, :, :n], rows.values[:, :, :n], rows.base)
+    return rows
+
+
 def release_mlx_thread_state() -> None:
     """Finishes pending work and destroys the calling thread's MLX streams.
 
@@ -874,3 +1040,10 @@ def release_mlx_thread_state() -> None:
     clear = getattr(mx, "clear_streams", None)
     if clear is not None:
         clear()
+
+
+def model_vocab_size(loaded) -> int:
+    """The width of the model's logits (its config's vocab_size), or the tokenizer's."""
+    cfg = loaded.config or {}
+    v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return int(v or loaded.tokenizer.vocab_size)

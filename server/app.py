@@ -24,7 +24,7 @@ from server.lifespan import lifespan
 from server.middleware import RequestContextMiddleware
 from server.openapi_served import describe_server
 from server.prompt_guard import PromptGuard
-from server.routes import chat, completions, health, models, stats, tokenize, ui
+from server.routes import chat, completions, health, models, responses, stats, tokenize, ui
 
 
 def create_app(engine_client: Engine, settings: Settings | None = None) -> FastAPI:
@@ -44,7 +44,7 @@ def create_app(engine_client: Engine, settings: Settings | None = None) -> FastA
     app.state.prompt_guard = PromptGuard(
         settings.server.large_prompt_bytes, settings.server.max_large_tokenizations
     )
-    for module in (models, completions, chat, tokenize, health, stats, ui):
+    for module in (models, completions, chat, responses, tokenize, health, stats, ui):
         app.include_router(module.router)
     ui.mount_static(app)
     install_handlers(app)

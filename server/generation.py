@@ -23,6 +23,7 @@ from engine.types import (
     EngineError,
     FinishReason,
     GenerationRequest,
+    GrammarSpec,
     ModelInfo,
     SamplingParams,
     TokenEvent,
@@ -43,6 +44,7 @@ class Engine(Protocol):
     def get_model(self, name: str) -> ModelInfo: ...
     def tokenizer(self, name: str) -> Any: ...
     def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]: ...
+    def compile_grammar(self, name: str, spec: GrammarSpec) -> None: ...
     def health(self) -> dict: ...
 
 
@@ -256,7 +258,11 @@ def make_choices(
     prompts: list[list[int]],
     n: int,
     params_for: Any,  # callable(choice_index) -> SamplingParams
+    grammar: GrammarSpec | None = None,
+    skip_special_tokens: bool = True,
 ) -> list[Choice]:
+    """``grammar``: every choice's output must match it (structured output, tool calls);
+    ``skip_special_tokens=False`` keeps special tokens in the text (tool-call markers)."""
     choices = []
     for p, tokens in enumerate(prompts):
         for i in range(n):
@@ -266,6 +272,8 @@ def make_choices(
                 model=model,
                 prompt_tokens=tokens,
                 params=params_for(index),
+                grammar=grammar,
+                skip_special_tokens=skip_special_tokens,
             )
             choices.append(Choice(index=index, prompt_index=p, request=req))
     return choices
@@ -535,12 +543,14 @@ async def open_stream(
 
 
 class StreamFormat(Protocol):
-    """How one endpoint spells its chunks (chat and text completions differ).
-    ``content`` gets the event too, for its logprobs."""
+    """How one endpoint spells its chunks (chat and text completions differ). ``content``
+    gets the event too, for its logprobs. ``content`` and ``finish`` give the chunks a
+    piece of text or the end makes (none while text is held back, several when a piece
+    ends one tool call and starts another)."""
 
     def start(self, index: int) -> dict | None: ...
-    def content(self, index: int, text: str, event: TokenEvent) -> dict: ...
-    def finish(self, index: int, reason: str) -> dict: ...
+    def content(self, index: int, text: str, event: TokenEvent) -> list[dict]: ...
+    def finish(self, index: int, reason: str) -> list[dict]: ...
     def usage(self, usage: Usage) -> dict: ...
 
 
@@ -575,9 +585,11 @@ async def stream_body(
                 return
             apply_event(results[index], ev)
             if ev.text or ev.logprobs or ev.prompt_logprobs:
-                yield sse.encode(fmt.content(index, ev.text, ev))
+                for chunk in fmt.content(index, ev.text, ev):
+                    yield sse.encode(chunk)
             if ev.finish_reason is not None:
-                yield sse.encode(fmt.finish(index, ev.finish_reason.value))
+                for chunk in fmt.finish(index, ev.finish_reason.value):
+                    yield sse.encode(chunk)
         if include_usage:
             yield sse.encode(fmt.usage(usage(prompts, choices, results)))
         yield sse.DONE

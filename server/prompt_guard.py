@@ -183,8 +183,14 @@ class PromptGuard:
             self._admitted -= 1
 
     async def chat_prompt(
-        self, tokenizer: Any, model: ModelInfo, messages: list[dict], completion: int | None
+        self,
+        tokenizer: Any,
+        model: ModelInfo,
+        messages: list[dict],
+        completion: int | None,
+        **template_kwargs: Any,
     ) -> list[int]:
+        """``template_kwargs``: more for the chat template (``tools=``)."""
         render = getattr(tokenizer, "render_chat", None)
         contents = sum(_utf8_size(m["content"]) for m in messages)
         if render is not None and contents >= self.large_prompt_bytes:
@@ -197,11 +203,13 @@ class PromptGuard:
             if render is None:  # a tokenizer without a separate render step
                 return await anyio.to_thread.run_sync(
                     lambda: list(
-                        tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                        tokenizer.apply_chat_template(
+                            messages, add_generation_prompt=True, **template_kwargs
+                        )
                     )
                 )
             text = await anyio.to_thread.run_sync(
-                lambda: render(messages, add_generation_prompt=True)
+                lambda: render(messages, add_generation_prompt=True, **template_kwargs)
             )
         except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
             raise APIError(

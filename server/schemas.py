@@ -28,8 +28,40 @@ class StreamOptions(_Request):
 
 
 class ResponseFormat(_Request):
-    type: str
-    json_schema: dict[str, Any] | None = None
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict"}: server.structured
+
+
+class GuidedFields(_Request):
+    """Structured output: OpenAI's ``response_format`` and vLLM's ``guided_*`` extras
+    (at most one of them a request; server/structured.py turns it into a grammar)."""
+
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 StopParam = Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)]
@@ -74,7 +106,7 @@ class SamplingFields(_Request):
 # --------------------------------------------------------------------------- completions
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, GuidedFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = None
@@ -122,14 +154,13 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, GuidedFields):
     messages: list[ChatMessage]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -144,21 +175,13 @@ class ChatCompletionRequest(SamplingFields):
                 "top_logprobs",
                 "top_logprobs needs logprobs: send 'logprobs': true with it, or omit it.",
             )
-        if self.response_format is not None and self.response_format.type != "text":
+        if self.functions:
+            return "functions", "The deprecated 'functions' is not supported; send 'tools'."
+        if self.function_call is not None and self.function_call not in ("none", "auto"):
             return (
-                "response_format",
-                f"response_format type {self.response_format.type!r} is not supported yet; "
-                "only 'text' is.",
+                "function_call",
+                "The deprecated 'function_call' is not supported; send 'tool_choice'.",
             )
-        if self.tools or self.functions:
-            param = "tools" if self.tools else "functions"
-            return param, "Tool calling is not supported yet; omit tools."
-        for param, choice in (
-            ("tool_choice", self.tool_choice),
-            ("function_call", self.function_call),
-        ):
-            if choice is not None and choice not in ("none", "auto"):
-                return param, f"{param} is not supported yet; omit it or send 'none'."
         return None
 
     def effective_max_tokens(self) -> int | None:
@@ -238,10 +261,22 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text as the model wrote it (may be cut short by max_tokens)
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):

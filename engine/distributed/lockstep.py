@@ -21,18 +21,12 @@ from engine.distributed.channel import Leader
 from engine.runner import ModelRunner
 
 
-class SequenceKVList(list):
-    """One sequence's per-layer KV on rank 0, carrying the handle the other ranks know
-    it by (a list subclass: the worker treats it as the plain list it was)."""
-
-    handle: int
-
-
 class LockstepRunner(ModelRunner):
     """A ``ModelRunner`` that first tells the other ranks what it is about to do."""
 
     def __init__(self, model, leader: Leader, **kwargs) -> None:
-        super().__init__(model, None, fused_decode=False, **kwargs)
+        # no load check: its forwards would wait in all-reduces the other ranks never join
+        super().__init__(model, None, fused_decode=False, check=False, **kwargs)
         self.leader = leader
         self._ids = itertools.count(1)
         self._released: deque[int] = deque()
@@ -47,7 +41,7 @@ class LockstepRunner(ModelRunner):
         self.leader.send(op)
 
     def new_sequence_kv(self):
-        kv = SequenceKVList(super().new_sequence_kv())
+        kv = super().new_sequence_kv()  # its ``handle``: what the other ranks know it by
         kv.handle = next(self._ids)
         self._send(("new", kv.handle))
         weakref.finalize(kv, self._released.append, kv.handle)
@@ -64,9 +58,10 @@ class LockstepRunner(ModelRunner):
     def can_prefill_together(self) -> bool:
         return super().can_prefill_together()
 
-    def prefill_together(self, kvs, chunks):
-        self._send(("together", [kv.handle for kv in kvs], [list(c) for c in chunks]))
-        return super().prefill_together(kvs, chunks)
+    def prefill_together(self, kvs, chunks, want_logits=True):
+        handles = [kv.handle for kv in kvs]
+        self._send(("together", handles, [list(c) for c in chunks], want_logits))
+        return super().prefill_together(kvs, chunks, want_logits)
 
     def decode(self, batch, tokens):
         if isinstance(tokens, mx.array):  # the plan carries token ids, not device arrays
@@ -74,9 +69,9 @@ class LockstepRunner(ModelRunner):
         self._send(("decode", list(tokens)))
         return super().decode(batch, tokens)
 
-    def join_batch(self, batch, kv, layer_kv) -> None:
+    def join_batch(self, batch, kv, rows) -> None:
         self._send(("join", kv.handle))
-        super().join_batch(batch, kv, layer_kv)
+        super().join_batch(batch, kv, rows)
 
     def keep_rows(self, batch, rows: list[int]) -> None:
         self._send(("keep", list(rows)))
@@ -104,18 +99,19 @@ class Replayer:
         elif kind == "prefill":
             kv = self.kvs[op[1]]
             out = r.prefill(kv, op[2], op[3])
-            mx.eval(out if out is not None else [c.keys for c in kv] + [c.values for c in kv])
+            mx.eval(out if out is not None else kv.arrays())
         elif kind == "all_logits":
             mx.eval(r.prefill_all_logits(self.kvs[op[1]], op[2]))
         elif kind == "together":
-            out = r.prefill_together([self.kvs[h] for h in op[1]], op[2])
-            mx.eval(out)
+            kvs = [self.kvs[h] for h in op[1]]
+            out = r.prefill_together(kvs, op[2], op[3])
+            mx.eval(out if out is not None else [a for kv in kvs for a in kv.arrays()])
         elif kind == "decode":
             self.steps += 1
             mx.eval(r.decode(self.batch, op[1]))
         elif kind == "join":
             kv = self.kvs[op[1]]
-            r.join_batch(self.batch, kv, [c.kv() for c in kv])
+            r.join_batch(self.batch, kv, kv.rows())
         elif kind == "keep":
             r.keep_rows(self.batch, op[1])
         elif kind == "stop":

@@ -18,6 +18,7 @@ in memory); other shapes go to the original function unchanged.
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 import mlx.core as mx
 from mlx_lm.models import base as mlx_lm_base
@@ -29,7 +30,8 @@ _ORIGINAL = mlx_lm_base.scaled_dot_product_attention
 
 
 def grouped_decode_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
-    """q [B, Hq, 1, D]; k, v [B, Hkv, T, D]; mask None or broadcastable to [B, 1, 1, T]."""
+    """q [B, Hq, 1, D]; k [B, Hkv, T, D]; v [B, Hkv, T, Dv]; mask None or broadcastable
+    to [B, 1, 1, T]."""
     b, hq, n, d = q.shape
     hkv = k.shape[1]
     qg = (q * scale).reshape(b, hkv, (hq // hkv) * n, d)
@@ -40,12 +42,14 @@ def grouped_decode_attention(q: mx.array, k: mx.array, v: mx.array, scale: float
         else:
             scores = scores + mask
     probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)
-    return (probs @ v).reshape(b, hq, n, d)
+    return (probs @ v).reshape(b, hq, n, v.shape[-1])  # MLA: values wider than q/k
 
 
 def _use_grouped(queries: mx.array, mask) -> bool:
     if queries.shape[2] != 1 or isinstance(mask, str):
         return False
+    if mask is not None and mask.ndim == 4 and mask.shape[1] != 1:
+        return False  # a mask per head (MLA's RoPE scores): the heads are folded here
     if platform.on_gpu():
         # the fused kernel is best when it accepts the call: no mask at all
         return isinstance(mask, mx.array)
@@ -62,9 +66,35 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
 
 
 def install(model) -> bool:
-    """Route the decode attention of ``model``'s mlx-lm module through ours."""
-    module = sys.modules.get(type(model).__module__)
-    if module is None or getattr(module, "scaled_dot_product_attention", None) is not _ORIGINAL:
-        return False
-    module.scaled_dot_product_attention = scaled_dot_product_attention
-    return True
+    """Route the decode attention of ``model``'s mlx-lm modules through ours: the
+    model's own module and those its layers come from (a wrapper family such as
+    gemma3 or qwen3_5 runs another family's attention layers)."""
+    names = {type(model).__module__} | {type(m).__module__ for m in model.modules()}
+    done = False
+    for name in names:
+        module = sys.modules.get(name)
+        if (
+            module is not None
+            and getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL
+        ):
+            module.scaled_dot_product_attention = scaled_dot_product_attention
+            _installed.add(module)
+            done = True
+    return done
+
+
+_installed: set = set()
+
+
+@contextmanager
+def original():
+    """mlx-lm's own attention in every module ``install`` routed, for as long as the
+    block runs (a reference computed by mlx-lm alone, in tests)."""
+    modules = list(_installed)
+    for module in modules:
+        module.scaled_dot_product_attention = _ORIGINAL
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.scaled_dot_product_attention = scaled_dot_product_attention

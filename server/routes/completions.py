@@ -46,6 +46,7 @@ from server.schemas import (
     CompletionRequest,
     Usage,
 )
+from server.structured import check_grammar, requested_grammar
 
 router = APIRouter()
 
@@ -127,15 +128,15 @@ class CompletionFormat:
             return self._chunk(index, self.echo.prefix(index), None)
         return None
 
-    def content(self, index: int, text: str, event) -> dict:
+    def content(self, index: int, text: str, event) -> list[dict]:
         prompt_lps = event.prompt_logprobs
         if self.echo.echo and self.echo.texts is not None and prompt_lps is not None:
             text = self.echo.prefix(index) + text
         logprobs = self.echo.logprobs(index, event.token_ids, event.logprobs, prompt_lps)
-        return self._chunk(index, text, None, logprobs)
+        return [self._chunk(index, text, None, logprobs)]
 
-    def finish(self, index: int, reason: str) -> dict:
-        return self._chunk(index, "", reason)
+    def finish(self, index: int, reason: str) -> list[dict]:
+        return [self._chunk(index, "", reason)]
 
     def usage(self, usage: Usage) -> dict:
         return {**self.base, "choices": [], "usage": usage.model_dump()}
@@ -182,6 +183,8 @@ async def completions(request: Request) -> Response:
     chars = sum(len(p) for p in raw_prompts if isinstance(p, str))
     check_prompt_chars(chars, limits.max_prompt_chars, "prompt")
 
+    grammar = requested_grammar(body)
+
     model = lookup(request, body.model)
     info.model = model.name
     tokenizer = engine.tokenizer(model.name)
@@ -207,6 +210,8 @@ async def completions(request: Request) -> Response:
         for p in prompts
     ]
 
+    if grammar is not None:
+        await check_grammar(engine, model.name, *grammar)
     for budget in budgets:
         check_min_tokens(body, budget)
     logit_bias = parse_logit_bias(body, vocab_size)
@@ -238,6 +243,7 @@ async def completions(request: Request) -> Response:
             logprobs=top_n,
             prompt_logprobs=prompt_top,
         ),
+        grammar=grammar[0] if grammar else None,
     )
 
     def build(results: dict[int, ChoiceResult], usage: Usage) -> Completion:

@@ -109,9 +109,40 @@ def test_validation_is_400_not_422(c):
         ("/v1/chat/completions", {"model": "m", "messages": MSG, "n": 9}, "n"),
         (
             "/v1/chat/completions",
-            {"model": "m", "messages": [{"role": "tool", "content": "x", "tool_call_id": "a"}]},
+            {"model": "m", "messages": [{"role": "function", "name": "f", "content": "x"}]},
             "messages[0].role",
         ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "tool", "content": "x"}]},
+            "messages[0].tool_call_id",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": MSG, "tool_choice": "required"},
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": MSG, "response_format": {"type": "xml"}},
+            "response_format.type",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": MSG, "guided_regex": "a", "guided_choice": ["a"]},
+            "guided_choice",
+        ),
+        (
+            "/v1/completions",
+            {"model": "m", "prompt": "x", "guided_json": "{"},
+            "guided_json",
+        ),
+        (
+            "/v1/responses",
+            {"model": "m", "input": "x", "previous_response_id": "r"},
+            "previous_response_id",
+        ),
+        ("/v1/responses", {"model": "m", "input": [{"type": "input_image"}]}, "input[0].type"),
         (
             "/v1/chat/completions",
             {

@@ -99,8 +99,15 @@ def test_openapi_names_the_served_model_and_the_limits():
         }
     chat = schemas["ChatCompletionRequest"]["properties"]
     assert chat["messages"]["maxItems"] == 5 and chat["messages"]["minItems"] == 1
-    assert chat["tool_choice"]["anyOf"][0]["enum"] == ["none", "auto"]
-    assert schemas["ResponseFormat"]["properties"]["type"]["enum"] == ["text"]
+    # what is served: forced calls and every response_format (the schema follows
+    # what the request checks accept, so these change only with them)
+    assert chat["tool_choice"]["anyOf"][0]["enum"] == ["none", "auto", "required"]
+    assert schemas["ResponseFormat"]["properties"]["type"]["enum"] == [
+        "text",
+        "json_object",
+        "json_schema",
+    ]
+    # a tool message alone (no tool_call_id) is refused, so the fuzzer is not told to send one
     assert "tool" not in schemas["ChatMessage"]["properties"]["role"]["enum"]
     assert schemas["ContentPart"]["properties"]["type"]["enum"] == ["text"]
     prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]

@@ -211,9 +211,9 @@ def test_chat_message_forms(http, model):
     )
     r = http.post(
         "/v1/chat/completions",
-        json={"model": model, "messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
+        json={"model": model, "messages": [{"role": "function", "name": "f", "content": "x"}]},
     )
-    assert "tool" in assert_error(r, 400)["message"]
+    assert "function" in assert_error(r, 400)["message"]
 
 
 # --------------------------------------------------------------------------- completions

@@ -108,9 +108,8 @@ def test_unknown_fields_are_ignored_and_neutral_values_accepted():
     "extra, param",
     [
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": {"name": "f"}}, "function_call"),
     ],
 )
 def test_unsupported_non_neutral_values_are_named(extra, param):

@@ -227,11 +227,11 @@ def _corpus() -> list[Bad]:
         )
     add(
         Bad(
-            "tool role (not supported)",
+            "function role (deprecated)",
             CHAT,
-            chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]),
+            chat(messages=[{"role": "function", "name": "f", "content": "x"}]),
             param="messages[0].role",
-            says="tool",
+            says="function",
         )
     )
     add(
@@ -372,18 +372,59 @@ def _corpus() -> list[Bad]:
     add(Bad("stop list of 1000", CMPL, cmpl(stop=["x"] * 1000), param="stop", says="at most 4"))
     # ---- unsupported parameters at non-neutral values
     for name, body, path, param in [
-        ("tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), CHAT, "tools"),
-        (
-            "response_format json",
-            chat(response_format={"type": "json_object"}),
-            CHAT,
-            "response_format",
-        ),
+        ("functions", chat(functions=[{"name": "f"}]), CHAT, "functions"),
         ("top_logprobs without logprobs", chat(top_logprobs=3), CHAT, "top_logprobs"),
         ("suffix", cmpl(suffix="x"), CMPL, "suffix"),
         ("best_of 3", cmpl(best_of=3), CMPL, "best_of"),
     ]:
         add(Bad(f"unsupported: {name}", path, body, param=param, code="unsupported_parameter"))
+    # ---- structured output and tools the server cannot honour
+    bad_schema = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
+    add(
+        Bad(
+            "json_schema with an unsupported keyword",
+            CHAT,
+            chat(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": bad_schema},
+                }
+            ),
+            param="response_format",
+            code="invalid_grammar",
+            says="not",
+        )
+    )
+    add(
+        Bad("guided_regex that does not parse", CMPL, cmpl(guided_regex="(("), param="guided_regex")
+    )
+    weather = {"type": "function", "function": {"name": "get_weather"}}
+    add(
+        Bad(
+            "tool_choice names a missing function",
+            CHAT,
+            chat(tools=[weather], tool_choice={"type": "function", "function": {"name": "nope"}}),
+            param="tool_choice",
+            says="nope",
+        )
+    )
+    add(
+        Bad(
+            "tool parameters with an unsupported keyword",
+            CHAT,
+            chat(tools=[{"type": "function", "function": {"name": "f", "parameters": bad_schema}}]),
+            param="tools",
+            code="invalid_grammar",
+        )
+    )
+    add(
+        Bad(
+            "responses with previous_response_id",
+            "/v1/responses",
+            {"model": M, "input": "hi", "previous_response_id": "resp_1"},
+            param="previous_response_id",
+        )
+    )
     # ---- sampling values the model decides
     for name, body, path, says in [
         ("logit_bias id past the vocabulary", cmpl(logit_bias={"49152": 1}), CMPL, "49152"),

@@ -145,14 +145,26 @@ def _ints(value):
     return value
 
 
+# Fields whose valid values JSON Schema cannot describe: a regex or grammar that
+# compiles, a JSON Schema as a string, more than one kind of structured output at once.
+GRAMMAR_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 def _servable(body):
-    """A positive example as sent: integers as integers, and no ``best_of`` (taken
-    only equal to n, which JSON Schema cannot say). The rest is as generated
-    within the bounds /openapi.json gives (server.openapi_served)."""
+    """A positive example as sent: integers as integers, no ``best_of`` (taken only
+    equal to n), none of vLLM's ``guided_*`` grammar extras (random strings are not
+    regexes or grammars; tests/api/test_structured_output.py sends real ones) and no
+    named ``tool_choice`` (it must name one of ``tools``: a rule across two fields).
+    The rest, ``tools`` and ``response_format`` included, is as generated within the
+    bounds /openapi.json gives (server.openapi_served)."""
     if not isinstance(body, dict):
         return body
     body = _ints(body)
     body.pop("best_of", None)
+    for field in GRAMMAR_EXTRAS:
+        body.pop(field, None)
+    if isinstance(body.get("tool_choice"), dict):
+        body.pop("tool_choice")
     return body
 
 

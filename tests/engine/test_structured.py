@@ -1,0 +1,240 @@
+"""Constrained decoding in the engine: grammars, masks and the batched sampler.
+
+The grammar engine (llguidance) is real; the models are a tiny random llama with a
+byte-level vocabulary (every output is a byte string, so a grammar's effect is plain to
+see) driven through EngineClient, sync and pipelined (the GPU's order of work, run on
+the CPU here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.client import EngineClient
+from engine.config import EngineConfig
+from engine.loading import build_random_model
+from engine.sampler import RowSampler, sample_batch
+from engine.structured import GrammarCompiler, MaskFiller, apply_token_masks
+from engine.tokenizer import Tokenizer
+from engine.types import (
+    FinishReason,
+    GenerationRequest,
+    GrammarError,
+    GrammarSpec,
+    SamplingParams,
+)
+from tests.helpers.models import RANDOM_LLAMA
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tag": {"enum": ["red", "green"]},
+        "xs": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    },
+    "required": ["id", "tag", "xs"],
+    "additionalProperties": False,
+}
+
+
+def spec(kind: str, source) -> GrammarSpec:
+    return GrammarSpec(kind, source if isinstance(source, str) else json.dumps(source))
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    return GrammarCompiler(Tokenizer.byte_level(258), 258)
+
+
+# -- compiling ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kind, source, words",
+    [
+        ("json_schema", {"type": "object", "properties": {"a": {"not": {}}}}, ["not"]),
+        ("json_schema", {"type": "string", "format": "credit-card"}, ["credit-card"]),
+        ("json_schema", {"type": "string", "pattern": "(?=a)b"}, ["look-around"]),
+        ("regex", "a(b", ["regex"]),
+        ("lark", "start: missing_rule", ["missing_rule"]),
+        ("choice", [], ["non-empty"]),
+        ("json_schema", "[1, 2]", ["object"]),
+    ],
+)
+def test_refused_grammars_name_what(compiler, kind, source, words):
+    with pytest.raises(GrammarError) as err:
+        compiler.compile(spec(kind, source))
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_compiled_grammars_are_cached_and_copied(compiler):
+    s = spec("json_schema", SCHEMA)
+    first = compiler.compile(s)
+    assert compiler.compile(spec("json_schema", SCHEMA)) is first  # equal specs: one compile
+    a, b = compiler.matcher(s), compiler.matcher(s)
+    assert a.accept(ord("{")) and not b.matcher.is_error()
+    # b is untouched by a: it still refuses what only a's state allows
+    assert b.accept(ord("{")) and a.accept(ord('"'))
+
+
+# -- masks ----------------------------------------------------------------------------------
+
+
+def _allowed(logits: mx.array) -> np.ndarray:
+    return np.isfinite(np.array(logits))
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "mlx"])
+def test_masks_touch_only_constrained_rows(compiler, on_host):
+    s = spec("regex", "ab+")
+    filler = MaskFiller(258, eos_ids=[257])
+    g1, g2 = compiler.matcher(s), compiler.matcher(s)
+    assert g2.accept(ord("a"))
+    masks = filler.fill([(0, g1), (2, g2)])  # rows 0 and 2 of 3
+    logits = mx.array(np.random.default_rng(0).normal(size=(3, 258)).astype(np.float32))
+    out = _allowed(apply_token_masks(logits, masks, on_host=on_host))
+    assert set(np.flatnonzero(out[0])) == {ord("a")}
+    assert out[1].all()  # unconstrained row: untouched
+    assert set(np.flatnonzero(out[2])) == {ord("b")}
+    np.testing.assert_array_equal(
+        np.array(logits)[1], np.array(apply_token_masks(logits, masks, on_host))[1]
+    )
+
+
+def test_a_grammar_in_error_leaves_only_eos(compiler):
+    g = compiler.matcher(spec("regex", "ab"))
+    assert not g.accept(ord("z"))  # refused: the matcher is in error from now on
+    assert g.error
+    masks = MaskFiller(258, eos_ids=[257]).fill([(0, g)])
+    out = _allowed(apply_token_masks(mx.zeros((1, 258)), masks, on_host=True))
+    assert set(np.flatnonzero(out[0])) == {257}
+
+
+def test_sampler_draws_only_allowed_tokens(compiler):
+    """Greedy, temperature and top-p rows, masked or not, in one batch."""
+    rng = np.random.default_rng(1)
+    logits = mx.array(rng.normal(size=(4, 258)).astype(np.float32) * 3)
+    rows = [
+        RowSampler.from_params(SamplingParams(temperature=0.0)),
+        RowSampler.from_params(SamplingParams(temperature=1.0, seed=3)),
+        RowSampler.from_params(SamplingParams(temperature=0.9, top_p=0.8, seed=4)),
+        RowSampler.from_params(SamplingParams(temperature=0.0)),
+    ]
+    s = spec("regex", "[xyz]")
+    filler = MaskFiller(258, eos_ids=[257])
+    for _ in range(20):
+        masks = filler.fill([(i, compiler.matcher(s)) for i in range(3)])
+        tokens = np.array(sample_batch(logits, rows, masks)).tolist()
+        assert all(chr(t) in "xyz" for t in tokens[:3]), tokens
+        assert tokens[3] == int(np.argmax(np.array(logits)[3]))  # unmasked row: its own argmax
+
+
+# -- through the engine ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "pipelined"])
+def tiny(request):
+    loaded = build_random_model("llama", {**RANDOM_LLAMA, "vocab_size": 258}, seed=1)
+    client = EngineClient.from_loaded(
+        [(loaded, None)],
+        EngineConfig(max_num_seqs=8, prefill_chunk_tokens=16, pipeline_decode=request.param),
+    )
+    yield loaded.name, client
+    client.shutdown()
+
+
+_ids = iter(range(10**9))
+
+
+async def _run(client, model, prompt, grammar=None, **params):
+    params = {"max_tokens": 48, "temperature": 0.0, **params}
+    req = GenerationRequest(
+        f"s{next(_ids)}", model, list(prompt), SamplingParams(**params), grammar=grammar
+    )
+    text, tokens, last = "", [], None
+    async for ev in client.generate(req):
+        text += ev.text
+        tokens += ev.token_ids
+        last = ev
+    return text, tokens, last
+
+
+PROMPT = [72, 105, 33, 10, 65, 66, 67]
+
+
+def test_constrained_rows_in_a_mixed_batch(tiny):
+    """Constrained rows follow their grammars; the unconstrained rows of the same batch
+    give the tokens they give alone (greedy)."""
+    model, client = tiny
+    grammars = [
+        spec("json_schema", SCHEMA),
+        spec("regex", "[a-c]{3,6}!"),
+        spec("choice", ["alpha", "beta", "gamma"]),
+        spec("lark", 'start: "<" NUM ("," NUM)* ">"\nNUM: /[0-9]{1,3}/'),
+    ]
+
+    async def main():
+        free_alone = await _run(client, model, PROMPT, ignore_eos=True, max_tokens=20)
+        runs = [
+            _run(client, model, PROMPT, g, temperature=t, seed=i)
+            for i, g in enumerate(grammars)
+            for t in (0.0, 1.0)
+        ]
+        runs.append(_run(client, model, PROMPT, ignore_eos=True, max_tokens=20))
+        return free_alone, await asyncio.gather(*runs)
+
+    free_alone, results = asyncio.run(main())
+    *constrained, free = results
+    assert free[1] == free_alone[1]
+    for i, (text, _, last) in enumerate(constrained):
+        kind = grammars[i // 2].kind
+        assert last.finish_reason in (FinishReason.STOP, FinishReason.LENGTH), last
+        if last.finish_reason is FinishReason.LENGTH:
+            continue  # a cut-short answer is checked in the next test
+        if kind == "json_schema":
+            jsonschema.validate(json.loads(text), SCHEMA)
+        elif kind == "regex":
+            assert re.fullmatch("[a-c]{3,6}!", text), text
+        elif kind == "choice":
+            assert text in ("alpha", "beta", "gamma")
+        else:
+            assert re.fullmatch(r"<[0-9]{1,3}(,[0-9]{1,3})*>", text), text
+    # the short grammars always complete in 48 tokens
+    assert all(r[2].finish_reason is FinishReason.STOP for r in constrained[2:6])
+
+
+def test_cut_short_output_is_a_valid_prefix(tiny, compiler):
+    model, client = tiny
+    s = spec("json_schema", {"type": "array", "items": {"type": "string"}, "minItems": 50})
+    text, tokens, last = asyncio.run(
+        _run(client, model, PROMPT, s, max_tokens=12, temperature=1.0, seed=7)
+    )
+    assert last.finish_reason is FinishReason.LENGTH and len(tokens) == 12
+    checker = compiler.matcher(s)
+    assert all(checker.accept(t) for t in tokens), (text, checker.error)
+    assert text.startswith("[")
+
+
+def test_a_grammar_that_compiles_badly_ends_only_its_request(tiny):
+    """The HTTP layer checks grammars first; a request that skips that and carries a
+    broken one ends with an error while the rest of the batch goes on."""
+    model, client = tiny
+
+    async def main():
+        return await asyncio.gather(
+            _run(client, model, PROMPT, spec("regex", "a(")),
+            _run(client, model, PROMPT, ignore_eos=True, max_tokens=8),
+            return_exceptions=True,
+        )
+
+    bad, good = asyncio.run(main())
+    assert isinstance(bad, Exception) or bad[2].finish_reason is FinishReason.ERROR
+    assert good[2].finish_reason is FinishReason.LENGTH and len(good[1]) == 8
