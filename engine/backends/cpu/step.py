@@ -36,8 +36,9 @@ Two layer forms, each written as its mlx-lm module computes it:
 - Gemma 3 (``mlx_lm.models.gemma3_text``): the embedding scaled by sqrt(hidden), the
   (1 + w) RMSNorms before and after both the attention and the MLP, RMSNorms over
   each query and key head before RoPE, a GELU-tanh MLP, and sliding-window layers
-  (their own RoPE base, a window mask over the full-length KV that engine/kv.py keeps)
-  between global ones; one RoPE table pair per distinct rope module.
+  between global ones (their own RoPE base, and the window mask of their own cache,
+  which keeps about the window's keys: engine/kv.py); one RoPE table pair per distinct
+  rope module and one mask per kind of layer.
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ class CpuDecodeStep:
             self.window = int(inner.window_size)
             self._sliding = [i % pattern != pattern - 1 for i in range(len(layers))]
             self._embed_scale = mx.array(inner.args.hidden_size**0.5, mx.bfloat16)
+        # the first layer of each kind, whose cache gives that kind's mask
+        self._global_at = next((i for i, w in enumerate(self._sliding) if not w), None)
+        self._sliding_at = next((i for i, w in enumerate(self._sliding) if w), None)
         for layer in layers:
             a = layer.self_attn
             if (a.n_heads, a.n_kv_heads, a.head_dim, a.scale) != (
@@ -287,12 +291,15 @@ class CpuDecodeStep:
         off = cache[0].offset
         offset = off if isinstance(off, mx.array) else mx.full((b,), off, dtype=mx.int32)
         tables = [self._tables(offset, b, rope) for rope in self._ropes]
-        mask = self._additive(cache[0].make_mask(1), b, x.dtype)  # None or [B, Hkv, G, T]
-        window_mask = mask
-        if self.window is not None and _time_steps(cache[0]) + 1 > self.window:
-            # the window cuts keys off: the sliding layers' own mask (else theirs is the
-            # global one, which then hides nothing but padding)
-            window_mask = self._additive(cache[0].make_mask(1, window_size=self.window), b, x.dtype)
+        # None or additive [B, Hkv, G, T]: one for the global layers and one for the
+        # sliding ones, each from a cache of its kind (a sliding layer's cache may keep
+        # only its window's keys: engine/kv.py), as the model's own call asks for them
+        mask = window_mask = None
+        if self._global_at is not None:
+            mask = self._additive(cache[self._global_at].make_mask(1), b, x.dtype)
+        if self._sliding_at is not None:
+            window_mask = cache[self._sliding_at].make_mask(1, window_size=self.window)
+            window_mask = self._additive(window_mask, b, x.dtype)
         x, q, k, v = self._first(x, *tables[self._rope_of[0]])
         last = len(cache) - 1
         for i, layer_kv in enumerate(cache):
@@ -359,16 +366,6 @@ def _rope_settings(rope) -> tuple:
             v = tuple(v.tolist())
         values.append(v)
     return (type(rope), *values)
-
-
-def _time_steps(cache) -> int:
-    """Time steps a cache holds before this step's write (``BatchKV.length``, or a
-    one-sequence cache's offset)."""
-    length = getattr(cache, "length", None)
-    if isinstance(length, int):
-        return length
-    off = cache.offset
-    return int(off) if isinstance(off, int) else int(mx.max(off).item())
 
 
 class _Unsupported(Exception):
