@@ -43,8 +43,6 @@ def _check(model, step, prompts, steps=4):
         assert mx.allclose(a.keys[:, :, : a.length], b.keys[:, :, : b.length], atol=1e-5).item()
 
 
-
-
 @pytest.mark.parametrize("flavour", sorted(ROPES))
 def test_lean_step_matches_model(flavour):
     model = build_random_model("llama", {**TINY, **ROPES[flavour]}, seed=11).model
