@@ -58,7 +58,7 @@ SCHEMA = {
 PROMPT = "List the books, films, songs and games you like as JSON records."
 
 # --model random-smollm2: SmolLM2-135M's shape with random bfloat16 weights, for a machine
-# without the model's package (the lent GPU); --tokenizer gives the real vocabulary,
+# without the model's package (an offline GPU machine); --tokenizer gives the real vocabulary,
 # which is what the masks depend on.
 RANDOM_SHAPES = {
     "random-smollm2": dict(

@@ -653,7 +653,7 @@ class ModelWorker:
                 return
             self._accept_rows(seqs, *self._sample_rows(logits, seqs, masks))
             return
-        self._inflight = (sampled, seqs)
+        self._inflight = (sampled, seqs, lps)
 
     @staticmethod
     def _grammar_rows(seqs: list[Sequence]) -> list:

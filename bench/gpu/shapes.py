@@ -5,7 +5,7 @@ from __future__ import annotations
 _COMMON = dict(rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
 
 CONFIGS = {
-    # random llama ~1B: the shapes of the baseline in issue 5
+    # random llama ~1B: the shapes of the GPU table's 1b rows
     "1b": dict(
         hidden_size=2048,
         num_hidden_layers=16,

@@ -6,7 +6,7 @@ gemma4_text's MoE block, gpt_oss, olmoe, granitemoe, ...): ``gather_qmm`` over e
 backend ``gather_qmm`` ignores the sort and runs each pair as a one-row product on a
 16-row tensor-core tile, so every pair reads its expert's weights again, slowly: a
 Qwen3-30B-A3B-shaped model decoded 74.6 tok/s at one row and 96 tok/s at 32 rows on
-an H100 (issue 34). ``install`` swaps each ``SwitchGLU`` of a model for
+an H100 before the grouping. ``install`` swaps each ``SwitchGLU`` of a model for
 ``GroupedSwitchGLU``, which computes the same thing with the pairs grouped per expert,
 in prefill and decode alike, by the route the backend does best:
 

@@ -84,7 +84,8 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, max_cached: int = MAX_CACHED) -> None:
         self._tokenizer = tokenizer
-        self.vocab_size = max(int(vocab_size), int(tokenizer.vocab_size))
+        # a model served without a real tokenizer (benchmarks) has no vocab_size
+        self.vocab_size = max(int(vocab_size), int(getattr(tokenizer, "vocab_size", 0) or 0))
         self._bridge: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
         self._max = max_cached

@@ -25,8 +25,6 @@ import numpy as np
 
 from engine.structured.compiler import SequenceGrammar
 
-_SHIFTS = mx.arange(32, dtype=mx.int32)
-
 
 @dataclass
 class TokenMasks:
@@ -105,8 +103,11 @@ def apply_token_masks(logits: mx.array, masks: TokenMasks, on_host: bool) -> mx.
             allowed = np.ones((b, v), dtype=bool)
             allowed[masks.rows] = bits
         return mx.where(mx.array(allowed), logits, -mx.inf)
+    # made here, on the worker's thread: an array made at import belongs to the
+    # importing thread's stream, and on a GPU the worker cannot evaluate it
+    shifts = mx.arange(32, dtype=mx.int32)
     words = mx.array(masks.words)
-    bits = ((words[:, :, None] >> _SHIFTS) & 1).reshape(n, -1)[:, :v].astype(mx.bool_)
+    bits = ((words[:, :, None] >> shifts) & 1).reshape(n, -1)[:, :v].astype(mx.bool_)
     if n == b and masks.rows == list(range(b)):
         allowed = bits
     else:

@@ -1,4 +1,4 @@
-"""The families of issue 34 served over HTTP: tiny random-weight models saved as mlx-lm
+"""Gemma 4, Gemma 3n and a MoE served over HTTP: tiny random-weight models saved as mlx-lm
 folders (config.json + safetensors + tokenizer), served by one real ``markbase serve``
 subprocess, spoken to with the ``openai`` SDK.
 

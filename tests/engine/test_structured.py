@@ -109,6 +109,31 @@ def test_masks_touch_only_constrained_rows(compiler, on_host):
     )
 
 
+def test_device_masks_apply_on_another_thread(compiler):
+    """The device route runs on the engine's worker thread, not the importing one:
+    MLX evaluates an array only on the thread whose stream made it, so nothing it
+    uses may be made at import (a module-level ``mx.arange`` failed every
+    constrained prefill on a GPU with "There is no Stream(gpu, 0) in current thread")."""
+    import threading
+
+    filler = MaskFiller(258, eos_ids=[257])
+    masks = filler.fill([(0, compiler.matcher(spec("regex", "ab+")))])
+    out: list = []
+
+    def worker():
+        try:
+            logits = mx.zeros((1, 258))
+            out.append(np.array(apply_token_masks(logits, masks, on_host=False)))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            out.append(exc)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert not isinstance(out[0], Exception), out[0]
+    assert set(np.flatnonzero(np.isfinite(out[0][0]))) == {ord("a")}
+
+
 def test_a_grammar_in_error_leaves_only_eos(compiler):
     g = compiler.matcher(spec("regex", "ab"))
     assert not g.accept(ord("z"))  # refused: the matcher is in error from now on
@@ -238,3 +263,29 @@ def test_a_grammar_that_compiles_badly_ends_only_its_request(tiny):
     bad, good = asyncio.run(main())
     assert isinstance(bad, Exception) or bad[2].finish_reason is FinishReason.ERROR
     assert good[2].finish_reason is FinishReason.LENGTH and len(good[1]) == 8
+
+
+def test_constrained_rows_keep_their_logprobs(tiny):
+    """A constrained row that asks for logprobs gets one per token with its top 2,
+    sync and pipelined (the pipelined constrained step hands them on like any other)."""
+    model, client = tiny
+    got, tokens, text = [], [], ""
+
+    async def collect():
+        nonlocal text
+        req = GenerationRequest(
+            f"s{next(_ids)}",
+            model,
+            list(PROMPT),
+            SamplingParams(max_tokens=10, temperature=0.0, logprobs=2),
+            grammar=spec("regex", "[a-c]{3,6}!"),
+        )
+        async for ev in client.generate(req):
+            text += ev.text
+            tokens.extend(ev.token_ids)
+            got.extend(ev.logprobs or ())
+
+    asyncio.run(collect())
+    assert re.fullmatch("[a-c]{3,6}!", text), text
+    assert len(got) == len(tokens) > 0
+    assert all(len(lp.top) == 2 and lp.logprob <= 0.0 for lp in got)

@@ -189,7 +189,7 @@ def cpu_reference() -> dict:
     )
     code = (
         "import json, mlx.core as mx; mx.set_default_device(mx.cpu); "
-        "import tests.test_gpu as t; print('REF' + json.dumps(t.reference()), flush=True); "
+        "import tests.backends.cuda.test_gpu as t; print('REF' + json.dumps(t.reference()), flush=True); "
         "from engine.worker import release_mlx_thread_state; release_mlx_thread_state()"
     )
     res = subprocess.run(

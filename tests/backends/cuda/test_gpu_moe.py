@@ -62,7 +62,7 @@ def _gemma4_geglu():
 @pytest.mark.parametrize("tokens", [1, 3, 8, 40, 128, 300])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_routes_match_mlx_lm(tokens, act):
-    d, inter, experts, k = 256, 96, 16, 4
+    d, inter, experts, k = 256, 128, 16, 4  # dims divisible by the group size (64)
     glu = _layer(d, inter, experts, None if act == "silu" else _gemma4_geglu())
     rng = np.random.default_rng(tokens)
     x = mx.array(rng.standard_normal((tokens, d)).astype(np.float32) * 0.5).astype(mx.bfloat16)
@@ -82,7 +82,7 @@ def test_routes_match_mlx_lm(tokens, act):
 def test_route_choice():
     from engine.model import moe
 
-    glu = _layer(256, 96, 16)
+    glu = _layer(256, 128, 16)
     glu.__class__ = moe.GroupedSwitchGLU
     x = mx.zeros((1, 256), dtype=mx.bfloat16)
     assert glu.route(x, 4) == "kernel"

@@ -6,7 +6,7 @@ Why: MLX 0.32's CUDA ``gather_qmm`` ignores ``sorted_indices`` and runs every
 ``qmm_sm80``, a tensor-core tile of 16+ rows that is almost empty at one row, so each
 pair reads its expert's weights again at a low rate. A 128-expert qwen3_moe of
 Qwen3-30B-A3B's shape decoded 74.6 tok/s at one row and slowed down batched (96
-tok/s at 32 rows) on an H100 (issue 34).
+tok/s at 32 rows) on an H100 before these kernels.
 
 Here a block owns one expert and a tile of output rows, finds the expert's pairs
 itself (it scans the flat expert ids of all pairs: a few hundred ids from L2) and
