@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 
 from engine import envs, platform
 from engine.backends import cpu, cuda
-from engine.cache_layout import WINDOW, CacheLayout, Caches, UnsupportedCache
+from engine.cache_layout import ATTENTION, WINDOW, CacheLayout, Caches, UnsupportedCache
 from engine.load_check import load_check
 from engine.loading.loaded_model import ModelLoadError
 from engine.model import attention, moe
@@ -79,8 +79,13 @@ class ModelRunner:
         # engine/backends/cpu/step.py; GPU: the fused one, engine/model/decode_step.py); other
         # families, or fused_decode=False, call the model as is.
         plain = self.layout.plain
-        self.decode_step = _make_decode_step(model) if fused_decode and plain else None
         self.windowed = any(s.kind == WINDOW for s in self.layout.leaves)
+        # one leaf per layer, full or sliding-window attention: what the steps index
+        # (Gemma 3's sliding layers; the steps refuse layers they do not compute)
+        per_layer = all(isinstance(g, int) for g in self.layout.groups) and all(
+            s.kind in (ATTENTION, WINDOW) for s in self.layout.leaves
+        )
+        self.decode_step = _make_decode_step(model) if fused_decode and per_layer else None
         # GPU: a prompt chunk's first layers start while the host builds the rest
         # (engine/backends/cuda/prefill_stages.py; MARKBASE_GPU_PREFILL_STAGES=0 turns it off).
         self.stage_every = cuda.prefill_stage_every() if on_gpu else 0
@@ -210,10 +215,10 @@ class ModelRunner:
         if not isinstance(tokens, mx.array):
             tokens = mx.array(tokens, dtype=mx.int32)
         x = tokens.astype(mx.int32)[:, None]
-        if self.decode_step is not None:
-            return self.decode_step(x, batch)
         if self.windowed and isinstance(batch, Caches):
             batch.compact()  # sliding layers drop keys no row can see any more
+        if self.decode_step is not None:
+            return self.decode_step(x, batch)
         return self.model(x, cache=batch)[:, -1, :]
 
 

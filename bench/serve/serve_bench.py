@@ -133,6 +133,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "BLAS it uses), off, or a library path",
     )
     p.add_argument(
+        "--baseline-tree",
+        default=None,
+        help="another markbase source tree (e.g. a git worktree of the commit before a change), "
+        "served as markbase-base with the same arguments: before/after in one run",
+    )
+    p.add_argument(
         "--setup-llama-server",
         action="store_true",
         help="build llama.cpp's llama-server if missing (~/.cache/markbase/bench; ~5 minutes)",
@@ -160,6 +166,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.max_level_seconds = 120.0
         args.warmup = min(args.warmup, 1)
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    if args.baseline_tree and "markbase-base" not in args.servers:
+        at = args.servers.index("markbase") + 1 if "markbase" in args.servers else 0
+        args.servers.insert(at, "markbase-base")
     args.concurrency = _csv_ints(args.concurrency)
     args.level_requests = _level_requests(args)
     for kv in [*args.server_env, *args.peer_env]:
@@ -527,6 +536,7 @@ def render(args, argv: list[str], info: dict, records: list[dict], skipped: dict
                 checks.append(f"{rec['server']}: process died during concurrency {c}")
     for a, b in (
         ("markbase", "markbase-nobatch"),
+        ("markbase", "markbase-base"),
         ("markbase", "mlx_lm"),
         ("markbase", "llama-server"),
         ("markbase", "llamacpp"),

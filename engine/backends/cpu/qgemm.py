@@ -68,11 +68,17 @@ class QuantShadow:
 
 def shadow_of(wq, scales, biases, bits: int, group_size: int) -> QuantShadow | None:
     """A ``QuantShadow`` from MLX quantized arrays, or None when the kernel cannot
-    use that format (it takes affine 4/8-bit, groups of 32, 64 or 128, 2-D)."""
-    if bits not in (4, 8) or group_size % 32 or biases is None or wq.ndim != 2:
+    use that format (it takes affine 4/8-bit, groups of 32, 64 or 128, 2-D).
+
+    2, 3, 5 and 6-bit weights (Gemma 3's Q5_0 projections, Q5_1, Q5_K) are widened
+    to 8 bits: the same integers, scales and biases, so the same values
+    (``w = scale * q + bias``) at 1.25 bytes a weight instead of float32's 4."""
+    if bits not in WIDENED + (4, 8) or group_size % 32 or biases is None or wq.ndim != 2:
         return None
     q = np.ascontiguousarray(_numpy(wq))
     q = q.view(np.uint8).reshape(q.shape[0], -1)
+    if bits in WIDENED:
+        q, bits = _widen_to_8(q, bits), 8
     s = np.ascontiguousarray(_numpy(scales), dtype=np.float32)
     b = np.ascontiguousarray(_numpy(biases), dtype=np.float32)
     if group_size > 32:  # the kernel reads one scale and bias per 32 weights
@@ -80,6 +86,21 @@ def shadow_of(wq, scales, biases, bits: int, group_size: int) -> QuantShadow | N
         b = np.ascontiguousarray(np.repeat(b, group_size // 32, axis=1))
         group_size = 32
     return QuantShadow(bits, group_size, q, s, b)
+
+
+# bit widths whose packed integers are stored as 8-bit ones in the shadow
+WIDENED = (2, 3, 5, 6)
+
+
+def _widen_to_8(packed: np.ndarray, bits: int) -> np.ndarray:
+    """MLX's little-endian ``bits``-bit stream (uint8 [N, K * bits / 8]) as one
+    uint8 per weight [N, K]."""
+    rows = packed.shape[0]
+    stream = np.unpackbits(packed, axis=-1, bitorder="little").reshape(rows, -1, bits)
+    weights = (stream.astype(np.uint8) << np.arange(bits, dtype=np.uint8)).sum(
+        axis=-1, dtype=np.uint8
+    )
+    return np.ascontiguousarray(weights)
 
 
 def _numpy(a) -> np.ndarray:

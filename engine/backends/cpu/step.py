@@ -28,6 +28,17 @@ This step builds ~30 nodes per layer:
 The KV update and the attention stay outside ``mx.compile`` (they touch the cache
 object); the attention is the grouped-query form of engine/model/attention.py. Values
 equal ``FusedDecodeStep``'s to float32 rounding (tests/backends/cpu/test_cpu_step.py).
+
+Two layer forms, each written as its mlx-lm module computes it:
+
+- llama (``mlx_lm.models.llama``): pre-norm attention and SwiGLU MLP, each added to
+  the residual stream inside the product (``addmm``).
+- Gemma 3 (``mlx_lm.models.gemma3_text``): the embedding scaled by sqrt(hidden), the
+  (1 + w) RMSNorms before and after both the attention and the MLP, RMSNorms over
+  each query and key head before RoPE, a GELU-tanh MLP, and sliding-window layers
+  between global ones (their own RoPE base, and the window mask of their own cache,
+  which keeps about the window's keys: engine/kv.py); one RoPE table pair per distinct
+  rope module and one mask per kind of layer.
 """
 
 from __future__ import annotations
@@ -36,9 +47,10 @@ import logging
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import gemma3_text, llama
 
 from engine.backends.cpu import fast_math
-from engine.model.decode_step import fuse_linears, supported
+from engine.model.decode_step import fuse_linears
 
 log = logging.getLogger("markbase.cpu_step")
 
@@ -49,10 +61,6 @@ class CpuDecodeStep:
 
     @classmethod
     def build(cls, model) -> CpuDecodeStep | None:
-        why = supported(model)
-        if why:
-            log.info("lean CPU decode step not used: %s", why)
-            return None
         try:
             step = cls(model)
         except _Unsupported as exc:
@@ -62,6 +70,8 @@ class CpuDecodeStep:
 
     def __init__(self, model) -> None:
         self.model = model
+        self.family = layer_form(model)
+        self.gemma = self.family == "gemma3"
         self.inner = inner = model.model
         layers = inner.layers
         attn = layers[0].self_attn
@@ -69,13 +79,38 @@ class CpuDecodeStep:
         self.nq = self.n_heads * self.head_dim
         self.nk = self.n_kv * self.head_dim
         self.scale = float(attn.scale)
-        self.rope = attn.rope
-        self.traditional = bool(getattr(self.rope, "traditional", False))
-        dims = getattr(self.rope, "dims", self.head_dim)
-        if dims != self.head_dim and not self.traditional:
-            raise _Unsupported(f"partial RoPE ({dims} of {self.head_dim} dims)")
+        # one RoPE table pair per distinct rope module setting (Gemma 3: the sliding
+        # layers' local base and the global layers' base); every layer's index into them
+        self._ropes: list = []
+        self._rope_of: list[int] = []
+        for layer in layers:
+            key = _rope_settings(layer.self_attn.rope)
+            known = [_rope_settings(r) for r in self._ropes]
+            if key not in known:
+                self._ropes.append(layer.self_attn.rope)
+                known.append(key)
+            self._rope_of.append(known.index(key))
+        traditional = {bool(getattr(r, "traditional", False)) for r in self._ropes}
+        if len(traditional) != 1:
+            raise _Unsupported("layers mix traditional and split-half RoPE")
+        self.traditional = traditional.pop()
+        for rope in self._ropes:
+            dims = getattr(rope, "dims", self.head_dim)
+            if dims != self.head_dim and not self.traditional:
+                raise _Unsupported(f"partial RoPE ({dims} of {self.head_dim} dims)")
         if self.head_dim % 2:
             raise _Unsupported("odd head_dim")
+        # Gemma 3: which layers attend through the sliding window (the model's own rule)
+        self.window = None
+        self._sliding = [False] * len(layers)
+        if self.gemma:
+            pattern = inner.sliding_window_pattern
+            self.window = int(inner.window_size)
+            self._sliding = [i % pattern != pattern - 1 for i in range(len(layers))]
+            self._embed_scale = mx.array(inner.args.hidden_size**0.5, mx.bfloat16)
+        # the first layer of each kind, whose cache gives that kind's mask
+        self._global_at = next((i for i, w in enumerate(self._sliding) if not w), None)
+        self._sliding_at = next((i for i, w in enumerate(self._sliding) if w), None)
         for layer in layers:
             a = layer.self_attn
             if (a.n_heads, a.n_kv_heads, a.head_dim, a.scale) != (
@@ -110,7 +145,10 @@ class CpuDecodeStep:
                     "down": mlp.down_proj.weight.T,
                 }
             )
-        tied = getattr(getattr(model, "args", None), "tie_word_embeddings", True)
+        if hasattr(model, "tie_word_embeddings"):  # gemma3_text keeps the flag on the model
+            tied = bool(model.tie_word_embeddings)
+        else:
+            tied = getattr(getattr(model, "args", None), "tie_word_embeddings", True)
         lm_head = getattr(model, "lm_head", None)
         if tied or lm_head is None:
             head_w = inner.embed_tokens.weight  # the tied embedding as the output layer
@@ -133,7 +171,7 @@ class CpuDecodeStep:
 
         n = len(layers)
         # layer 0's input part; then "MLP of i + input part of i + 1"; the last MLP + head
-        self._first = mx.compile(lambda x, c, s: self._pre(0, x, c, s))
+        self._first = mx.compile(lambda x, c, s: self._pre(0, self._embedded(x), c, s))
         self._between = [
             mx.compile(lambda x, o, c, s, i=i: self._pre(i + 1, self._post(i, x, o), c, s))
             for i in range(n - 1)
@@ -143,11 +181,26 @@ class CpuDecodeStep:
     # ---------------------------------------------------------------- the pieces
     # The hidden state is 2-D [B, D] throughout (one token per row): a 3-D operand
     # costs every matmul a Flatten and an Unflatten node.
+    def _embedded(self, x):
+        """The token embeddings as the model's body scales them (Gemma 3: by
+        sqrt(hidden), rounded to bfloat16 as mlx-lm does)."""
+        if self.gemma:
+            return x * self._embed_scale.astype(x.dtype)
+        return x
+
     def _pre(self, i: int, x, c, s):
-        """Norm, fused QKV product and RoPE (with the attention scale) of layer i."""
+        """Norm, fused QKV product and RoPE (with the attention scale) of layer i
+        (Gemma 3: the query and key heads RMS-normed before RoPE)."""
         layer = self.inner.layers[i]
         b = x.shape[0]
-        qkv = self._pairs(layer.input_layernorm(x) @ self._wt[i]["qkv"])  # [B, Nq + 2 Nk]
+        qkv = layer.input_layernorm(x) @ self._wt[i]["qkv"]  # [B, Nq + 2 Nk]
+        if self.gemma:
+            attn = layer.self_attn
+            q, k, v = mx.split(qkv, [self.nq, self.nq + self.nk], axis=-1)
+            q = attn.q_norm(q.reshape(b, self.n_heads, self.head_dim)).reshape(b, -1)
+            k = attn.k_norm(k.reshape(b, self.n_kv, self.head_dim)).reshape(b, -1)
+            qkv = mx.concatenate([q, k, v], axis=-1)
+        qkv = self._pairs(qkv)
         qkv = (qkv * c + self._swap(qkv) * s).reshape(b, -1)
         q, k, v = mx.split(qkv, [self.nq, self.nq + self.nk], axis=-1)
         q = q.reshape(b, self.n_kv, -1, self.head_dim)
@@ -156,8 +209,15 @@ class CpuDecodeStep:
         return x, q, k, v
 
     def _post(self, i: int, x, o):
-        """Output projection, residual, norm, SwiGLU MLP, residual of layer i."""
+        """Output projection, residual, norm, SwiGLU MLP, residual of layer i (Gemma 3:
+        the sandwich norms and the GELU-tanh MLP)."""
         layer, w = self.inner.layers[i], self._wt[i]
+        if self.gemma:
+            h = _residual(x, layer.post_attention_layernorm(o @ w["o"]))
+            z = layer.pre_feedforward_layernorm(h) @ w["gate_up"]
+            g, u = mx.split(z, 2, axis=-1)
+            m = (nn.gelu_approx(g) * u) @ w["down"]
+            return _residual(h, layer.post_feedforward_layernorm(m))
         h = mx.addmm(x, o, w["o"])  # x + o @ w: one BLAS call with beta = 1
         g, u = mx.split(layer.post_attention_layernorm(h) @ w["gate_up"], 2, axis=-1)
         return mx.addmm(h, fast_math.silu_mul(g, u), w["down"])
@@ -176,13 +236,13 @@ class CpuDecodeStep:
         return v[..., ::-1] if self.traditional else v[..., ::-1, :]
 
     # ---------------------------------------------------------------- RoPE tables
-    def _tables(self, offset, b: int):
+    def _tables(self, offset, b: int, rope):
         """C and S over Q|K|V for rows at positions ``offset`` [B], in ``_pairs`` shape:
         the rope module applied to a unit pattern on the first member of every pair,
         then on the second, gives each element's C and S."""
         d = self.head_dim
         probe = mx.broadcast_to(self._probe, (b, 2, 1, d))
-        r = self.rope(probe, offset=offset)  # [B, 2, 1, D]: the probes rotated
+        r = rope(probe, offset=offset)  # [B, 2, 1, D]: the probes rotated
         first, second = r[:, 0, 0, :], r[:, 1, 0, :]
         cos = mx.where(self._first_member, first, second)  # [B, D]
         sin = mx.where(self._first_member, second, first)
@@ -210,8 +270,9 @@ class CpuDecodeStep:
         """The tables must reproduce every layer's rope module exactly."""
         offsets = mx.array([0, 5, 301], dtype=mx.int32)
         x = mx.random.normal((3, self.n_heads, 1, self.head_dim), key=mx.random.key(7))
-        c, s = self._tables(offsets, 3)
-        for layer in layers:
+        tables = [self._tables(offsets, 3, rope) for rope in self._ropes]
+        for layer, which in zip(layers, self._rope_of):
+            c, s = tables[which]
             ref = layer.self_attn.rope(x, offset=offsets)
             # ours, applied to the query part of a Q|K|V vector (scale divided back out)
             v = mx.concatenate(
@@ -229,28 +290,82 @@ class CpuDecodeStep:
         x = self.inner.embed_tokens(tokens.reshape(b))  # [B, D]
         off = cache[0].offset
         offset = off if isinstance(off, mx.array) else mx.full((b,), off, dtype=mx.int32)
-        c, s = self._tables(offset, b)
-        mask = cache[0].make_mask(1)  # None or bool [B, 1, 1, T]
-        if mask is not None:
-            # additive and already broadcast to the scores' shape: one Add per layer
-            g = self.n_heads // self.n_kv
-            mask = mx.where(mask, 0.0, -mx.inf).astype(x.dtype)
-            mask = mx.broadcast_to(mask, (b, self.n_kv, g, mask.shape[-1])) + 0
-        x, q, k, v = self._first(x, c, s)
+        tables = [self._tables(offset, b, rope) for rope in self._ropes]
+        # None or additive [B, Hkv, G, T]: one for the global layers and one for the
+        # sliding ones, each from a cache of its kind (a sliding layer's cache may keep
+        # only its window's keys: engine/kv.py), as the model's own call asks for them
+        mask = window_mask = None
+        if self._global_at is not None:
+            mask = self._additive(cache[self._global_at].make_mask(1), b, x.dtype)
+        if self._sliding_at is not None:
+            window_mask = cache[self._sliding_at].make_mask(1, window_size=self.window)
+            window_mask = self._additive(window_mask, b, x.dtype)
+        x, q, k, v = self._first(x, *tables[self._rope_of[0]])
         last = len(cache) - 1
         for i, layer_kv in enumerate(cache):
             keys, values = layer_kv.update_and_fetch(k, v)
             # grouped-query attention (engine/model/attention.py's form); q is pre-scaled and
             # already grouped [B, Hkv, G, D]
             scores = q @ keys.swapaxes(-1, -2)
-            if mask is not None:
-                scores = scores + mask
+            m = window_mask if self._sliding[i] else mask
+            if m is not None:
+                scores = scores + m
             o = (mx.softmax(scores, axis=-1, precise=True) @ values).reshape(b, -1)
             if i < last:
-                x, q, k, v = self._between[i](x, o, c, s)
+                x, q, k, v = self._between[i](x, o, *tables[self._rope_of[i + 1]])
             else:
                 return self._last(x, o)
         raise AssertionError("no layers")
+
+    def _additive(self, mask, b: int, dtype):
+        """A boolean [B, 1, 1, T] mask as additive and already broadcast to the scores'
+        shape (one Add per layer); None stays None."""
+        if mask is None:
+            return None
+        g = self.n_heads // self.n_kv
+        mask = mx.where(mask, 0.0, -mx.inf).astype(dtype)
+        return mx.broadcast_to(mask, (b, self.n_kv, g, mask.shape[-1])) + 0
+
+
+def layer_form(model) -> str:
+    """The layer form of ``model`` the lean step computes ("llama" or "gemma3"); raises
+    ``_Unsupported`` (why) for anything else."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not layers:
+        raise _Unsupported("no model.model.layers")
+    if all(type(layer) is llama.TransformerBlock for layer in layers):
+        if any(getattr(layer, "use_sliding", False) for layer in layers):
+            raise _Unsupported("sliding-window llama layers")
+        return "llama"
+    if type(model) is gemma3_text.Model and all(
+        type(layer) is gemma3_text.TransformerBlock for layer in layers
+    ):
+        return "gemma3"
+    kinds = sorted({f"{type(layer).__module__}.{type(layer).__name__}" for layer in layers})
+    raise _Unsupported(f"layer type {', '.join(kinds)} is neither llama's nor gemma3_text's")
+
+
+def _residual(x, y):
+    """``x + y`` as gemma3_text's ``clip_residual`` computes it (float16 sums in
+    float32, clipped to float16's range; other dtypes as they are)."""
+    if x.dtype != mx.float16:
+        return x + y
+    bound = mx.finfo(mx.float16).max
+    return mx.clip(x.astype(mx.float32) + y.astype(mx.float32), -bound, bound).astype(mx.float16)
+
+
+def _rope_settings(rope) -> tuple:
+    """What makes two rope modules compute the same rotation (their class and numbers;
+    the tables are checked against every layer's module anyway)."""
+    attrs = ("dims", "traditional", "base", "scale", "_freqs", "mscale")
+    values = []
+    for a in attrs:
+        v = getattr(rope, a, None)
+        if isinstance(v, mx.array):
+            v = tuple(v.tolist())
+        values.append(v)
+    return (type(rope), *values)
 
 
 class _Unsupported(Exception):

@@ -26,7 +26,12 @@ def _weight(bits, gs, n, k):
 
 
 @pytest.mark.parametrize("int8", [True, False])
-@pytest.mark.parametrize("bits,gs,n,k", [(4, 32, 1536, 576), (8, 32, 576, 1536), (4, 64, 100, 128)])
+@pytest.mark.parametrize(
+    "bits,gs,n,k",
+    # 5/6/3-bit: widened to 8-bit shadows (Gemma 3 270M's Q5_0 projections)
+    [(4, 32, 1536, 576), (8, 32, 576, 1536), (4, 64, 100, 128), (5, 32, 256, 640),
+     (6, 32, 64, 128), (3, 64, 64, 128)],
+)  # fmt: skip
 def test_products_match_float_and_are_batch_invariant(int8, bits, gs, n, k):
     lib = cpu_qgemm._lib()
     if int8 and not lib.markbase_qw_has_int8():
@@ -34,6 +39,7 @@ def test_products_match_float_and_are_batch_invariant(int8, bits, gs, n, k):
     lib.markbase_qw_set_int8(int(int8))
     try:
         wf, shadow = _weight(bits, gs, n, k)
+        assert shadow.bits == (4 if bits == 4 else 8)
         reg = cpu_qgemm.Registration()
         assert reg.add(wf, [shadow])
         limit = 4e-2 if int8 else 1e-5
