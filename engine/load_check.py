@@ -81,16 +81,6 @@ def _decodes(runner, seqs: list, want: list) -> bool:
     return all(_close(logits[i], w[1]) for i, w in enumerate(want))
 
 
-def _decodes(runner, seqs: list, want: list) -> bool:
-    """The prefilled ``seqs`` as rows of one batch decode ``NEXT`` as the reference does."""
-    batch = runner.new_batch_kv()
-    for kv in seqs:
-        batch.add(kv.rows())
-    logits = runner.decode(batch, NEXT)
-    mx.eval(logits)
-    return all(_close(logits[i], w[1]) for i, w in enumerate(want))
-
-
 def load_check(runner) -> None:
     family = runner.family
     refused = f"model family '{family}' is not supported by the engine's caches ({runner.layout.describe()})"
