@@ -325,9 +325,14 @@ def soak(url: str, pid: int, seconds: float, clients: int, warmup: int) -> dict:
     rss0, (cache0, kept0) = rss_mb(pid), _memory(url)
     stop[0] = time.monotonic() + seconds
     samples = []
+    # (seconds in, RSS less the prefix cache's and MLX's kept bytes): flat when the
+    # drift is the cache and the allocator, rising when something else grows
+    trend: list[tuple[float, float]] = []
     while time.monotonic() < stop[0]:
         time.sleep(2)
         samples.append(rss_mb(pid))
+        cache, kept = _memory(url)
+        trend.append((time.monotonic() - stop[0] + seconds, samples[-1] - (cache + kept) / 2**20))
     for t in threads:
         t.join()
     time.sleep(1)
@@ -346,6 +351,7 @@ def soak(url: str, pid: int, seconds: float, clients: int, warmup: int) -> dict:
         "drift_minus_cache_mb": rss1 - rss0 - cache_mb,
         "mlx_kept_growth_mb": kept_mb,
         "rest_mb": rss1 - rss0 - cache_mb - kept_mb,
+        "rest_trend_mb": trend,
     }
 
 
@@ -476,6 +482,12 @@ def print_tables(out: dict, args) -> None:
                 f"{s['drift_minus_cache_mb']:+.0f} | {s['mlx_kept_growth_mb']:+.0f} | "
                 f"{s['rest_mb']:+.0f} |"
             )
+        print("\nRSS less the prefix cache and MLX's kept buffers, MB, at quarters of the run:\n")
+        for n, k in soaks:
+            trend = out[n][k]["rest_trend_mb"]
+            if trend:
+                picks = [trend[min(len(trend) - 1, len(trend) * q // 4)] for q in range(5)]
+                print(f"- {n}, {k[5:]}: " + ", ".join(f"{t:.0f} s {v:.0f}" for t, v in picks))
 
 
 def main() -> int:
