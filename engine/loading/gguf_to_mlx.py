@@ -50,7 +50,8 @@ TOP_LEVEL = {
     "output": "lm_head",
 }
 
-LLAMA_LAYER = {
+# the attention block's names, the same in every family llama.cpp maps here
+ATTENTION_LAYER = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -58,6 +59,10 @@ LLAMA_LAYER = {
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+}
+
+LLAMA_LAYER = {
+    **ATTENTION_LAYER,
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -229,13 +234,7 @@ def gemma3_config(m: Meta) -> dict:
 
 
 GEMMA4_LAYER = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
+    **ATTENTION_LAYER,
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
