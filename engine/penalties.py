@@ -124,6 +124,17 @@ def plan(rows) -> StepAdjust | None:
     return StepAdjust(idx, [rows[i].adjust for i in idx])
 
 
+def _on_rows(x, rows: list[int], total: int, fn, xp):
+    """``fn`` applied to rows ``rows`` of ``x`` (of ``total`` rows), the others kept:
+    ``fn(x)`` itself when every row is in ``rows``. numpy writes into ``x``; MLX
+    returns a new array."""
+    if len(rows) == total:
+        return fn(x)
+    index = xp.array(rows) if xp is mx else rows
+    x[index] = fn(x[index])
+    return x
+
+
 class StepAdjust:
     """The adjustments of one sampling call: ``apply`` to the logits before the draw,
     ``record`` the drawn tokens after it."""
@@ -137,21 +148,13 @@ class StepAdjust:
     def apply(self, x, xp):
         """``x`` float32 [B, V] (numpy: a copy this may write in) with the adjusted rows
         changed; MLX returns a new array."""
-        rows, n = self.idx, len(self.idx)
-        everyone = n == x.shape[0]
-        sub = x if everyone else x[xp.array(rows)] if xp is mx else x[rows]
-        sub = self._mask_ends(sub, xp)
-        sub = self._bias(sub, xp)
-        if self.penalized:
-            sub = self._penalize(sub, xp)
-        sub = self._min_p(sub, xp)
-        if everyone:
-            return sub
-        if xp is mx:
-            x[mx.array(rows)] = sub
-        else:
-            x[rows] = sub
-        return x
+        def adjust(sub):
+            sub = self._bias(self._mask_ends(sub, xp), xp)
+            if self.penalized:
+                sub = self._penalize(sub, xp)
+            return self._min_p(sub, xp)
+
+        return _on_rows(x, self.idx, x.shape[0], adjust, xp)
 
     def record(self, tokens, xp) -> None:
         """Count the tokens just drawn (``tokens``: int32 [B], all rows)."""
@@ -265,18 +268,15 @@ class StepAdjust:
         rows = [j for j, a in enumerate(self.adjusts) if a.min_p > 0.0]
         if not rows:
             return sub
-        every = len(rows) == len(self.adjusts)
-        y = sub if every else sub[xp.array(rows)] if xp is mx else sub[rows]
         # p_i >= min_p * p_max  <=>  (x_i - x_max) / T >= log(min_p)
         floor = xp.array(
             [[self.adjusts[j].temperature * math.log(self.adjusts[j].min_p)] for j in rows],
             dtype=xp.float32,
         )
-        y = xp.where(y - y.max(axis=-1, keepdims=True) < floor, -xp.inf, y)
-        if every:
-            return y
-        if xp is mx:
-            sub[mx.array(rows)] = y
-        else:
-            sub[rows] = y
-        return sub
+        return _on_rows(
+            sub,
+            rows,
+            len(self.adjusts),
+            lambda y: xp.where(y - y.max(axis=-1, keepdims=True) < floor, -xp.inf, y),
+            xp,
+        )
