@@ -250,11 +250,25 @@ def test_dashboard_draws_the_traffic(server, browser, shots):
             "return s ? [Number(s.dataset.points), Number(s.dataset.max)] : [0, 0]"
         )
 
+    # Two requests held open while the page polls: the sampler (1 s) sees both running.
+    release = threading.Event()
+    holders = []
+    try:
+        for _ in range(2):
+            started = threading.Event()
+            t = threading.Thread(target=_hold_slot, args=(server, started, release), daemon=True)
+            t.start()
+            holders.append(t)
+            assert started.wait(60), "a holding request did not start"
+        wait_for(lambda: chart("requests")[1] >= 2, timeout=20, what="two running requests drawn")
+    finally:
+        release.set()
+        for t in holders:
+            t.join(60)
     for name in ("requests", "throughput", "ttft", "itl", "kv"):
         wait_for(lambda name=name: chart(name)[1] > 0, timeout=15, what=f"chart {name} > 0")
     points, _ = chart("prefix")
     assert points > 0  # the rate is drawn where prompts were looked up (0 is a value)
-    assert chart("requests")[1] >= 2  # the 429 test held two slots
     tiles = d.find_element(By.ID, "tiles").text
     assert "Requests finished" in tiles
     rows = d.find_elements(By.CSS_SELECTOR, "#per-model tbody tr")
