@@ -58,6 +58,7 @@ class PrefixCache:
         self.root = _Node((), None)
         self.tokens_held = 0
         self.bytes_held = 0  # of the arrays in the cache: what it adds to the process's memory
+        self.freed_bytes = 0  # of the arrays evicted or cleared so far (engine/heap.py)
         self._clock = itertools.count(1)
         self.hit_tokens = 0
         self.query_tokens = 0
@@ -214,6 +215,7 @@ class PrefixCache:
             del victim.parent.children[victim.key]
             self.tokens_held -= victim.cost
             self.bytes_held -= victim.nbytes
+            self.freed_bytes += victim.nbytes
 
     def _iter_nodes(self):
         stack = list(self.root.children.values())
@@ -225,4 +227,5 @@ class PrefixCache:
     def clear(self) -> None:
         self.root = _Node((), None)
         self.tokens_held = 0
+        self.freed_bytes += self.bytes_held
         self.bytes_held = 0

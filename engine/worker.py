@@ -30,6 +30,7 @@ from engine.config import (
     warmup_prefill_rows,
 )
 from engine.events import LoopEmit, deliver_all
+from engine.heap import HeapTrimmer
 from engine.kv import KVRows
 from engine.logprobs import StepLogprobs, prompt_logprobs, step_logprobs
 from engine.prefix_cache import PrefixCache
@@ -113,6 +114,7 @@ class ModelWorker:
         self.running: list[Sequence] = []  # row i of self.batch
         self.kv_reserved = 0
         self.steps = 0
+        self.heap = HeapTrimmer()  # gives freed heap pages back (engine/heap.py)
         self.pipeline = pipeline_decode_enabled(config)
         # The queued decode step (pipelined mode): its sampled tokens, on the
         # device, the rows they belong to and their logprobs (None: no row asked).
@@ -227,8 +229,11 @@ class ModelWorker:
                 self._drain_inbox()
                 if self.waiting or self.prefilling or self.running:
                     self.step()
+                    self.heap.worked()
+                    self.heap.maybe_trim(self.prefix_cache.freed_bytes, idle=False)
                 else:
                     self._update_gauges()  # an abort may have emptied the batch
+                    self.heap.maybe_trim(self.prefix_cache.freed_bytes, idle=True)
                 self._flush_outbox()
             self._finish_all(FinishReason.ABORT, "The server is shutting down.", "engine_dead")
         except BaseException as exc:  # the worker is gone: fail everyone, loudly
@@ -1009,6 +1014,7 @@ class ModelWorker:
             "prefix_cache_bytes": self.prefix_cache.bytes_held,
             "mlx_active_bytes": self.mlx_memory[0],
             "mlx_cache_bytes": self.mlx_memory[1],
+            "heap_trims": self.heap.trims,
             "steps": self.steps,
         }
 

@@ -395,8 +395,11 @@ def run_sections(name: str, cwd: Path, args, out: dict) -> None:
                     srv.url, pid, text, args.flood_clients, args.flood_seconds
                 )
     if "soak" in sections and name == "markbase":
+        on = (
+            ("--prefix-cache-tokens", str(args.soak_cache_tokens)) if args.soak_cache_tokens else ()
+        )
         for label, extra in (
-            ("prefix cache on", ()),
+            ("prefix cache on", on),
             ("prefix cache off", ("--prefix-cache-tokens", "0")),
         ):
             print(f"[{name}] soak, {label}", file=sys.stderr)
@@ -502,6 +505,9 @@ def main() -> int:
     ap.add_argument("--flood-seconds", type=float, default=8.0)
     ap.add_argument("--soak-seconds", type=float, default=40.0)
     ap.add_argument("--soak-clients", type=int, default=4)
+    ap.add_argument(
+        "--soak-cache-tokens", type=int, default=0, help="prefix cache size when on (0: default)"
+    )
     ap.add_argument("--soak-warmup", type=int, default=8, help="answers before measuring")
     ap.add_argument(
         "--quick", action="store_true", help="shorter: 20 sockets, 25 s, 5 s flood, 20 s soak"
