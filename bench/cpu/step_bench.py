@@ -55,8 +55,10 @@ def markbase_rows(batches: list[int], rounds: int) -> list[dict]:
     assert isinstance(runners["lean"].decode_step, CpuDecodeStep)
     assert isinstance(runners["fused"].decode_step, FusedDecodeStep)
     lib = cpu_qgemm._lib() if runners["lean"].qgemm is not None else None
-    configs = [("lean", True), ("fused", True), ("lean", False)]
-    configs = [c for c in configs if lib is not None or not c[1]]
+    # (step, quantized products, int8 inputs: MARKBASE_QGEMM_INT8's llama.cpp numerics)
+    configs = [("lean", True, False), ("lean", True, True), ("fused", True, False)]
+    configs = [c for c in configs if lib is not None and (not c[2] or lib.markbase_qw_has_int8())]
+    configs.append(("lean", False, False))
     prompt = [(i * 7 + 13) % 40000 + 100 for i in range(KV)]
     layer_kv = {}
     for name, runner in runners.items():
@@ -65,12 +67,13 @@ def markbase_rows(batches: list[int], rounds: int) -> list[dict]:
         layer_kv[name] = [c.kv() for c in kv]
     rows = []
     for b in batches:
-        times: dict[tuple[str, bool], list[float]] = {}
+        times: dict[tuple[str, bool, bool], list[float]] = {}
         for _ in range(rounds):
-            for name, quant in configs:
+            for name, quant, int8 in configs:
                 runner = runners[name]
                 if lib is not None:
                     lib.markbase_qw_config(1 if quant else 0, -1, -1, -1)
+                    lib.markbase_qw_set_int8(1 if int8 else 0)
                 batch = runner.new_batch_kv()
                 for _row in range(b):
                     for layer, (k, v) in zip(batch, layer_kv[name]):
@@ -82,13 +85,14 @@ def markbase_rows(batches: list[int], rounds: int) -> list[dict]:
                     tokens = mx.argmax(runner.decode(batch, tokens), axis=-1).tolist()
                     if i >= 4:
                         ts.append(time.perf_counter() - t)
-                times.setdefault((name, quant), []).append(statistics.median(ts))
-        for (name, quant), ts in times.items():
+                times.setdefault((name, quant, int8), []).append(statistics.median(ts))
+        for (name, quant, int8), ts in times.items():
             dt = min(ts)
             rows.append(
                 {
                     "config": f"markbase {name} step, "
-                    + ("quantized products" if quant else "float32 OpenBLAS"),
+                    + ("quantized products" if quant else "float32 OpenBLAS")
+                    + (", int8 inputs" if int8 else ""),
                     "batch": b,
                     "step_ms": round(dt * 1e3, 2),
                     "tok_s": round(b / dt, 1),
@@ -96,6 +100,7 @@ def markbase_rows(batches: list[int], rounds: int) -> list[dict]:
             )
     if lib is not None:
         lib.markbase_qw_config(1, -1, -1, -1)
+        lib.markbase_qw_set_int8(0)
     return rows
 
 

@@ -476,6 +476,9 @@ def make_specs(args, log=print) -> tuple[list[ServerSpec], dict[str, str], dict[
                     "MARKBASE_MAX_QUEUED_REQUESTS": "4096",
                     **extra_env,
                 }
+                base_env = dict(kv.split("=", 1) for kv in getattr(args, "base_env", []))
+                if name == "markbase-base":
+                    env.update(base_env)
                 extra = {"ignore_eos": True} if args.eos == "ignore" else {}
                 specs.append(
                     ServerSpec(
@@ -487,6 +490,11 @@ def make_specs(args, log=print) -> tuple[list[ServerSpec], dict[str, str], dict[
                         cwd=tree,
                         notes=[
                             *([f"source tree {tree} ({_git_head(tree)})"] if tree != REPO else []),
+                            *(
+                                [" ".join(f"{k}={v}" for k, v in base_env.items())]
+                                if name == "markbase-base" and base_env
+                                else []
+                            ),
                             f"--weight-format {args.weight_format} (resolves to {resolved})",
                             f"--max-num-seqs {seqs}"
                             + (" (batching off)" if seqs == 1 else " (continuous batching)"),

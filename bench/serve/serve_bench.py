@@ -139,6 +139,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "served as markbase-base with the same arguments: before/after in one run",
     )
     p.add_argument(
+        "--base-env",
+        action="append",
+        default=[],
+        help="KEY=VALUE for markbase-base only (repeat): with --baseline-tree . the same "
+        "tree with a switch set, e.g. MARKBASE_QGEMM_INT8=1",
+    )
+    p.add_argument(
         "--setup-llama-server",
         action="store_true",
         help="build llama.cpp's llama-server if missing (~/.cache/markbase/bench; ~5 minutes)",

@@ -267,7 +267,7 @@ class FusedDecodeStep:
         # row's position), so it retraces only when the batch size, the buffers'
         # capacity (every 256 steps) or the attention's split count changes; the
         # warm-up traces the batch sizes it runs, and a retrace later cost no step over
-        # ~80 ms in the session-15 table (max step at B=32/128, as without it)
+        # ~80 ms in the H100 engine table (max step at B=32/128, as without it)
         self.step_compile = (
             self.rope is not None and envs.MARKBASE_GPU_STEP_COMPILE
         )

@@ -202,7 +202,7 @@ int markbase_qw_remove(const float *w, int N) {
    process may use; 1: no pool, switchable at any time); spin_us: how long an idle helper waits for work before sleeping. */
 void markbase_qw_set_int8(int on) { q_act_i8 = on; }
 int markbase_qw_has_int8(void) {
-#ifdef MB_VNNI
+#if defined(MB_VNNI) || defined(MB_AVX2)
   return 1;
 #else
   return 0;
@@ -241,6 +241,10 @@ typedef struct {
   float *d4, *d8;        /* M rows of c4*16 / c8*16 lane scales (block scale per lane) */
   float *xs;             /* M rows of nblk16 block sums */
   int nblk16;            /* nblk rounded up to 16 */
+  /* AVX2's int8 mode: per input row and 32-block, the block's even then odd elements
+     as int8 (a 4-bit block's low then high nibbles), its scale and its float sum */
+  int8_t *x8;            /* M rows of nblk * 32 */
+  float *dx, *sx;        /* M rows of nblk */
 } qin_t;
 
 /* input rows per register tile: AVX2 has 16 vector registers, AVX-512 32 */
@@ -509,6 +513,94 @@ static void prep_i8(qin_t *in) {
 }
 #endif
 
+#ifdef MB_AVX2
+/* Inputs as int8 blocks for AVX2 (llama.cpp's Q8 activations): scale = max|x| / 127
+   per 32 elements, rounded to nearest even; the float sum of each block is kept exact
+   for the weights' affine biases. */
+static void prep_i8_avx2(qin_t *in) {
+  const int nblk = in->nblk;
+  const __m256 signbit = _mm256_set1_ps(-0.0f);
+  for (int m = 0; m < in->M; m++) {
+    const float *x = in->A + (size_t)m * in->lda;
+    for (int blk = 0; blk < nblk; blk++) {
+      const float *xb = x + blk * 32;
+      __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+      __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(signbit, v0), _mm256_andnot_ps(signbit, v1)),
+                                _mm256_max_ps(_mm256_andnot_ps(signbit, v2), _mm256_andnot_ps(signbit, v3)));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float amax = _mm_cvtss_f32(h);
+      const size_t r = (size_t)m * nblk + blk;
+      in->sx[r] = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+      in->dx[r] = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t *q = in->x8 + r * 32;
+      for (int j = 0; j < 16; j++) {
+        q[j] = (int8_t)_mm_cvtss_si32(_mm_set_ss(xb[2 * j] * inv)); /* MXCSR: nearest even */
+        q[16 + j] = (int8_t)_mm_cvtss_si32(_mm_set_ss(xb[2 * j + 1] * inv));
+      }
+    }
+  }
+}
+
+/* T input rows (int8 blocks) against one 4-bit weight row: per 32-block, the 16 packed
+   bytes as [low nibbles | high nibbles] times the row's [even | odd] int8 elements
+   (maddubs: u8 x i8 pairs, at most 2 * 15 * 127, no saturation), scaled once. */
+#define DEF_IDOT2(T)                                                                   \
+  static void idot2_##T(const uint8_t *q, const float *s, const float *b, const qin_t *in, \
+                        int m0, float *out) {                                          \
+    __m256 a0[T], a1[T];                                                               \
+    for (int i = 0; i < T; i++) a0[i] = a1[i] = _mm256_setzero_ps();                   \
+    const int nblk = in->nblk;                                                         \
+    const __m128i low = _mm_set1_epi8(15);                                             \
+    const __m256i ones = _mm256_set1_epi16(1);                                         \
+    int blk = 0;                                                                       \
+    for (; blk + 2 <= nblk; blk += 2) {                                                \
+      for (int u = 0; u < 2; u++) {                                                    \
+        __m128i v = _mm_loadu_si128((const __m128i *)(q + (blk + u) * 16));           \
+        __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low),         \
+                                     _mm_and_si128(v, low));                           \
+        for (int i = 0; i < T; i++) {                                                  \
+          const size_t r = (size_t)(m0 + i) * nblk + blk + u;                          \
+          __m256i p = _mm256_madd_epi16(                                               \
+              _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)(in->x8 + r * 32))), ones); \
+          __m256 d = _mm256_set1_ps(s[blk + u] * in->dx[r]);                           \
+          if (u)                                                                       \
+            a1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, a1[i]);                  \
+          else                                                                         \
+            a0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, a0[i]);                  \
+        }                                                                              \
+      }                                                                                \
+    }                                                                                  \
+    for (; blk < nblk; blk++) {                                                        \
+      __m128i v = _mm_loadu_si128((const __m128i *)(q + blk * 16));                   \
+      __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low),           \
+                                   _mm_and_si128(v, low));                             \
+      for (int i = 0; i < T; i++) {                                                    \
+        const size_t r = (size_t)(m0 + i) * nblk + blk;                                \
+        __m256i p = _mm256_madd_epi16(                                                 \
+            _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)(in->x8 + r * 32))), ones); \
+        a0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s[blk] * in->dx[r]), a0[i]); \
+      }                                                                                \
+    }                                                                                  \
+    for (int i = 0; i < T; i++) {                                                      \
+      const float *sx = in->sx + (size_t)(m0 + i) * nblk;                              \
+      __m256 bs = _mm256_setzero_ps();                                                 \
+      int c = 0;                                                                       \
+      for (; c + 8 <= nblk; c += 8)                                                    \
+        bs = _mm256_fmadd_ps(_mm256_loadu_ps(b + c), _mm256_loadu_ps(sx + c), bs);     \
+      float tail = 0.f;                                                                \
+      for (; c < nblk; c++) tail += b[c] * sx[c];                                      \
+      out[i] = hsum8(_mm256_add_ps(_mm256_add_ps(a0[i], a1[i]), bs)) + tail;           \
+    }                                                                                  \
+  }
+DEF_IDOT2(1) DEF_IDOT2(2) DEF_IDOT2(3) DEF_IDOT2(4)
+typedef void (*idot2_t)(const uint8_t *, const float *, const float *, const qin_t *, int, float *);
+static const idot2_t idot2_tab[MT + 1] = {0, idot2_1, idot2_2, idot2_3, idot2_4};
+#endif
+
 /* One weight row n (of segment sg) against every input row. */
 static inline void qrow(const qseg_t *sg, int n, const qin_t *in, float alpha, float beta,
                         float *C, int ldc) {
@@ -521,6 +613,10 @@ static inline void qrow(const qseg_t *sg, int n, const qin_t *in, float alpha, f
 #ifdef MB_VNNI
     if (in->i8)
       idot_tab[mt](sg->bits, q, s, b, in, m0, out);
+    else
+#elif defined(MB_AVX2)
+    if (in->i8 && sg->bits == 4) /* 8-bit rows: the float kernel on the float inputs */
+      idot2_tab[mt](q, s, b, in, m0, out);
     else
 #endif
     if (sg->bits == 4)
@@ -671,6 +767,14 @@ static void run_job(const qw_t *e, const qin_t *in, float alpha, float beta, flo
   pthread_mutex_unlock(&pool_lock);
 }
 
+#ifdef MB_AVX2
+static int has_4bit(const qw_t *e) {
+  for (int i = 0; i < e->nseg; i++)
+    if (e->seg[i].bits == 4) return 1;
+  return 0;
+}
+#endif
+
 static __thread float *q_buf;
 static __thread size_t q_cap;
 
@@ -701,6 +805,26 @@ static int qgemm(const qw_t *e, int M, const float *A, int lda, float alpha, flo
     in.qo = in.qe + (size_t)M * in.c4 * 64;
     in.q8 = in.qo + (size_t)M * in.c4 * 64;
     prep_i8(&in);
+    run_job(e, &in, alpha, beta, C, ldc);
+    __atomic_fetch_add(&q_hits, 1, __ATOMIC_RELAXED);
+    return 0;
+  }
+#elif defined(MB_AVX2)
+  if (q_act_i8 && e->K % 32 == 0 && has_4bit(e)) {
+    in.i8 = 1;
+    in.nblk = K / 32;
+    size_t cells = (size_t)M * in.nblk;
+    size_t need = 2 * cells + cells * 32 / 4; /* dx, sx (floats), x8 (32 bytes a cell) */
+    if (need > q_cap) {
+      float *p = (float *)realloc(q_buf, need * sizeof(float));
+      if (!p) return -1;
+      q_buf = p;
+      q_cap = need;
+    }
+    in.dx = q_buf;
+    in.sx = in.dx + cells;
+    in.x8 = (int8_t *)(in.sx + cells);
+    prep_i8_avx2(&in);
     run_job(e, &in, alpha, beta, C, ldc);
     __atomic_fetch_add(&q_hits, 1, __ATOMIC_RELAXED);
     return 0;
