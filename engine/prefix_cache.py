@@ -17,7 +17,11 @@ needs to continue from the end of the block:
   prompt that only shares a shorter start with it does not.
 
 ``lookup`` returns the deepest node of the longest matching path where every leaf can
-continue. Leaves are evicted least-recently-used when the cache holds more than
+continue. For models whose leaves are all full attention it then takes, from the child
+of that node that shares most of the next block, those first shared tokens too (a
+shared system prompt rarely ends at a block end: the block holding its end and the
+start of each user message is stored once per request, and the next request reuses
+the system prompt's part of any of them). Leaves are evicted least-recently-used when the cache holds more than
 ``budget_tokens``, counted as the layout counts the KV budget (a block of a
 full-attention model costs ``block`` tokens), so it never grows without bound.
 """
@@ -92,24 +96,35 @@ class PrefixCache:
                 break
             path.append(child)
             node = child
-        if not path:
-            return 0, None
-        specs = self._specs(len(path[0].kv))
-        for depth in range(len(path), 0, -1):
-            firsts = self._usable(path, depth, specs)
-            if firsts is not None:
-                break
-        else:
+        depth, firsts = len(path), None
+        if path:
+            specs = self._specs(len(path[0].kv))
+            for depth in range(len(path), 0, -1):
+                firsts = self._usable(path, depth, specs)
+                if firsts is not None:
+                    break
+            else:
+                depth = 0
+        # the next block's shared start, where the whole path was usable
+        tail, extra = (None, 0) if depth < len(path) else self._partial(tokens, depth, node)
+        if depth == 0 and tail is None:
             return 0, None
         now = next(self._clock)
         for n in path[:depth]:
             n.last_used = now
+        if tail is not None:
+            tail.last_used = now
+        specs = self._specs(len((path[0] if path else tail).kv))
+        firsts = firsts or [0] * len(specs)
         out: list[KVRows | StateRows] = []
         for i, (spec, first) in enumerate(zip(specs, firsts)):
             if spec.kind == STATE:
                 out.append(path[depth - 1].states[i])
                 continue
             blocks = [n.kv[i] for n in path[first:depth]]
+            if tail is not None:
+                k, v = tail.kv[i]
+                blocks.append((k[:, :, :extra, :], v[:, :, :extra, :]))
             out.append(
                 KVRows(
                     mx.concatenate([b[0] for b in blocks], axis=2),
@@ -117,9 +132,29 @@ class PrefixCache:
                     first * self.block,
                 )
             )
-        matched = depth * self.block
+        matched = depth * self.block + extra
         self.hit_tokens += matched
         return matched, out
+
+    def _partial(self, tokens: list[int], depth: int, node: _Node) -> tuple[_Node | None, int]:
+        """The child of ``node`` (reached by ``depth`` full blocks) whose block starts with
+        the longest run of the next tokens, and that run's length (< block, leaving the
+        last token to compute); (None, 0) when none shares a token, or when a leaf is not
+        full attention (window and state leaves continue only at block ends)."""
+        if not (self.layout is None or self.layout.plain):
+            return None, 0
+        start = depth * self.block
+        rest = tokens[start : len(tokens) - 1][: self.block - 1]
+        best, best_n = None, 0
+        for key, child in node.children.items() if rest else ():
+            n = 0
+            for a, b in zip(key, rest):
+                if a != b:
+                    break
+                n += 1
+            if n > best_n and all(k is not None for k in child.kv):
+                best, best_n = child, n
+        return best, best_n
 
     def _usable(self, path: list[_Node], depth: int, specs: list[LeafSpec]) -> list[int] | None:
         """Per leaf, the first block it needs to continue after ``depth`` blocks, or

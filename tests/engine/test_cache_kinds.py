@@ -130,6 +130,32 @@ def test_prefix_reuse_per_kind() -> None:
     assert cache.lookup(tokens[:20] + [7] * 20) == (0, None)
 
 
+def test_attention_reuses_the_next_blocks_shared_start() -> None:
+    """Full attention only: after the matching blocks, the shared start of a stored
+    next block is reused too (any child, the longest run), always leaving the
+    prompt's last token to compute; a layout with window or state leaves stops at
+    block ends."""
+    plain = CacheLayout("llama", [LeafSpec(ATTENTION)] * 2, [0, 1])
+    cache = PrefixCache(10_000, block=16, layout=plain)
+    system = list(range(100, 121))  # 21 tokens: a block and 5 into the next
+    cache.insert(system + [1] * 27, [_kv(0, 48), _kv(0, 48)])
+    cache.insert(system + [2] * 27, [_kv(0, 48), _kv(0, 48)])
+    matched, rows = cache.lookup(system + [3] * 30)
+    assert matched == 21
+    for r in rows:
+        assert r.base == 0 and r.end == 21
+        np.testing.assert_array_equal(np.array(r.keys).ravel(), np.arange(21))
+    assert cache.lookup(system[:7] + [9] * 10)[0] == 7  # inside the first block
+    assert cache.lookup(system[:7] + [1])[0] == 7  # the last token is never taken
+    assert cache.lookup(system[:7])[0] == 6
+    assert cache.lookup([5] * 20) == (0, None)
+    assert cache.hit_tokens == 21 + 7 + 7 + 6
+
+    mixed = PrefixCache(10_000, block=16, layout=_layout())
+    mixed.insert(system + [1] * 27, [_kv(0, 48), _kv(0, 48), None])
+    assert mixed.lookup(system + [3] * 30) == (0, None)  # no state kept: nothing
+
+
 def test_window_blocks_of_a_finished_row() -> None:
     """A finished row of the batch holds only its last window: blocks before it are
     not stored, and a lookup stops where the window leaf cannot continue."""
@@ -189,12 +215,13 @@ def _run(client, model: str, prompt: list[int], n: int = 8):
     return asyncio.run(go())
 
 
-@pytest.mark.parametrize("family,shorter", [("qwen3_next", 0), ("llama", 16)])
+@pytest.mark.parametrize("family,shorter", [("qwen3_next", 0), ("llama", 20)])
 def test_state_layers_reuse_only_kept_states(family, shorter) -> None:
     """Through the engine: a prompt that extends an earlier one reuses it up to the
     earlier one's last block end (32 of 40 tokens), hybrid or not; a prompt sharing
-    only its first 20 tokens reuses 16 with attention alone, nothing with state
-    layers (no state was kept at 16). Tokens are mlx-lm's either way."""
+    only its first 20 tokens reuses all 20 with attention alone (a block and the
+    next block's shared start), nothing with state layers (no state was kept at 16).
+    Tokens are mlx-lm's either way."""
     loaded = build_random_model(family, tiny_config(family), seed=6)
     config = EngineConfig(max_num_seqs=4, prefill_chunk_tokens=64, warmup=False)
     client = EngineClient.from_loaded([(loaded, None)], config)
