@@ -22,6 +22,7 @@ _EXPORTS = {
     "install_fast_math": ("fast_math", "install"),
     "qgemm_available": ("qgemm", "available"),
     "register_qgemm_model": ("qgemm", "register_model"),
+    "exact_qgemm": ("qgemm", "exact_products"),
     "shadow_of": ("qgemm", "shadow_of"),
     "CpuDecodeStep": ("step", "CpuDecodeStep"),
     "best_cpu_weight_format": ("tuning", "best_cpu_weight_format"),
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from engine.backends.cpu.blas import ensure_fast_blas, warn_if_slow
     from engine.backends.cpu.fast_math import install as install_fast_math
     from engine.backends.cpu.qgemm import available as qgemm_available
+    from engine.backends.cpu.qgemm import exact_products as exact_qgemm
     from engine.backends.cpu.qgemm import register_model as register_qgemm_model
     from engine.backends.cpu.qgemm import shadow_of
     from engine.backends.cpu.step import CpuDecodeStep

@@ -21,16 +21,18 @@ arrays it registered (so their memory cannot be reused while a key points at it)
 and to the quantized copies; it removes its keys when closed or collected.
 
 ``MARKBASE_QGEMM_INT8=1`` quantizes the inputs to int8 blocks as llama.cpp does
-(AVX2: ``maddubs`` on 4-bit rows; AVX512-VNNI: ``dpbusd``): single-stream decode
-1.17x faster served on 2 Zen 3 cores, but greedy text drifts from the float products
-after a few dozen tokens, so it is off by default (docs/performance.md). ``MARKBASE_QGEMM=0`` turns it all off; ``MARKBASE_QGEMM_MAX_M`` (default 16) and
+(AVX2: ``maddubs``; AVX512-VNNI: ``dpbusd``): single-stream decode 1.2-1.3x faster
+served on 2 Zen 3 cores, but greedy text drifts from the float products after a few
+dozen tokens, so it is off by default (docs/performance.md). ``MARKBASE_QGEMM=0`` turns it all off; ``MARKBASE_QGEMM_MAX_M`` (default 16) and
 ``MARKBASE_QGEMM_THREADS`` (default: all CPUs of the process) tune it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -158,10 +160,35 @@ def available() -> str | None:
     if lib.markbase_qw_simd() not in (256, 512) and envs.value(ENV_ON) != "force":
         return "the CPU has neither AVX2+FMA nor AVX-512 (the portable kernel is slower than float32 BLAS)"
     lib.markbase_qw_set_int8(1 if envs.value(ENV_INT8) else 0)
-    lib.markbase_qw_config(
-        1, envs.value(ENV_MAX_M), envs.value(ENV_THREADS), envs.value(ENV_SPIN)
-    )
+    lib.markbase_qw_config(1, envs.value(ENV_MAX_M), envs.value(ENV_THREADS), envs.value(ENV_SPIN))
     return None
+
+
+_exact_lock = threading.Lock()
+_exact_depth = 0
+
+
+@contextlib.contextmanager
+def exact_products():
+    """Float inputs for every quantized product while inside, whatever
+    ``MARKBASE_QGEMM_INT8`` says. The load check (engine/load_check.py) compares the
+    engine's cache forms with the model's own on the same weights: int8 inputs would
+    round the two paths' slightly different floats to different integers, and a model
+    would be refused for a difference that is not its caches'. Nests across threads
+    (models load on threads of their own)."""
+    global _exact_depth
+    lib = _lib()
+    with _exact_lock:
+        _exact_depth += 1
+        if lib is not None:
+            lib.markbase_qw_set_int8(0)
+    try:
+        yield
+    finally:
+        with _exact_lock:
+            _exact_depth -= 1
+            if _exact_depth == 0 and lib is not None:
+                lib.markbase_qw_set_int8(1 if envs.value(ENV_INT8) else 0)
 
 
 def hits() -> int:

@@ -81,3 +81,23 @@ def test_gemma3_greedy_alone_and_batched_is_mlx_lms(server, reference):
     with ThreadPoolExecutor(len(cases)) as pool:  # all four in the running batch
         together = list(pool.map(lambda c: _complete(server, c[0])["text"], cases))
     assert together == want
+
+
+@pytest.mark.skipif(
+    not cpu_qgemm._lib().markbase_qw_has_int8(), reason="no int8 products on this CPU"
+)
+def test_int8_inputs_load_and_answer():
+    """``MARKBASE_QGEMM_INT8=1`` (llama.cpp's int8 inputs, other numerics): the load
+    check still compares the caches with exact products, so Gemma 3 loads (with int8
+    inputs in the check it was refused: "a prefilled prompt's logits differ"), and it
+    answers through its 8-bit matrices' int8 kernel. Its text is not pinned: int8
+    inputs may change greedy text after some tokens (docs/performance.md)."""
+    with running_server(GEMMA, env={"MARKBASE_QGEMM_INT8": "1"}) as srv:
+        r = httpx.post(
+            srv.v1 + "/completions",
+            json={"model": GEMMA, "prompt": FRANCE, "max_tokens": 8, "temperature": 0},
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"].strip() and r.json()["usage"]["completion_tokens"] > 0

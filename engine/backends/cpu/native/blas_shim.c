@@ -244,7 +244,9 @@ typedef struct {
   /* AVX2's int8 mode: per input row and 32-block, the block's even then odd elements
      as int8 (a 4-bit block's low then high nibbles), its scale and its float sum */
   int8_t *x8;            /* M rows of nblk * 32 */
+  int8_t *xn;            /* the same int8 values in their own order (8-bit rows) */
   float *dx, *sx;        /* M rows of nblk */
+  float *sq;             /* M rows of nblk: dx times the sum of the block's int8 values */
 } qin_t;
 
 /* input rows per register tile: AVX2 has 16 vector registers, AVX-512 32 */
@@ -536,10 +538,16 @@ static void prep_i8_avx2(qin_t *in) {
       in->sx[r] = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
       in->dx[r] = amax / 127.f;
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t *q = in->x8 + r * 32;
+      int8_t *q = in->x8 + r * 32, *qn = in->xn + r * 32;
+      int isum = 0;
+      for (int j = 0; j < 32; j++) { /* MXCSR's rounding: to nearest even */
+        qn[j] = (int8_t)_mm_cvtss_si32(_mm_set_ss(xb[j] * inv));
+        isum += qn[j];
+      }
+      in->sq[r] = in->dx[r] * (float)isum;
       for (int j = 0; j < 16; j++) {
-        q[j] = (int8_t)_mm_cvtss_si32(_mm_set_ss(xb[2 * j] * inv)); /* MXCSR: nearest even */
-        q[16 + j] = (int8_t)_mm_cvtss_si32(_mm_set_ss(xb[2 * j + 1] * inv));
+        q[j] = qn[2 * j];
+        q[16 + j] = qn[2 * j + 1];
       }
     }
   }
@@ -599,6 +607,47 @@ static void prep_i8_avx2(qin_t *in) {
 DEF_IDOT2(1) DEF_IDOT2(2) DEF_IDOT2(3) DEF_IDOT2(4)
 typedef void (*idot2_t)(const uint8_t *, const float *, const float *, const qin_t *, int, float *);
 static const idot2_t idot2_tab[MT + 1] = {0, idot2_1, idot2_2, idot2_3, idot2_4};
+
+/* T input rows (int8 blocks) against one 8-bit weight row. maddubs takes unsigned x
+   signed bytes, and 255 * 127 twice would saturate its 16-bit sums, so the weights
+   are taken as q - 128 (signed): |q - 128| against x with q - 128's sign (at most
+   2 * 128 * 127), and the 128 * s * x that moves out is added back from the sum of the
+   same int8 values (with the float block sum instead, small q would lose to the
+   rounding of x): sum (s q + b) x = s (sum (q - 128) x8 + 128 sum x8) dx + b sum x. */
+#define DEF_IDOT8(T)                                                                   \
+  static void idot8_##T(const uint8_t *q, const float *s, const float *b, const qin_t *in, \
+                        int m0, float *out) {                                          \
+    __m256 acc[T];                                                                     \
+    for (int i = 0; i < T; i++) acc[i] = _mm256_setzero_ps();                          \
+    const int nblk = in->nblk;                                                         \
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);    \
+    for (int blk = 0; blk < nblk; blk++) {                                             \
+      __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + blk * 32)), flip); \
+      __m256i aw = _mm256_abs_epi8(w);                                                 \
+      for (int i = 0; i < T; i++) {                                                    \
+        const size_t r = (size_t)(m0 + i) * nblk + blk;                                \
+        __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(in->xn + r * 32)), w); \
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones);              \
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s[blk] * in->dx[r]), acc[i]); \
+      }                                                                                \
+    }                                                                                  \
+    const __m256 k128 = _mm256_set1_ps(128.f);                                         \
+    for (int i = 0; i < T; i++) {                                                      \
+      const float *sx = in->sx + (size_t)(m0 + i) * nblk;                              \
+      __m256 bs = _mm256_setzero_ps();                                                 \
+      int c = 0;                                                                       \
+      const float *sq = in->sq + (size_t)(m0 + i) * nblk;                              \
+      for (; c + 8 <= nblk; c += 8) {                                                  \
+        bs = _mm256_fmadd_ps(_mm256_loadu_ps(b + c), _mm256_loadu_ps(sx + c), bs);     \
+        bs = _mm256_fmadd_ps(_mm256_mul_ps(k128, _mm256_loadu_ps(s + c)), _mm256_loadu_ps(sq + c), bs); \
+      }                                                                                \
+      float tail = 0.f;                                                                \
+      for (; c < nblk; c++) tail += b[c] * sx[c] + 128.f * s[c] * sq[c];               \
+      out[i] = hsum8(_mm256_add_ps(acc[i], bs)) + tail;                                \
+    }                                                                                  \
+  }
+DEF_IDOT8(1) DEF_IDOT8(2) DEF_IDOT8(3) DEF_IDOT8(4)
+static const idot2_t idot8_tab[MT + 1] = {0, idot8_1, idot8_2, idot8_3, idot8_4};
 #endif
 
 /* One weight row n (of segment sg) against every input row. */
@@ -615,8 +664,8 @@ static inline void qrow(const qseg_t *sg, int n, const qin_t *in, float alpha, f
       idot_tab[mt](sg->bits, q, s, b, in, m0, out);
     else
 #elif defined(MB_AVX2)
-    if (in->i8 && sg->bits == 4) /* 8-bit rows: the float kernel on the float inputs */
-      idot2_tab[mt](q, s, b, in, m0, out);
+    if (in->i8)
+      (sg->bits == 4 ? idot2_tab : idot8_tab)[mt](q, s, b, in, m0, out);
     else
 #endif
     if (sg->bits == 4)
@@ -767,13 +816,6 @@ static void run_job(const qw_t *e, const qin_t *in, float alpha, float beta, flo
   pthread_mutex_unlock(&pool_lock);
 }
 
-#ifdef MB_AVX2
-static int has_4bit(const qw_t *e) {
-  for (int i = 0; i < e->nseg; i++)
-    if (e->seg[i].bits == 4) return 1;
-  return 0;
-}
-#endif
 
 static __thread float *q_buf;
 static __thread size_t q_cap;
@@ -810,11 +852,11 @@ static int qgemm(const qw_t *e, int M, const float *A, int lda, float alpha, flo
     return 0;
   }
 #elif defined(MB_AVX2)
-  if (q_act_i8 && e->K % 32 == 0 && has_4bit(e)) {
+  if (q_act_i8 && e->K % 32 == 0) {
     in.i8 = 1;
     in.nblk = K / 32;
     size_t cells = (size_t)M * in.nblk;
-    size_t need = 2 * cells + cells * 32 / 4; /* dx, sx (floats), x8 (32 bytes a cell) */
+    size_t need = 3 * cells + cells * 64 / 4; /* dx, sx, sq (floats); x8, xn (32 bytes a cell) */
     if (need > q_cap) {
       float *p = (float *)realloc(q_buf, need * sizeof(float));
       if (!p) return -1;
@@ -823,7 +865,9 @@ static int qgemm(const qw_t *e, int M, const float *A, int lda, float alpha, flo
     }
     in.dx = q_buf;
     in.sx = in.dx + cells;
-    in.x8 = (int8_t *)(in.sx + cells);
+    in.sq = in.sx + cells;
+    in.x8 = (int8_t *)(in.sq + cells);
+    in.xn = in.x8 + cells * 32;
     prep_i8_avx2(&in);
     run_job(e, &in, alpha, beta, C, ldc);
     __atomic_fetch_add(&q_hits, 1, __ATOMIC_RELAXED);
