@@ -820,6 +820,16 @@ static void run_job(const qw_t *e, const qin_t *in, float alpha, float beta, flo
 static __thread float *q_buf;
 static __thread size_t q_cap;
 
+/* The calling thread's input buffer, at least ``need`` floats; 0 when out of memory. */
+static int grow_buf(size_t need) {
+  if (need <= q_cap) return 1;
+  float *p = (float *)realloc(q_buf, need * sizeof(float));
+  if (!p) return 0;
+  q_buf = p;
+  q_cap = need;
+  return 1;
+}
+
 static int qgemm(const qw_t *e, int M, const float *A, int lda, float alpha, float beta, float *C,
                  int ldc) {
   const int K = e->K;
@@ -834,12 +844,7 @@ static int qgemm(const qw_t *e, int M, const float *A, int lda, float alpha, flo
     size_t bytes = (size_t)M * (2 * in.c4 * 64 + in.c8 * 64);
     size_t floats = (size_t)M * (in.c4 * 16 + in.c8 * 16 + in.nblk16);
     size_t need = floats + (bytes + 3) / 4;
-    if (need > q_cap) {
-      float *p = (float *)realloc(q_buf, need * sizeof(float));
-      if (!p) return -1;
-      q_buf = p;
-      q_cap = need;
-    }
+    if (!grow_buf(need)) return -1;
     in.d4 = q_buf;
     in.d8 = in.d4 + (size_t)M * in.c4 * 16;
     in.xs = in.d8 + (size_t)M * in.c8 * 16;
@@ -857,12 +862,7 @@ static int qgemm(const qw_t *e, int M, const float *A, int lda, float alpha, flo
     in.nblk = K / 32;
     size_t cells = (size_t)M * in.nblk;
     size_t need = 3 * cells + cells * 64 / 4; /* dx, sx, sq (floats); x8, xn (32 bytes a cell) */
-    if (need > q_cap) {
-      float *p = (float *)realloc(q_buf, need * sizeof(float));
-      if (!p) return -1;
-      q_buf = p;
-      q_cap = need;
-    }
+    if (!grow_buf(need)) return -1;
     in.dx = q_buf;
     in.sx = in.dx + cells;
     in.sq = in.sx + cells;
@@ -875,12 +875,7 @@ static int qgemm(const qw_t *e, int M, const float *A, int lda, float alpha, flo
   }
 #endif
   size_t need = (size_t)M * K;
-  if (need > q_cap) {
-    float *p = (float *)realloc(q_buf, need * sizeof(float));
-    if (!p) return -1;
-    q_buf = p;
-    q_cap = need;
-  }
+  if (!grow_buf(need)) return -1;
   in.xe = q_buf;
   in.xo = q_buf + (size_t)M * (K / 2);
   for (int m = 0; m < M; m++) {
