@@ -52,7 +52,17 @@ def test_pages_are_public_and_stats_need_the_key(server):
 
 
 def test_stats_count_the_tokens_served(server):
-    before = httpx.get(server.v1 + "/stats", headers=server.headers(), timeout=10).json()
+    # The series' first point is the rate since the recorder's first snapshot, which the
+    # sum below cannot weigh (no interval before it): wait for a second snapshot, so that
+    # every token of this test falls in a point the sum counts (a fresh server otherwise
+    # answers inside that first second).
+    deadline = time.monotonic() + 10
+    while True:
+        before = httpx.get(server.v1 + "/stats", headers=server.headers(), timeout=10).json()
+        if len(before["models"].get(MODEL, {}).get("t", [])) >= 2:
+            break
+        assert time.monotonic() < deadline, "the stats recorder took no second snapshot"
+        time.sleep(0.2)
     start = before["models"][MODEL]["totals"]["generation_tokens"]
     served = 0
     for i in range(3):
