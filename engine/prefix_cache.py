@@ -21,7 +21,9 @@ continue. For models whose leaves are all full attention it then takes, from the
 of that node that shares most of the next block, those first shared tokens too (a
 shared system prompt rarely ends at a block end: the block holding its end and the
 start of each user message is stored once per request, and the next request reuses
-the system prompt's part of any of them). Leaves are evicted least-recently-used when the cache holds more than
+the system prompt's part of any of them).
+
+Leaves are evicted least-recently-used when the cache holds more than
 ``budget_tokens``, counted as the layout counts the KV budget (a block of a
 full-attention model costs ``block`` tokens), so it never grows without bound.
 """
@@ -114,8 +116,8 @@ class PrefixCache:
             n.last_used = now
         if tail is not None:
             tail.last_used = now
-        specs = self._specs(len((path[0] if path else tail).kv))
-        firsts = firsts or [0] * len(specs)
+        if not path:  # only a shared start of a first block
+            specs, firsts = self._specs(len(tail.kv)), [0] * len(tail.kv)
         out: list[KVRows | StateRows] = []
         for i, (spec, first) in enumerate(zip(specs, firsts)):
             if spec.kind == STATE:

@@ -553,55 +553,55 @@ static void prep_i8_avx2(qin_t *in) {
   }
 }
 
+/* The affine biases' share of a row's product: sum over blocks of b * (float block sum
+   of x), plus, for 8-bit rows (s not NULL), the 128 * s * (int8 block sum) that their
+   kernel moves out of the integer products: 8 lanes to add before the horizontal sum,
+   and the blocks past the last 8 in *tail. */
+static inline __m256 bias_sum(const float *b, const float *sx, const float *s, const float *sq,
+                              int nblk, float *tail) {
+  const __m256 k128 = _mm256_set1_ps(128.f);
+  __m256 bs = _mm256_setzero_ps();
+  int c = 0;
+  for (; c + 8 <= nblk; c += 8) {
+    bs = _mm256_fmadd_ps(_mm256_loadu_ps(b + c), _mm256_loadu_ps(sx + c), bs);
+    if (s)
+      bs = _mm256_fmadd_ps(_mm256_mul_ps(k128, _mm256_loadu_ps(s + c)), _mm256_loadu_ps(sq + c), bs);
+  }
+  float t = 0.f;
+  for (; c < nblk; c++) t += s ? b[c] * sx[c] + 128.f * s[c] * sq[c] : b[c] * sx[c];
+  *tail = t;
+  return bs;
+}
+
 /* T input rows (int8 blocks) against one 4-bit weight row: per 32-block, the 16 packed
    bytes as [low nibbles | high nibbles] times the row's [even | odd] int8 elements
-   (maddubs: u8 x i8 pairs, at most 2 * 15 * 127, no saturation), scaled once. */
+   (maddubs: u8 x i8 pairs, at most 2 * 15 * 127, no saturation), scaled once. Even
+   and odd blocks sum in two chains. */
 #define DEF_IDOT2(T)                                                                   \
   static void idot2_##T(const uint8_t *q, const float *s, const float *b, const qin_t *in, \
                         int m0, float *out) {                                          \
-    __m256 a0[T], a1[T];                                                               \
-    for (int i = 0; i < T; i++) a0[i] = a1[i] = _mm256_setzero_ps();                   \
+    __m256 acc[2][T];                                                                  \
+    for (int i = 0; i < T; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();           \
     const int nblk = in->nblk;                                                         \
     const __m128i low = _mm_set1_epi8(15);                                             \
     const __m256i ones = _mm256_set1_epi16(1);                                         \
-    int blk = 0;                                                                       \
-    for (; blk + 2 <= nblk; blk += 2) {                                                \
-      for (int u = 0; u < 2; u++) {                                                    \
-        __m128i v = _mm_loadu_si128((const __m128i *)(q + (blk + u) * 16));           \
-        __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low),         \
-                                     _mm_and_si128(v, low));                           \
-        for (int i = 0; i < T; i++) {                                                  \
-          const size_t r = (size_t)(m0 + i) * nblk + blk + u;                          \
-          __m256i p = _mm256_madd_epi16(                                               \
-              _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)(in->x8 + r * 32))), ones); \
-          __m256 d = _mm256_set1_ps(s[blk + u] * in->dx[r]);                           \
-          if (u)                                                                       \
-            a1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, a1[i]);                  \
-          else                                                                         \
-            a0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, a0[i]);                  \
-        }                                                                              \
-      }                                                                                \
-    }                                                                                  \
-    for (; blk < nblk; blk++) {                                                        \
+    for (int blk = 0; blk < nblk; blk++) {                                             \
       __m128i v = _mm_loadu_si128((const __m128i *)(q + blk * 16));                   \
       __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low),           \
                                    _mm_and_si128(v, low));                             \
+      __m256 *a = acc[blk & 1];                                                        \
       for (int i = 0; i < T; i++) {                                                    \
         const size_t r = (size_t)(m0 + i) * nblk + blk;                                \
         __m256i p = _mm256_madd_epi16(                                                 \
             _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)(in->x8 + r * 32))), ones); \
-        a0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s[blk] * in->dx[r]), a0[i]); \
+        a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s[blk] * in->dx[r]), a[i]); \
       }                                                                                \
     }                                                                                  \
     for (int i = 0; i < T; i++) {                                                      \
-      const float *sx = in->sx + (size_t)(m0 + i) * nblk;                              \
-      __m256 bs = _mm256_setzero_ps();                                                 \
-      int c = 0;                                                                       \
-      for (; c + 8 <= nblk; c += 8)                                                    \
-        bs = _mm256_fmadd_ps(_mm256_loadu_ps(b + c), _mm256_loadu_ps(sx + c), bs);     \
-      float tail = 0.f;                                                                \
-      for (; c < nblk; c++) tail += b[c] * sx[c];                                      \
-      out[i] = hsum8(_mm256_add_ps(_mm256_add_ps(a0[i], a1[i]), bs)) + tail;           \
+      const size_t r = (size_t)(m0 + i) * nblk;                                        \
+      float tail;                                                                      \
+      __m256 bs = bias_sum(b, in->sx + r, NULL, NULL, nblk, &tail);                    \
+      out[i] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[0][i], acc[1][i]), bs)) + tail;   \
     }                                                                                  \
   }
 DEF_IDOT2(1) DEF_IDOT2(2) DEF_IDOT2(3) DEF_IDOT2(4)
@@ -631,18 +631,10 @@ static const idot2_t idot2_tab[MT + 1] = {0, idot2_1, idot2_2, idot2_3, idot2_4}
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s[blk] * in->dx[r]), acc[i]); \
       }                                                                                \
     }                                                                                  \
-    const __m256 k128 = _mm256_set1_ps(128.f);                                         \
     for (int i = 0; i < T; i++) {                                                      \
-      const float *sx = in->sx + (size_t)(m0 + i) * nblk;                              \
-      __m256 bs = _mm256_setzero_ps();                                                 \
-      int c = 0;                                                                       \
-      const float *sq = in->sq + (size_t)(m0 + i) * nblk;                              \
-      for (; c + 8 <= nblk; c += 8) {                                                  \
-        bs = _mm256_fmadd_ps(_mm256_loadu_ps(b + c), _mm256_loadu_ps(sx + c), bs);     \
-        bs = _mm256_fmadd_ps(_mm256_mul_ps(k128, _mm256_loadu_ps(s + c)), _mm256_loadu_ps(sq + c), bs); \
-      }                                                                                \
-      float tail = 0.f;                                                                \
-      for (; c < nblk; c++) tail += b[c] * sx[c] + 128.f * s[c] * sq[c];               \
+      const size_t r = (size_t)(m0 + i) * nblk;                                        \
+      float tail;                                                                      \
+      __m256 bs = bias_sum(b, in->sx + r, s, in->sq + r, nblk, &tail);                 \
       out[i] = hsum8(_mm256_add_ps(acc[i], bs)) + tail;                                \
     }                                                                                  \
   }
@@ -815,7 +807,6 @@ static void run_job(const qw_t *e, const qin_t *in, float alpha, float beta, flo
   while (__atomic_load_n(&pool_done, __ATOMIC_ACQUIRE) < tiles) __builtin_ia32_pause();
   pthread_mutex_unlock(&pool_lock);
 }
-
 
 static __thread float *q_buf;
 static __thread size_t q_cap;
