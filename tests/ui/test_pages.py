@@ -10,6 +10,7 @@ else to a temporary folder.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -210,29 +211,37 @@ def _hold_slot(server, started: threading.Event, release: threading.Event) -> No
                 return  # closing the stream aborts the request
 
 
-def test_a_429_shows_the_servers_message(server, browser):
-    d = browser
-    open_chat(d, server)
+@contextlib.contextmanager
+def holding(server, n: int, streaming: int):
+    """``n`` long streaming requests sent one after another, held open while inside;
+    the first ``streaming`` of them have sent a chunk before the block starts."""
     release = threading.Event()
     holders = []
     try:
-        for i in range(3):  # two running, one waiting: the queue (1) is full
+        for i in range(n):
             started = threading.Event()
             t = threading.Thread(target=_hold_slot, args=(server, started, release), daemon=True)
             t.start()
             holders.append(t)
-            if i < 2:
+            if i < streaming:
                 assert started.wait(60), "a holding request did not start"
+        yield
+    finally:
+        release.set()
+        for t in holders:
+            t.join(60)
+
+
+def test_a_429_shows_the_servers_message(server, browser):
+    d = browser
+    open_chat(d, server)
+    with holding(server, 3, streaming=2):  # two running, one waiting: the queue (1) is full
         wait_for(lambda: running(server) == (2, 1), timeout=30, what="2 running, 1 waiting")
         ask(d, "Hello?")
         wait_for(lambda: last_state(d) == "error", timeout=30, what="the error")
         bubble = d.find_element(By.CSS_SELECTOR, '.msg[data-last="1"] .bubble').text
         assert "HTTP 429" in bubble
         assert "max_queued_requests=1" in bubble  # the server's own message, shown whole
-    finally:
-        release.set()
-        for t in holders:
-            t.join(60)
     wait_for(lambda: running(server) == (0, 0), timeout=30, what="the held slots to be freed")
     # The failed turn is not sent again: the next question gets an answer.
     ask(d, "What is the capital of France?")
@@ -251,20 +260,8 @@ def test_dashboard_draws_the_traffic(server, browser, shots):
         )
 
     # Two requests held open while the page polls: the sampler (1 s) sees both running.
-    release = threading.Event()
-    holders = []
-    try:
-        for _ in range(2):
-            started = threading.Event()
-            t = threading.Thread(target=_hold_slot, args=(server, started, release), daemon=True)
-            t.start()
-            holders.append(t)
-            assert started.wait(60), "a holding request did not start"
+    with holding(server, 2, streaming=2):
         wait_for(lambda: chart("requests")[1] >= 2, timeout=20, what="two running requests drawn")
-    finally:
-        release.set()
-        for t in holders:
-            t.join(60)
     for name in ("requests", "throughput", "ttft", "itl", "kv"):
         wait_for(lambda name=name: chart(name)[1] > 0, timeout=15, what=f"chart {name} > 0")
     points, _ = chart("prefix")
