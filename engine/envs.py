@@ -148,7 +148,7 @@ _SWITCHES = [
     _s("QGEMM_MAX_M", "int", 16, "most rows a quantized decode product takes", CPU, minimum=0),
     _s("QGEMM_THREADS", "int", 0, "threads of the quantized products (0: every CPU of the process)", CPU, minimum=0),
     _s("QGEMM_SPIN_US", "int", 30, "microseconds its worker threads spin before sleeping", CPU, minimum=0),
-    _s("QGEMM_INT8", "bool", False, "inputs as int8 blocks, llama.cpp's numerics: faster single-stream decode, but wrong answers on the default model (docs/performance.md)", CPU),
+    _s("QGEMM_INT8", "bool", False, "inputs as int8 blocks (llama.cpp's Q8_1 numerics, not the model's own): 1.2-1.3x single-stream decode (docs/performance.md)", CPU),
     # ------------------------------------------------------------------ CUDA
     _s("GPU_FLOAT_PLAN", "str", "1:xwt,2:mma,33:xwt", "how float decode products run by rows, `ROWS:FORM,...` (engine/backends/cuda/linear.py)", CUDA),
     _s("GPU_QUANT_PLAN", "str", "1:qstream,2:qmma,33:qgemm", "how 4-bit decode products run by rows (engine/backends/cuda/linear.py)", CUDA),

@@ -21,9 +21,10 @@ arrays it registered (so their memory cannot be reused while a key points at it)
 and to the quantized copies; it removes its keys when closed or collected.
 
 ``MARKBASE_QGEMM_INT8=1`` quantizes the inputs to int8 blocks as llama.cpp does
-(AVX2: ``maddubs``; AVX512-VNNI: ``dpbusd``): single-stream decode 1.2-1.3x faster
-served on 2 Zen 3 cores, but the default model then answers "What is the capital of
-France?" wrongly, so it is off by default and not fit for use (docs/performance.md). ``MARKBASE_QGEMM=0`` turns it all off; ``MARKBASE_QGEMM_MAX_M`` (default 16) and
+(AVX2: ``maddubs``; AVX512-VNNI: ``dpbusd``; Q8_1: the weights' biases meet the sums
+of the rounded values): single-stream decode 1.2-1.3x faster served on 2 Zen 3 cores,
+with llama.cpp's numerics instead of the model's own, so it is opt-in
+(docs/performance.md). ``MARKBASE_QGEMM=0`` turns it all off; ``MARKBASE_QGEMM_MAX_M`` (default 16) and
 ``MARKBASE_QGEMM_THREADS`` (default: all CPUs of the process) tune it.
 """
 
@@ -46,8 +47,8 @@ ENV_ON = "MARKBASE_QGEMM"
 ENV_MAX_M = "MARKBASE_QGEMM_MAX_M"
 ENV_THREADS = "MARKBASE_QGEMM_THREADS"
 ENV_SPIN = "MARKBASE_QGEMM_SPIN_US"
-# "1": inputs as int8 blocks (llama.cpp's Q8 activations): faster products, but the
-# default model answers the Paris question wrongly: opt-in, for measurement.
+# "1": inputs as int8 blocks (llama.cpp's Q8_1 activations): faster products with
+# llama.cpp's numerics rather than the model's own: opt-in.
 ENV_INT8 = "MARKBASE_QGEMM_INT8"
 
 

@@ -25,6 +25,20 @@ def _weight(bits, gs, n, k):
     return wf, cpu_qgemm.shadow_of(q, s, b, bits, gs)
 
 
+def _q8_1(x: np.ndarray) -> np.ndarray:
+    """``x`` as llama.cpp's Q8_1 inputs hold it (float64): each 32-element block rounded
+    (half to even) to int8 steps of max|x| / 127. With int8 inputs the product must be
+    exactly this times the weights: the weights' affine bias meets the block sum of
+    the rounded values, not of the exact ones (that left the rounding error against
+    uncentred 4-bit codes: 2.5x the error, 94% top-1 agreement with the float
+    products over a decode instead of 98%)."""
+    xb = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    steps = np.rint(xb * inv)
+    return (steps * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
+
+
 @pytest.mark.parametrize("int8", [True, False])
 @pytest.mark.parametrize(
     "bits,gs,n,k",
@@ -35,14 +49,13 @@ def _weight(bits, gs, n, k):
 def test_products_match_float_and_are_batch_invariant(int8, bits, gs, n, k):
     lib = cpu_qgemm._lib()
     if int8 and not lib.markbase_qw_has_int8():
-        pytest.skip("no AVX512-VNNI")
+        pytest.skip("no int8 products on this CPU (AVX2 or AVX512-VNNI)")
     lib.markbase_qw_set_int8(int(int8))
     try:
         wf, shadow = _weight(bits, gs, n, k)
         assert shadow.bits == (4 if bits == 4 else 8)
         reg = cpu_qgemm.Registration()
         assert reg.add(wf, [shadow])
-        limit = 4e-2 if int8 else 1e-5
         for m in (1, 3, 9, 16):
             x = mx.random.normal((m, k), key=mx.random.key(m)) + 0.3
             mx.eval(x)
@@ -50,9 +63,10 @@ def test_products_match_float_and_are_batch_invariant(int8, bits, gs, n, k):
             y = x @ wf.T
             mx.eval(y)
             assert cpu_qgemm.hits() == before + 1, "the product did not take the quantized route"
-            ref = np.asarray(x, dtype=np.float64) @ np.asarray(wf, dtype=np.float64).T
+            xr = _q8_1(np.asarray(x)) if int8 else np.asarray(x, dtype=np.float64)
+            ref = xr @ np.asarray(wf, dtype=np.float64).T
             err = np.abs(np.asarray(y) - ref).max() / np.abs(ref).max()
-            assert err < limit, (m, err)
+            assert err < (1e-4 if int8 else 1e-5), (m, err)
             alone = x[:1] @ wf.T
             mx.eval(alone)
             assert np.array_equal(np.asarray(alone)[0], np.asarray(y)[0])

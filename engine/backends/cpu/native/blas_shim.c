@@ -233,8 +233,11 @@ typedef struct {
   const float *A;
   int lda;
   float *xe, *xo; /* float mode: M x K/2 each */
-  /* int8 mode (llama.cpp-style: each 32-element block of an input row as int8 times
-     one float scale; the weight's affine bias meets the exact float block sum) */
+  /* int8 mode (llama.cpp's Q8_1 inputs: each 32-element block of an input row as int8
+     times one float scale; the weight's affine bias meets the block's sum of those
+     int8 values, scaled: the rounding of x then meets the centred weight s q + b,
+     where the exact float sum would leave it against q's uncentred 0..15, which
+     measured 2.5x the error) */
   int i8;
   int nblk, c4, c8;      /* 32-blocks per row; 128- and 64-weight chunks per row */
   int8_t *qe, *qo, *q8;  /* M rows of c4*64 (4-bit: even/odd elements) / c8*64 bytes */
@@ -242,10 +245,10 @@ typedef struct {
   float *xs;             /* M rows of nblk16 block sums */
   int nblk16;            /* nblk rounded up to 16 */
   /* AVX2's int8 mode: per input row and 32-block, the block's even then odd elements
-     as int8 (a 4-bit block's low then high nibbles), its scale and its float sum */
+     as int8 (a 4-bit block's low then high nibbles) and its scale */
   int8_t *x8;            /* M rows of nblk * 32 */
   int8_t *xn;            /* the same int8 values in their own order (8-bit rows) */
-  float *dx, *sx;        /* M rows of nblk */
+  float *dx;             /* M rows of nblk */
   float *sq;             /* M rows of nblk: dx times the sum of the block's int8 values */
 } qin_t;
 
@@ -460,7 +463,7 @@ static const int32_t lane_blk8[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 
         }                                                                              \
       }                                                                                \
     }                                                                                  \
-    /* the affine biases: sum over blocks of b * (exact float block sum of x) */       \
+    /* the affine biases: sum over blocks of b * (block sum of the int8 x, scaled) */       \
     for (int c = 0; c < in->nblk16; c += 16) {                                         \
       int nb = nblk - c;                                                               \
       __mmask16 mb = nb >= 16 ? 0xFFFF : (__mmask16)((1u << nb) - 1);                  \
@@ -494,11 +497,11 @@ static void prep_i8(qin_t *in) {
     for (int blk = 0; blk < nblk; blk++) {
       __m512 a = _mm512_loadu_ps(x + blk * 32), c = _mm512_loadu_ps(x + blk * 32 + 16);
       float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-      xs[blk] = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
       float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
       __m512 iv = _mm512_set1_ps(inv);
       __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, iv)); /* round to nearest even */
       __m512i ic = _mm512_cvtps_epi32(_mm512_mul_ps(c, iv));
+      xs[blk] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(ia, ic));
       int8_t tmp[32];
       _mm_storeu_si128((__m128i *)tmp, _mm512_cvtsepi32_epi8(ia));
       _mm_storeu_si128((__m128i *)(tmp + 16), _mm512_cvtsepi32_epi8(ic));
@@ -516,9 +519,9 @@ static void prep_i8(qin_t *in) {
 #endif
 
 #ifdef MB_AVX2
-/* Inputs as int8 blocks for AVX2 (llama.cpp's Q8 activations): scale = max|x| / 127
-   per 32 elements, rounded to nearest even; the float sum of each block is kept exact
-   for the weights' affine biases. */
+/* Inputs as int8 blocks for AVX2 (llama.cpp's Q8_1 activations): scale = max|x| / 127
+   per 32 elements, rounded to nearest even, and the block's sum of its int8 values
+   (scaled) for the weights' affine biases. */
 static void prep_i8_avx2(qin_t *in) {
   const int nblk = in->nblk;
   const __m256 signbit = _mm256_set1_ps(-0.0f);
@@ -535,7 +538,6 @@ static void prep_i8_avx2(qin_t *in) {
       h = _mm_max_ss(h, _mm_movehdup_ps(h));
       const float amax = _mm_cvtss_f32(h);
       const size_t r = (size_t)m * nblk + blk;
-      in->sx[r] = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
       in->dx[r] = amax / 127.f;
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       int8_t *q = in->x8 + r * 32, *qn = in->xn + r * 32;
@@ -553,22 +555,22 @@ static void prep_i8_avx2(qin_t *in) {
   }
 }
 
-/* The affine biases' share of a row's product: sum over blocks of b * (float block sum
-   of x), plus, for 8-bit rows (s not NULL), the 128 * s * (int8 block sum) that their
-   kernel moves out of the integer products: 8 lanes to add before the horizontal sum,
-   and the blocks past the last 8 in *tail. */
-static inline __m256 bias_sum(const float *b, const float *sx, const float *s, const float *sq,
-                              int nblk, float *tail) {
+/* The affine biases' share of a row's product: sum over blocks of b * (scaled int8
+   block sum of x), with, for 8-bit rows (s not NULL), the 128 * s that their kernel
+   moves out of the integer products added to b: 8 lanes to add before the horizontal
+   sum, and the blocks past the last 8 in *tail. */
+static inline __m256 bias_sum(const float *b, const float *s, const float *sq, int nblk,
+                              float *tail) {
   const __m256 k128 = _mm256_set1_ps(128.f);
   __m256 bs = _mm256_setzero_ps();
   int c = 0;
   for (; c + 8 <= nblk; c += 8) {
-    bs = _mm256_fmadd_ps(_mm256_loadu_ps(b + c), _mm256_loadu_ps(sx + c), bs);
-    if (s)
-      bs = _mm256_fmadd_ps(_mm256_mul_ps(k128, _mm256_loadu_ps(s + c)), _mm256_loadu_ps(sq + c), bs);
+    __m256 bc = _mm256_loadu_ps(b + c);
+    if (s) bc = _mm256_fmadd_ps(k128, _mm256_loadu_ps(s + c), bc);
+    bs = _mm256_fmadd_ps(bc, _mm256_loadu_ps(sq + c), bs);
   }
   float t = 0.f;
-  for (; c < nblk; c++) t += s ? b[c] * sx[c] + 128.f * s[c] * sq[c] : b[c] * sx[c];
+  for (; c < nblk; c++) t += (s ? b[c] + 128.f * s[c] : b[c]) * sq[c];
   *tail = t;
   return bs;
 }
@@ -600,7 +602,7 @@ static inline __m256 bias_sum(const float *b, const float *sx, const float *s, c
     for (int i = 0; i < T; i++) {                                                      \
       const size_t r = (size_t)(m0 + i) * nblk;                                        \
       float tail;                                                                      \
-      __m256 bs = bias_sum(b, in->sx + r, NULL, NULL, nblk, &tail);                    \
+      __m256 bs = bias_sum(b, NULL, in->sq + r, nblk, &tail);                    \
       out[i] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[0][i], acc[1][i]), bs)) + tail;   \
     }                                                                                  \
   }
@@ -612,8 +614,7 @@ static const idot2_t idot2_tab[MT + 1] = {0, idot2_1, idot2_2, idot2_3, idot2_4}
    signed bytes, and 255 * 127 twice would saturate its 16-bit sums, so the weights
    are taken as q - 128 (signed): |q - 128| against x with q - 128's sign (at most
    2 * 128 * 127), and the 128 * s * x that moves out is added back from the sum of the
-   same int8 values (with the float block sum instead, small q would lose to the
-   rounding of x): sum (s q + b) x = s (sum (q - 128) x8 + 128 sum x8) dx + b sum x. */
+   same int8 values: sum (s q + b) x8 dx = (s sum (q - 128) x8 + (b + 128 s) sum x8) dx. */
 #define DEF_IDOT8(T)                                                                   \
   static void idot8_##T(const uint8_t *q, const float *s, const float *b, const qin_t *in, \
                         int m0, float *out) {                                          \
@@ -634,7 +635,7 @@ static const idot2_t idot2_tab[MT + 1] = {0, idot2_1, idot2_2, idot2_3, idot2_4}
     for (int i = 0; i < T; i++) {                                                      \
       const size_t r = (size_t)(m0 + i) * nblk;                                        \
       float tail;                                                                      \
-      __m256 bs = bias_sum(b, in->sx + r, s, in->sq + r, nblk, &tail);                 \
+      __m256 bs = bias_sum(b, s, in->sq + r, nblk, &tail);                 \
       out[i] = hsum8(_mm256_add_ps(acc[i], bs)) + tail;                                \
     }                                                                                  \
   }
@@ -852,11 +853,10 @@ static int qgemm(const qw_t *e, int M, const float *A, int lda, float alpha, flo
     in.i8 = 1;
     in.nblk = K / 32;
     size_t cells = (size_t)M * in.nblk;
-    size_t need = 3 * cells + cells * 64 / 4; /* dx, sx, sq (floats); x8, xn (32 bytes a cell) */
+    size_t need = 2 * cells + cells * 64 / 4; /* dx, sq (floats); x8, xn (32 bytes a cell) */
     if (!grow_buf(need)) return -1;
     in.dx = q_buf;
-    in.sx = in.dx + cells;
-    in.sq = in.sx + cells;
+    in.sq = in.dx + cells;
     in.x8 = (int8_t *)(in.sq + cells);
     in.xn = in.x8 + cells * 32;
     prep_i8_avx2(&in);
