@@ -54,6 +54,12 @@ class ServerSettings:
     max_connections: int = 1024  # open at once; beyond: 503 + Retry-After, then closed
     max_connections_per_client: int = 128  # per client IP; beyond: 429 (0 behind a proxy)
     max_header_bytes: int = 16384  # request line + headers; beyond: 431
+    # Refusal throttle (server.refusals): an address whose refused requests (4xx) add up
+    # to this many bytes in refusal_window_s has its next requests held refusal_delay_s,
+    # then 429 (0: off; behind a proxy, where every client has its address).
+    refused_bytes_per_client: int = 16 * 1024 * 1024
+    refusal_window_s: float = 10.0
+    refusal_delay_s: float = 1.0
     # Prompt tokenizing (server.prompt_guard).
     large_prompt_bytes: int = 65536  # prompts this long are tokenized a few at a time ...
     max_large_tokenizations: int = 2  # ... this many, as many waiting; beyond: 429
@@ -261,9 +267,13 @@ def validate(settings: Settings) -> None:
         "keepalive_timeout_s",
         "max_connections",
         "max_connections_per_client",
+        "refused_bytes_per_client",
+        "refusal_delay_s",
     ):
         if getattr(s, name) < 0:
             raise ConfigError(f"{name} must be 0 (off) or more, got {getattr(s, name)}")
+    if s.refusal_window_s <= 0:
+        raise ConfigError(f"refusal_window_s must be more than 0, got {s.refusal_window_s}")
     if s.max_header_bytes < 1024:
         raise ConfigError(f"max_header_bytes must be at least 1024, got {s.max_header_bytes}")
     if s.large_prompt_bytes < 1 or s.max_large_tokenizations < 1:

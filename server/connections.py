@@ -29,6 +29,9 @@ connection's request is answered 503 or 429 with an OpenAI error body and
 ``Retry-After``, and the connection is closed. A declared chunk larger than
 ``max_body_bytes`` is answered 413 at once; a request head over
 ``max_header_bytes`` 431 (h11 measures it; uvicorn answered a plain-text 400).
+A client address whose refused requests (4xx) add up to ``refused_bytes_per_client``
+within ``refusal_window_s`` has its next requests held ``refusal_delay_s``, bodies
+unread, then answered 429 and closed (server.refusals says why).
 Every answer here is an OpenAI error body. Timeouts and caps of 0 are off.
 """
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import resource
 from collections import Counter
 from dataclasses import dataclass
@@ -47,6 +51,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from server import metrics
 from server.errors import error_body
 from server.middleware import RETRY_AFTER_S
+from server.refusals import RefusalThrottle
 
 log = logging.getLogger("markbase.server")
 
@@ -61,6 +66,9 @@ class ConnectionLimits:
     max_connections_per_client: int = 128
     max_header_bytes: int = 16384
     max_body_bytes: int = 4 * 1024 * 1024
+    refused_bytes_per_client: int = 16 * 1024 * 1024
+    refusal_window_s: float = 10.0
+    refusal_delay_s: float = 1.0
 
     @classmethod
     def from_settings(cls, s: Any) -> ConnectionLimits:
@@ -74,6 +82,9 @@ class ConnectionLimits:
             max_connections_per_client=s.max_connections_per_client,
             max_header_bytes=s.max_header_bytes,
             max_body_bytes=s.max_body_bytes,
+            refused_bytes_per_client=s.refused_bytes_per_client,
+            refusal_window_s=s.refusal_window_s,
+            refusal_delay_s=s.refusal_delay_s,
         )
 
 
@@ -96,15 +107,16 @@ def _error_json(status: int, message: str, code: str) -> bytes:
     return json.dumps(error_body(message, kind, None, code)).encode()
 
 
-def raw_error(status: int, message: str, code: str, retry: bool = False) -> bytes:
+def raw_error(status: int, message: str, code: str, retry: bool | int = False) -> bytes:
     """A whole HTTP/1.1 error response with ``Connection: close``, written to the
-    socket directly (h11 cannot send one where the request head never arrived)."""
+    socket directly (h11 cannot send one where the request head never arrived).
+    ``retry``: a ``Retry-After`` header (True: the usual seconds, or that many)."""
     body = _error_json(status, message, code)
     head = _STATUS_LINES[status] + (
         b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body)
     )
     if retry:
-        head += b"retry-after: %d\r\n" % RETRY_AFTER_S
+        head += b"retry-after: %d\r\n" % (RETRY_AFTER_S if retry is True else retry)
     return head + b"\r\n" + body
 
 
@@ -127,11 +139,12 @@ def _refusal_app(status: int, message: str, code: str) -> Any:
 
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline for each phase of a connection and
-    caps on open connections (see the module docstring). ``limits`` and
-    ``per_client`` are set by ``protocol_class``."""
+    caps on open connections (see the module docstring). ``limits``,
+    ``per_client`` and ``refusals`` are set by ``protocol_class``."""
 
     limits: ConnectionLimits = ConnectionLimits()
     per_client: Counter = Counter()
+    refusals: RefusalThrottle = RefusalThrottle(budget_bytes=0)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -141,6 +154,23 @@ class GuardedH11Protocol(H11Protocol):
         self._timer: Any = None
         self._head_tail = b""  # the last bytes of the head so far (a separator may straddle reads)
         self._client_ip: str | None = None
+        self._request_bytes = 0  # received of the current request, head and body
+        self._held: Any = None  # the timer of a held request (refusal throttle)
+        self.app = self._observed(self.app)
+
+    def _observed(self, app: Any) -> Any:
+        """``app`` with each answer's status noted for the refusal throttle."""
+
+        async def observed(scope: Any, receive: Any, send: Any) -> None:
+            async def noted(message: Any) -> None:
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                    self.refusals.record(self._client_ip, status, self._request_bytes)
+                await send(message)
+
+            await app(scope, receive, noted)
+
+        return observed
 
     # -- connection lifetime -------------------------------------------------------
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
@@ -156,6 +186,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
+        if self._held is not None:
+            self._held.cancel()
         self._phase = None
         metrics.CONNECTIONS_OPEN.dec()
         if self._client_ip is not None:
@@ -188,13 +220,51 @@ class GuardedH11Protocol(H11Protocol):
 
     # -- events --------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        if self._held is not None:
+            return  # a held request's bytes are dropped unread
         if self._phase == "idle":
             self._enter("head")  # the first byte of the next request
+        if self._phase == "head" and not self._phase_bytes and self._hold_if_throttled(data):
+            return
         if self._phase == "head" and self._head_too_large(data):
             return
         self._phase_bytes += len(data)
+        self._request_bytes += len(data)
         super().data_received(data)
         self._follow()
+
+    def _hold_if_throttled(self, data: bytes) -> bool:
+        """A POST from an address over its refusal budget: nothing of it is parsed;
+        reading stops for ``refusal_delay_s`` (the client's sending blocks), then it is
+        answered 429 and the rest of what it sends is dropped until it closes (so it
+        reads the answer instead of a reset). GETs (/health, /v1/models) still pass."""
+        if not data.startswith(b"POST") or not self.refusals.throttled(self._client_ip):
+            return False
+        metrics.CONNECTIONS_REJECTED.labels("refusals").inc()
+        self._enter(None)
+        self.transport.pause_reading()
+        self._held = self.loop.call_later(self.limits.refusal_delay_s, self._answer_held)
+        return True
+
+    def _answer_held(self) -> None:
+        if self.transport.is_closing():
+            return
+        lim = self.limits
+        window = math.ceil(lim.refusal_window_s)
+        self.transport.write(
+            raw_error(
+                429,
+                f"Too many refused requests from your address (over "
+                f"{lim.refused_bytes_per_client} bytes of them in {lim.refusal_window_s:g} "
+                f"s); retry in {window} s.",
+                "too_many_refusals",
+                retry=window,
+            )
+        )
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.transport.resume_reading()
+        self._held = self.loop.call_later(lim.keepalive_timeout_s or 5.0, self.transport.close)
 
     def _head_too_large(self, data: bytes) -> bool:
         """Whether the request head outgrows ``max_header_bytes`` with ``data``. h11
@@ -254,6 +324,8 @@ class GuardedH11Protocol(H11Protocol):
             self._enter(phase)
 
     def _enter(self, phase: str | None) -> None:
+        if phase == "head":
+            self._request_bytes = 0
         self._phase = phase
         self._phase_started = self.loop.time()
         self._phase_bytes = 0
@@ -346,6 +418,8 @@ class GuardedH11Protocol(H11Protocol):
         """Write ``response`` (may be empty), close, and tell the app the client is gone."""
         self._cancel_timer()
         self._phase = None
+        if response:
+            self.refusals.record(self._client_ip, int(response[9:12]), self._request_bytes)
         if not self.transport.is_closing():
             if response:
                 self.transport.write(response)
@@ -356,12 +430,17 @@ class GuardedH11Protocol(H11Protocol):
 
 
 def protocol_class(limits: ConnectionLimits) -> type[GuardedH11Protocol]:
-    """A protocol class bound to ``limits``, with its own per-client counts (one
-    per server)."""
+    """A protocol class bound to ``limits``, with its own per-client counts and
+    refusal throttle (one per server)."""
+    refusals = RefusalThrottle(
+        budget_bytes=limits.refused_bytes_per_client,
+        window_s=limits.refusal_window_s,
+        delay_s=limits.refusal_delay_s,
+    )
     return type(
         "MarkbaseH11Protocol",
         (GuardedH11Protocol,),
-        {"limits": limits, "per_client": Counter()},
+        {"limits": limits, "per_client": Counter(), "refusals": refusals},
     )
 
 

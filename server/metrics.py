@@ -39,8 +39,8 @@ CONNECTIONS_CLOSED = Counter(
 )
 CONNECTIONS_REJECTED = Counter(
     "markbase_http_connections_rejected",
-    "Connections answered 503/429 and closed because too many were open, by reason "
-    "(server_limit, client_limit).",
+    "Connections answered 503/429 and closed, by reason: too many open (server_limit, "
+    "client_limit), or the client address over its refusal budget (refusals).",
     ["reason"],
 )
 PROMPTS_REJECTED_UNTOKENIZED = Counter(

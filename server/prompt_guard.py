@@ -199,8 +199,25 @@ class PromptGuard:
             # conversation has at least the messages' bytes.
             if _template_keeps_contents(render, messages):
                 self.check_bytes(tokenizer, model, contents, completion, chat=True)
-        try:
-            if render is None:  # a tokenizer without a separate render step
+
+        def rendered() -> str:
+            try:
+                return render(messages, add_generation_prompt=True, **template_kwargs)
+            except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
+                raise APIError(
+                    400, f"The chat template rejected the messages: {exc}", param="messages"
+                ) from None
+
+        def tokens(text: str) -> list[int]:
+            try:
+                return _encode(tokenizer, text, False)  # templates write BOS themselves
+            except Exception as exc:  # noqa: BLE001
+                raise APIError(
+                    400, f"The messages could not be tokenized: {exc}", param="messages"
+                ) from None
+
+        if render is None:  # a tokenizer without a separate render step
+            try:
                 return await anyio.to_thread.run_sync(
                     lambda: list(
                         tokenizer.apply_chat_template(
@@ -208,23 +225,22 @@ class PromptGuard:
                         )
                     )
                 )
-            text = await anyio.to_thread.run_sync(
-                lambda: render(messages, add_generation_prompt=True, **template_kwargs)
-            )
-        except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
-            raise APIError(
-                400, f"The chat template rejected the messages: {exc}", param="messages"
-            ) from None
+            except Exception as exc:  # noqa: BLE001
+                raise APIError(
+                    400, f"The chat template rejected the messages: {exc}", param="messages"
+                ) from None
+        if contents >= self.large_prompt_bytes:
+            # Long messages are rendered where they are tokenized, in a slot (or
+            # refused 429 before the render: tens of ms of Python holding the GIL)
+            def work() -> list[int]:
+                text = rendered()
+                self.check_length(tokenizer, model, text, completion, chat=True)
+                return tokens(text)
+
+            return await self._tokenize(contents, work)
+        text = await anyio.to_thread.run_sync(rendered)
         nbytes = self.check_length(tokenizer, model, text, completion, chat=True)
-        try:
-            # Templates write BOS themselves.
-            return await self._tokenize(nbytes, lambda: _encode(tokenizer, text, False))
-        except APIError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise APIError(
-                400, f"The messages could not be tokenized: {exc}", param="messages"
-            ) from None
+        return await self._tokenize(nbytes, lambda: tokens(text))
 
     async def text_prompts(
         self,

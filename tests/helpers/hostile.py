@@ -25,7 +25,8 @@ import httpx
 
 _FLOOD = r"""
 import asyncio, json, sys, time
-host, port, path, body_path, clients, seconds, grace, headers = sys.argv[1:9]
+host, port, path, body_path, clients, seconds, grace, headers, source = sys.argv[1:10]
+local = (source, 0) if source else None
 body = open(body_path, "rb").read()
 head = "".join(f"{k}: {v}\r\n" for k, v in json.loads(headers).items())
 request = (
@@ -40,7 +41,7 @@ async def client(stop):
         t0 = time.monotonic()
         try:
             if writer is None:
-                reader, writer = await asyncio.open_connection(host, int(port))
+                reader, writer = await asyncio.open_connection(host, int(port), local_addr=local)
             writer.write(request)
             await writer.drain()
             status_line = await reader.readline()
@@ -83,6 +84,20 @@ print(json.dumps(out), flush=True)
 """
 
 
+def sources(n: int) -> list[str]:
+    """Loopback addresses this system lets a client bind (Linux: all of 127/8)."""
+    out = []
+    for i in range(2, 2 + n):
+        addr = f"127.0.0.{i}"
+        try:
+            with socket.socket() as s:
+                s.bind((addr, 0))
+            out.append(addr)
+        except OSError:
+            break
+    return out or ["127.0.0.1"]
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -92,7 +107,8 @@ def percentile(values: list[float], q: float) -> float:
 
 class Flood:
     """``clients`` connections of a child process POSTing ``body`` to ``url`` again and
-    again for ``seconds`` (asyncio over raw sockets: the flood itself costs little CPU).
+    again for ``seconds`` (asyncio over raw sockets: the flood itself costs little CPU),
+    from the loopback address ``source`` if given (another client than the probes').
     Requests unanswered ``grace_s`` after that are given up ("no answer")."""
 
     def __init__(
@@ -104,6 +120,7 @@ class Flood:
         headers: dict[str, str] | None = None,
         tmp_dir: Path | None = None,
         grace_s: float = 20.0,
+        source: str | None = None,
     ) -> None:
         import tempfile
 
@@ -115,7 +132,7 @@ class Flood:
         args = [where.host, str(where.port), where.path, path, str(clients), str(seconds)]
         args.append(str(grace_s))
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _FLOOD, *args, json.dumps(headers or {})],
+            [sys.executable, "-c", _FLOOD, *args, json.dumps(headers or {}), source or ""],
             stdout=subprocess.PIPE,
             text=True,
         )

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers.hostile import Flood, HealthProbe, StreamProbe, percentile
+from tests.helpers.hostile import Flood, HealthProbe, StreamProbe, percentile, sources
 from tests.helpers.server import DEFAULT_MODEL, running_server
 
 pytestmark = pytest.mark.slow
@@ -98,11 +98,16 @@ def test_long_tokenizations_are_bounded_and_the_rest_get_429(srv):
 
 
 def test_a_flood_of_1mb_prompts_stalls_neither_health_nor_a_stream(srv):
-    """16 connections sending 1 MB chat prompts for 6 s while a stream runs and
-    /health is polled: every prompt is refused by its length (none tokenized), and
+    """16 connections from another address sending 1 MB chat prompts for 6 s while a
+    stream runs and /health is polled: the prompts are refused by their length (none
+    tokenized) until the flooding address has 16 MiB of refusals (the refusal
+    throttle, server/refusals.py), then held and answered 429 ``too_many_refusals``;
     /health and the stream keep their pace. The bounds leave room for a shared CI
     machine; they catch stalls of seconds (tokenizing 1 MB holding the GIL stalled
     both for 5-7 s). bench/serve/hostile.py measures the figures on a quiet machine."""
+    source = sources(1)[0]
+    if source == "127.0.0.1":
+        pytest.skip("this system cannot bind another loopback address")
     before = counter(srv, UNTOKENIZED)
     probe = HealthProbe(srv.url)
     stream = StreamProbe(srv.url, DEFAULT_MODEL, max_tokens=4000)
@@ -111,7 +116,7 @@ def test_a_flood_of_1mb_prompts_stalls_neither_health_nor_a_stream(srv):
     quiet_start = time.monotonic()
     time.sleep(4)
     flood_start = time.monotonic()
-    flood = Flood(srv.v1 + "/chat/completions", json.dumps(chat(MB)).encode(), 16, 6)
+    flood = Flood(srv.v1 + "/chat/completions", json.dumps(chat(MB)).encode(), 16, 6, source=source)
     result = flood.result()
     flood_end = time.monotonic()
     probe.stop()
@@ -130,8 +135,42 @@ def test_a_flood_of_1mb_prompts_stalls_neither_health_nor_a_stream(srv):
     print(report)
     assert stream.error is None, stream.error
     refused = result["status"].get("400", 0)
-    assert set(result["status"]) == {"400"} and refused >= 16, report
+    assert set(result["status"]) == {"400", "429"}, report
+    need = -(-16 * 1024 * 1024 // len(json.dumps(chat(MB))))  # bodies to reach 16 MiB
+    assert need <= refused <= need + 16, report  # and those in flight then
+    assert result["status"]["429"] >= 16, report
     assert counter(srv, UNTOKENIZED) == before + refused
     assert flood_gaps and quiet_gaps and flood_health, report
     assert percentile(flood_health, 99) < max(1.0, 4 * percentile(quiet_health, 99)), report
     assert max(flood_gaps) < max(1.5, 3 * percentile(quiet_gaps, 99)), report
+
+
+def test_an_address_over_its_refusal_budget_is_held_then_429_and_others_are_served(srv):
+    """After the flood above, its address is over budget: a POST from it is held a
+    second, its body unread, and answered 429 with Retry-After; its GETs and every
+    other address are served. Once its window has passed it is served again."""
+    source = sources(2)[-1]
+    if source == "127.0.0.1":
+        pytest.skip("this system cannot bind another loopback address")
+    body = json.dumps(chat(MB)).encode()
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=60) as c:
+        for _ in range(20):  # 16 MiB of refusals from this address
+            r = c.post(srv.v1 + "/chat/completions", content=body)
+            if r.status_code == 429:
+                break
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        t0 = time.monotonic()
+        r = c.post(srv.v1 + "/chat/completions", content=body)
+        held = time.monotonic() - t0
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "too_many_refusals", r.text
+        assert r.headers["retry-after"] == "10"
+        assert 0.9 <= held < 10, held
+        assert c.get(srv.url + "/health").status_code == 200  # GETs pass
+        ok = {"model": DEFAULT_MODEL, "prompt": "Hi", "max_tokens": 2}
+        assert c.post(srv.v1 + "/completions", json=ok).status_code == 429  # held too
+    # the probes' own address is another client
+    assert httpx.post(srv.v1 + "/completions", json=ok, timeout=60).status_code == 200
+    time.sleep(10.5)  # the window passes
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=60) as c:
+        assert c.post(srv.v1 + "/completions", json=ok).status_code == 200
