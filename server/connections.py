@@ -30,7 +30,7 @@ connection's request is answered 503 or 429 with an OpenAI error body and
 ``max_body_bytes`` is answered 413 at once; a request head over
 ``max_header_bytes`` 431 (h11 measures it; uvicorn answered a plain-text 400).
 A client address whose refused requests (4xx) add up to ``refused_bytes_per_client``
-within ``refusal_window_s`` has its next requests held ``refusal_delay_s``, bodies
+within ``refusal_window_s`` has its next POSTs held ``refusal_delay_s``, bodies
 unread, then answered 429 and closed (server.refusals says why).
 Every answer here is an OpenAI error body. Timeouts and caps of 0 are off.
 """
