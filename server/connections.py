@@ -435,7 +435,6 @@ def protocol_class(limits: ConnectionLimits) -> type[GuardedH11Protocol]:
     refusals = RefusalThrottle(
         budget_bytes=limits.refused_bytes_per_client,
         window_s=limits.refusal_window_s,
-        delay_s=limits.refusal_delay_s,
     )
     return type(
         "MarkbaseH11Protocol",

@@ -200,13 +200,16 @@ class PromptGuard:
             if _template_keeps_contents(render, messages):
                 self.check_bytes(tokenizer, model, contents, completion, chat=True)
 
+        def rejected(exc: Exception) -> APIError:  # a template that refuses the conversation
+            return APIError(
+                400, f"The chat template rejected the messages: {exc}", param="messages"
+            )
+
         def rendered() -> str:
             try:
                 return render(messages, add_generation_prompt=True, **template_kwargs)
-            except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
-                raise APIError(
-                    400, f"The chat template rejected the messages: {exc}", param="messages"
-                ) from None
+            except Exception as exc:  # noqa: BLE001
+                raise rejected(exc) from None
 
         def tokens(text: str) -> list[int]:
             try:
@@ -226,9 +229,7 @@ class PromptGuard:
                     )
                 )
             except Exception as exc:  # noqa: BLE001
-                raise APIError(
-                    400, f"The chat template rejected the messages: {exc}", param="messages"
-                ) from None
+                raise rejected(exc) from None
         if contents >= self.large_prompt_bytes:
             # Long messages are rendered where they are tokenized, in a slot (or
             # refused 429 before the render: tens of ms of Python holding the GIL)

@@ -11,11 +11,10 @@ makes a closed-loop flooder send faster.
 ``RefusalThrottle`` counts, per client IP, the request bytes received (head and body,
 up to the answer) of the answers with a 4xx status over the last ``window_s``; a
 declared length alone costs nothing and counts nothing.
-Once an address has ``budget_bytes`` of them, its next requests are held: their
-bodies are not read (the connection's flow control stops reading), and after
-``delay_s`` they are answered 429 ``too_many_refusals`` with ``Retry-After`` and
-closed. Holding costs a timer, not CPU, and bounds a closed-loop flooder to one
-request per connection per ``delay_s``. Small mistakes do not add up to the budget
+Once an address has ``budget_bytes`` of them, server.connections holds its next
+POSTs: their bodies are not read, and after ``refusal_delay_s`` they are answered
+429 ``too_many_refusals`` with ``Retry-After`` and closed. Holding costs a timer, not
+CPU, and bounds a closed-loop flooder to one request per connection per delay. Small mistakes do not add up to the budget
 (the default is 16 MiB in 10 s: 17 refused 1 MB prompts, or thousands of refused
 small requests); held requests do not count, so an address that stops is served
 again once its window has passed.
@@ -43,7 +42,6 @@ def counts_as_refusal(status: int) -> bool:
 class RefusalThrottle:
     budget_bytes: int = 16 * 1024 * 1024  # 0: off
     window_s: float = 10.0
-    delay_s: float = 1.0
     clock: Callable[[], float] = time.monotonic
     _seen: dict[str, deque] = field(default_factory=dict)  # ip -> (when, bytes)
     _total: dict[str, int] = field(default_factory=dict)  # ip -> bytes in the window

@@ -463,7 +463,7 @@ static const int32_t lane_blk8[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 
         }                                                                              \
       }                                                                                \
     }                                                                                  \
-    /* the affine biases: sum over blocks of b * (block sum of the int8 x, scaled) */       \
+    /* the affine biases: sum over blocks of b * (block sum of the int8 x, scaled) */  \
     for (int c = 0; c < in->nblk16; c += 16) {                                         \
       int nb = nblk - c;                                                               \
       __mmask16 mb = nb >= 16 ? 0xFFFF : (__mmask16)((1u << nb) - 1);                  \
@@ -555,24 +555,21 @@ static void prep_i8_avx2(qin_t *in) {
   }
 }
 
-/* The affine biases' share of a row's product: sum over blocks of b * (scaled int8
-   block sum of x), with, for 8-bit rows (s not NULL), the 128 * s that their kernel
-   moves out of the integer products added to b: 8 lanes to add before the horizontal
-   sum, and the blocks past the last 8 in *tail. */
-static inline __m256 bias_sum(const float *b, const float *s, const float *sq, int nblk,
-                              float *tail) {
+/* One row's result from its accumulated 8 lanes: plus the affine biases' share, the
+   sum over blocks of b * (scaled int8 block sum of x), with, for 8-bit rows (s not
+   NULL), the 128 * s that their kernel moves out of the integer products added to b. */
+static inline float row_total(__m256 acc, const float *b, const float *s, const float *sq,
+                              int nblk) {
   const __m256 k128 = _mm256_set1_ps(128.f);
-  __m256 bs = _mm256_setzero_ps();
   int c = 0;
   for (; c + 8 <= nblk; c += 8) {
     __m256 bc = _mm256_loadu_ps(b + c);
     if (s) bc = _mm256_fmadd_ps(k128, _mm256_loadu_ps(s + c), bc);
-    bs = _mm256_fmadd_ps(bc, _mm256_loadu_ps(sq + c), bs);
+    acc = _mm256_fmadd_ps(bc, _mm256_loadu_ps(sq + c), acc);
   }
   float t = 0.f;
   for (; c < nblk; c++) t += (s ? b[c] + 128.f * s[c] : b[c]) * sq[c];
-  *tail = t;
-  return bs;
+  return hsum8(acc) + t;
 }
 
 /* T input rows (int8 blocks) against one 4-bit weight row: per 32-block, the 16 packed
@@ -599,12 +596,9 @@ static inline __m256 bias_sum(const float *b, const float *s, const float *sq, i
         a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s[blk] * in->dx[r]), a[i]); \
       }                                                                                \
     }                                                                                  \
-    for (int i = 0; i < T; i++) {                                                      \
-      const size_t r = (size_t)(m0 + i) * nblk;                                        \
-      float tail;                                                                      \
-      __m256 bs = bias_sum(b, NULL, in->sq + r, nblk, &tail);                    \
-      out[i] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[0][i], acc[1][i]), bs)) + tail;   \
-    }                                                                                  \
+    for (int i = 0; i < T; i++)                                                        \
+      out[i] = row_total(_mm256_add_ps(acc[0][i], acc[1][i]), b, NULL,                 \
+                         in->sq + (size_t)(m0 + i) * nblk, nblk);                      \
   }
 DEF_IDOT2(1) DEF_IDOT2(2) DEF_IDOT2(3) DEF_IDOT2(4)
 typedef void (*idot2_t)(const uint8_t *, const float *, const float *, const qin_t *, int, float *);
@@ -632,12 +626,8 @@ static const idot2_t idot2_tab[MT + 1] = {0, idot2_1, idot2_2, idot2_3, idot2_4}
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s[blk] * in->dx[r]), acc[i]); \
       }                                                                                \
     }                                                                                  \
-    for (int i = 0; i < T; i++) {                                                      \
-      const size_t r = (size_t)(m0 + i) * nblk;                                        \
-      float tail;                                                                      \
-      __m256 bs = bias_sum(b, s, in->sq + r, nblk, &tail);                 \
-      out[i] = hsum8(_mm256_add_ps(acc[i], bs)) + tail;                                \
-    }                                                                                  \
+    for (int i = 0; i < T; i++)                                                        \
+      out[i] = row_total(acc[i], b, s, in->sq + (size_t)(m0 + i) * nblk, nblk);        \
   }
 DEF_IDOT8(1) DEF_IDOT8(2) DEF_IDOT8(3) DEF_IDOT8(4)
 static const idot2_t idot8_tab[MT + 1] = {0, idot8_1, idot8_2, idot8_3, idot8_4};
