@@ -555,21 +555,23 @@ static void prep_i8_avx2(qin_t *in) {
   }
 }
 
-/* One row's result from its accumulated 8 lanes: plus the affine biases' share, the
-   sum over blocks of b * (scaled int8 block sum of x), with, for 8-bit rows (s not
-   NULL), the 128 * s that their kernel moves out of the integer products added to b. */
+/* One row's result from its accumulated 8 lanes: plus the affine biases' share (in
+   lanes of its own, added before the horizontal sum), the sum over blocks of
+   b * (scaled int8 block sum of x), with, for 8-bit rows (s not NULL), the 128 * s
+   that their kernel moves out of the integer products added to b. */
 static inline float row_total(__m256 acc, const float *b, const float *s, const float *sq,
                               int nblk) {
   const __m256 k128 = _mm256_set1_ps(128.f);
+  __m256 bs = _mm256_setzero_ps();
   int c = 0;
   for (; c + 8 <= nblk; c += 8) {
     __m256 bc = _mm256_loadu_ps(b + c);
     if (s) bc = _mm256_fmadd_ps(k128, _mm256_loadu_ps(s + c), bc);
-    acc = _mm256_fmadd_ps(bc, _mm256_loadu_ps(sq + c), acc);
+    bs = _mm256_fmadd_ps(bc, _mm256_loadu_ps(sq + c), bs);
   }
   float t = 0.f;
   for (; c < nblk; c++) t += (s ? b[c] + 128.f * s[c] : b[c]) * sq[c];
-  return hsum8(acc) + t;
+  return hsum8(_mm256_add_ps(acc, bs)) + t;
 }
 
 /* T input rows (int8 blocks) against one 4-bit weight row: per 32-block, the 16 packed
