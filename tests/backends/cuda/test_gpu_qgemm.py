@@ -371,20 +371,21 @@ def test_warm_compiles_without_error():
 @pytest.mark.parametrize("head_on_kernel", [False, True])
 def test_gpu_decode_step_with_the_kernel_matches_the_model(head_on_kernel, sk, monkeypatch):
     """The GPU decode step with its gate/up product of 33+ rows on this kernel (the
-    SwiGLU in it; 8192 intermediate dims give it its 128 blocks at 40 rows) equals the
-    model's own call, 40 ragged rows; ``head_on_kernel``: the output layer too (a
-    16,384-word vocabulary: 128 blocks at 40 rows; its K lowered to this model's 256);
+    SwiGLU in it; 16,384 intermediate dims give it 128 blocks of the 8-warp pair form at
+    40 rows) equals the model's own call, 40 ragged rows; ``head_on_kernel``: the output
+    layer too (a 32,768-word vocabulary: 128 blocks at 40 rows; its K lowered to this
+    model's 256);
     ``sk`` 2: every product in the stream-K form (qkv, o_proj, down_proj too); 3: the
     default's choice."""
     monkeypatch.setenv(gpu_qgemm.SK_ENV, sk)
     from engine.loading import build_random_model
     from engine.model.decode_step import FusedDecodeStep
 
-    cfg = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=8192,
+    cfg = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=16384,
                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-               vocab_size=16384 if head_on_kernel else 512,
+               vocab_size=32768 if head_on_kernel else 512,
                tie_word_embeddings=False)  # fmt: skip
-    assert gpu_qgemm.takes(40, 2 * 8192 // 16, glu=True)
+    assert gpu_qgemm.takes(40, 2 * 16384 // 16, glu=True, k=256)
     monkeypatch.setattr(gpu_qgemm, "PLAIN_MIN_K", 256 if head_on_kernel else 1 << 30)
     if sk == "0":
         assert gpu_qgemm.takes(40, cfg["vocab_size"] // 16, False, 256) == head_on_kernel
