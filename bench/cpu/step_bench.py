@@ -8,7 +8,9 @@ llama.cpp (llama-cpp-python's bindings, 2 threads) decoding the same batch sizes
     .venv/bin/python bench/cpu/step_bench.py --batches 1,4,16 --no-llamacpp
 
 Every row: 256 positions already in the KV cache (as llama.cpp's), 32 timed steps,
-median; tok/s = batch / step time. llama.cpp comes from the venv that
+median; tok/s = batch / step time. A second table splits each quantized row's step into
+the quantized products (wall time inside the shim's quantized route, both threads of its
+pool working) and the rest (MLX's other ops, attention, the graph build). llama.cpp comes from the venv that
 ``bench/serve/serve_bench.py --setup-llamacpp`` builds (~/.cache/markbase/llamacpp-venv).
 Absolute times move with the machine's load; compare the ratios of one run.
 """
@@ -81,13 +83,21 @@ def markbase_rows(batches: list[int], rounds: int) -> list[dict]:
                 tokens = [1000] * b
                 ts = []
                 for i in range(STEPS + 4):
+                    if i == 4 and lib is not None:
+                        lib.markbase_qw_timing(1)
                     t = time.perf_counter()
                     tokens = mx.argmax(runner.decode(batch, tokens), axis=-1).tolist()
                     if i >= 4:
                         ts.append(time.perf_counter() - t)
-                times.setdefault((name, quant, int8), []).append(statistics.median(ts))
+                products_ms = 0.0
+                if lib is not None:
+                    lib.markbase_qw_timing(0)
+                    products_ms = lib.markbase_qw_time_us() / 1e3 / STEPS
+                times.setdefault((name, quant, int8), []).append(
+                    (statistics.median(ts), products_ms)
+                )
         for (name, quant, int8), ts in times.items():
-            dt = min(ts)
+            dt, products_ms = min(ts)
             rows.append(
                 {
                     "config": f"markbase {name} step, "
@@ -96,6 +106,7 @@ def markbase_rows(batches: list[int], rounds: int) -> list[dict]:
                     "batch": b,
                     "step_ms": round(dt * 1e3, 2),
                     "tok_s": round(b / dt, 1),
+                    "products_ms": round(products_ms, 2) if quant else None,
                 }
             )
     if lib is not None:
@@ -145,6 +156,21 @@ def main() -> int:
                 cell += f" = {r['tok_s'] / ref[b]:.2f}x"
             cells.append(cell)
         print(f"| {config} | " + " | ".join(cells) + " |")
+    split = [r for r in rows if r.get("products_ms")]
+    if split:
+        print("\nquantized products / the rest of the step, ms (the same best rounds)\n")
+        print("| config | " + " | ".join(f"B={b}" for b in batches) + " |")
+        print("|---|" + "---:|" * len(batches))
+        for config in dict.fromkeys(r["config"] for r in split):
+            cells = []
+            for b in batches:
+                r = next((r for r in split if r["config"] == config and r["batch"] == b), None)
+                cells.append(
+                    "-"
+                    if r is None
+                    else f"{r['products_ms']:.1f} / {r['step_ms'] - r['products_ms']:.1f}"
+                )
+            print(f"| {config} | " + " | ".join(cells) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -372,25 +372,24 @@ def test_arguments_cut_by_max_tokens_do_not_break_the_answer(http, sdk):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_gemma3_without_a_template_gets_the_generic_tool_prompt():
+def test_gemma3_without_a_template_gets_the_generic_tool_prompt(gemma3_server):
     """Gemma 3's GGUF has no chat template: the tools are described in the system
     text of the fallback template and a forced call comes back parsed."""
-    with running_server("gemma3-270m", "--max-num-seqs", "2") as srv:
-        client = openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0, timeout=300)
-        plain = client.chat.completions.create(
-            model="gemma3-270m", messages=ASK, temperature=0, max_tokens=4
-        )
-        r = client.chat.completions.create(
-            model="gemma3-270m",
-            messages=ASK,
-            tools=TOOLS,
-            tool_choice=NAMED,
-            temperature=0,
-            max_tokens=60,
-        )
-        assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 50
-        assert r.choices[0].finish_reason == "tool_calls"
-        check_call(r.choices[0].message.tool_calls[0], names=["get_weather"])
+    client = openai.OpenAI(base_url=gemma3_server.v1, api_key="unused", max_retries=0, timeout=300)
+    plain = client.chat.completions.create(
+        model="gemma3-270m", messages=ASK, temperature=0, max_tokens=4
+    )
+    r = client.chat.completions.create(
+        model="gemma3-270m",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=NAMED,
+        temperature=0,
+        max_tokens=60,
+    )
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 50
+    assert r.choices[0].finish_reason == "tool_calls"
+    check_call(r.choices[0].message.tool_calls[0], names=["get_weather"])
 
 
 @pytest.mark.parametrize("max_tokens", [1, 3, 5, 8])

@@ -142,6 +142,8 @@ def _lib():
         lib.markbase_qw_hits.restype = ctypes.c_long
         lib.markbase_qw_matmul.argtypes = [vp, i, i, i, vp, vp]
         lib.markbase_qw_set_int8.argtypes = [i]
+        lib.markbase_qw_timing.argtypes = [i]
+        lib.markbase_qw_time_us.restype = ctypes.c_double
         lib._markbase_qw_typed = True
     return lib
 

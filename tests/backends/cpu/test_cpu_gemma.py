@@ -48,9 +48,8 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server(GEMMA, "--max-num-seqs", "4") as srv:
-        yield srv
+def server(gemma3_server):
+    return gemma3_server
 
 
 def _complete(server, prompt: list[int]) -> dict:

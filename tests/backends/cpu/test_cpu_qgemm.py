@@ -150,3 +150,30 @@ def test_default_model_decodes_through_quantized_products():
         assert cpu_qgemm.hits() > before + 500  # ~120 products per decode step
     finally:
         client.shutdown()
+
+
+def test_timing_counts_only_the_quantized_route_while_on():
+    """bench/cpu/step_bench.py's breakdown: the shim's timer grows with quantized
+    products while on (and starts from zero), not with float products, not while off."""
+    lib = cpu_qgemm._lib()
+    wf, shadow = _weight(4, 32, 1536, 576)
+    other = mx.random.normal((1536, 576))
+    x = mx.random.normal((4, 576))
+    mx.eval(other, x)
+    reg = cpu_qgemm.Registration()
+    assert reg.add(wf, [shadow])
+    try:
+        lib.markbase_qw_timing(1)
+        assert lib.markbase_qw_time_us() == 0.0
+        mx.eval(x @ other.T)  # no quantized copy: float32 OpenBLAS
+        assert lib.markbase_qw_time_us() == 0.0
+        for _ in range(5):
+            mx.eval(x @ wf.T)
+        on = lib.markbase_qw_time_us()
+        assert 0.0 < on < 5e6
+        lib.markbase_qw_timing(0)
+        mx.eval(x @ wf.T)
+        assert lib.markbase_qw_time_us() == on
+    finally:
+        lib.markbase_qw_timing(0)
+        reg.close()

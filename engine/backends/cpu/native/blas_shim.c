@@ -972,6 +972,17 @@ static void small_nn(int M, int N, int K, float alpha, const float *A, int lda, 
   }
 }
 
+/* Wall time the calling thread spends in the quantized route, for the decode step's
+   breakdown (bench/cpu/step_bench.py): counted only between markbase_qw_timing(1), which
+   also zeroes it, and markbase_qw_timing(0); off, it costs a product one branch. */
+static int q_timing;
+static double q_time_us;
+void markbase_qw_timing(int on) {
+  if (on) q_time_us = 0;
+  q_timing = on;
+}
+double markbase_qw_time_us(void) { return q_time_us; }
+
 void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha,
                  const float *A, int lda, const float *B, int ldb, float beta,
                  float *C, int ldc) {
@@ -979,7 +990,13 @@ void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha,
   if (q_on && order == RowMajor && ta == NoTrans && tb == Trans && ldb == K && M > 0 &&
       M <= q_max_m && K % 32 == 0) {
     const qw_t *e = qfind(B, N, K);
-    if (e && qgemm(e, M, A, lda, alpha, beta, C, ldc) == 0) return;
+    if (e) {
+      const double t0 = q_timing ? now_us() : 0.0;
+      if (qgemm(e, M, A, lda, alpha, beta, C, ldc) == 0) {
+        if (q_timing) q_time_us += now_us() - t0;
+        return;
+      }
+    }
   }
   if (small_on && order == RowMajor && ta == NoTrans && M > 0 && M <= SMALL_M && N > 0 && K > 0) {
     if (tb == Trans && K <= SMALL_D) {
