@@ -129,6 +129,18 @@ def llamacpp_rows(batches: list[int], threads: int) -> list[dict]:
     return rows
 
 
+def print_table(rows: list[dict], batches: list[int], cell) -> None:
+    """A markdown table: a line per config, ``cell(row)`` per batch size ("-": none)."""
+    print("| config | " + " | ".join(f"B={b}" for b in batches) + " |")
+    print("|---|" + "---:|" * len(batches))
+    for config in dict.fromkeys(r["config"] for r in rows):
+        cells = []
+        for b in batches:
+            r = next((r for r in rows if r["config"] == config and r["batch"] == b), None)
+            cells.append("-" if r is None else cell(r))
+        print(f"| {config} | " + " | ".join(cells) + " |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,4,16")
@@ -141,36 +153,23 @@ def main() -> int:
     rows = [] if args.no_llamacpp else llamacpp_rows(batches, args.threads)
     rows += markbase_rows(batches, args.rounds)
     ref = {r["batch"]: r["tok_s"] for r in rows if r["config"].startswith("llama.cpp")}
+
+    def speed(r: dict) -> str:
+        cell = f"{r['tok_s']:.0f} ({r['step_ms']:.1f})"
+        if r["batch"] in ref and not r["config"].startswith("llama.cpp"):
+            cell += f" = {r['tok_s'] / ref[r['batch']]:.2f}x"
+        return cell
+
     print(f"\nload average {os.getloadavg()[0]:.1f}; KV {KV} positions; tok/s (step ms)\n")
-    print("| config | " + " | ".join(f"B={b}" for b in batches) + " |")
-    print("|---|" + "---:|" * len(batches))
-    for config in dict.fromkeys(r["config"] for r in rows):
-        cells = []
-        for b in batches:
-            r = next((r for r in rows if r["config"] == config and r["batch"] == b), None)
-            if r is None:
-                cells.append("-")
-                continue
-            cell = f"{r['tok_s']:.0f} ({r['step_ms']:.1f})"
-            if b in ref and not config.startswith("llama.cpp"):
-                cell += f" = {r['tok_s'] / ref[b]:.2f}x"
-            cells.append(cell)
-        print(f"| {config} | " + " | ".join(cells) + " |")
+    print_table(rows, batches, speed)
     split = [r for r in rows if r.get("products_ms")]
     if split:
         print("\nquantized products / the rest of the step, ms (the same best rounds)\n")
-        print("| config | " + " | ".join(f"B={b}" for b in batches) + " |")
-        print("|---|" + "---:|" * len(batches))
-        for config in dict.fromkeys(r["config"] for r in split):
-            cells = []
-            for b in batches:
-                r = next((r for r in split if r["config"] == config and r["batch"] == b), None)
-                cells.append(
-                    "-"
-                    if r is None
-                    else f"{r['products_ms']:.1f} / {r['step_ms'] - r['products_ms']:.1f}"
-                )
-            print(f"| {config} | " + " | ".join(cells) + " |")
+        print_table(
+            split,
+            batches,
+            lambda r: f"{r['products_ms']:.1f} / {r['step_ms'] - r['products_ms']:.1f}",
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

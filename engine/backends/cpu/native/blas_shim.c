@@ -326,9 +326,12 @@ static const dot8_t dot8_tab[MT + 1] = {0, dot8_1, dot8_2, dot8_3, dot8_4,
    (low nibbles) and odd elements 0-7 (high nibbles) of the block, bytes 8-15 the
    rest; xe/xo hold the input's even and odd elements in the same order. Two FMA
    chains per row whatever the tile size, so a row's bits do not depend on the batch.
-   Tried on a Zen 3 (2 cores), no gain: dequantizing each weight row once into a float
-   buffer, then 4 chains per row (1.2-1.3x slower at 1-16 rows); 4 weight rows at once
-   at batch 1 (same time: the products there read ~9 GB/s, the memory's limit). */
+   Tried on 2 cores of an AMD EPYC, no gain: every weight row dequantized into a float
+   buffer with 4 chains per row (1.2-1.3x slower at 1-16 rows; the buffer only past the
+   first tile of rows, with these 2 chains, is dotw below); 4 weight rows at once at
+   batch 1 (same time); at one row, the affine term factored out (s * sum q x + b * sum
+   x), 4 chains, or software prefetch (each within 5%: one thread runs this kernel at
+   4.5-5.5 G weights/s hot in cache, bound by converting and dequantizing each weight). */
 static inline __m256 deq8(__m256i v, __m256 sc, __m256 bi) {
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sc, bi);
 }
