@@ -14,10 +14,10 @@ declared length alone costs nothing and counts nothing.
 Once an address has ``budget_bytes`` of them, server.connections holds its next
 POSTs: their bodies are not read, and after ``refusal_delay_s`` they are answered
 429 ``too_many_refusals`` with ``Retry-After`` and closed. Holding costs a timer, not
-CPU, and bounds a closed-loop flooder to one request per connection per delay. Small mistakes do not add up to the budget
-(the default is 16 MiB in 10 s: 17 refused 1 MB prompts, or thousands of refused
-small requests); held requests do not count, so an address that stops is served
-again once its window has passed.
+CPU, and bounds a closed-loop flooder to one request per connection per delay. Small
+mistakes do not add up to the budget (the default is 16 MiB in 10 s: 17 refused 1 MB
+prompts, or thousands of refused small requests); held requests do not count, so an
+address that stops is served again once its window has passed.
 
 Behind a reverse proxy every client has the proxy's address: turn it off there
 (``refused_bytes_per_client: 0``) and limit clients in the proxy.

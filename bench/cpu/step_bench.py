@@ -10,8 +10,9 @@ llama.cpp (llama-cpp-python's bindings, 2 threads) decoding the same batch sizes
 Every row: 256 positions already in the KV cache (as llama.cpp's), 32 timed steps,
 median; tok/s = batch / step time. A second table splits each quantized row's step into
 the quantized products (wall time inside the shim's quantized route, both threads of its
-pool working) and the rest (MLX's other ops, attention, the graph build). llama.cpp comes from the venv that
-``bench/serve/serve_bench.py --setup-llamacpp`` builds (~/.cache/markbase/llamacpp-venv).
+pool working) and the rest (MLX's other ops, attention, the graph build). llama.cpp
+comes from the venv that ``bench/serve/serve_bench.py --setup-llamacpp`` builds
+(~/.cache/markbase/llamacpp-venv).
 Absolute times move with the machine's load; compare the ratios of one run.
 """
 

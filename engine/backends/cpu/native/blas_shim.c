@@ -706,9 +706,20 @@ DEF_IDOT8(1) DEF_IDOT8(2) DEF_IDOT8(3) DEF_IDOT8(4)
 static const idot2_t idot8_tab[MT + 1] = {0, idot8_1, idot8_2, idot8_3, idot8_4};
 #endif
 
+/* Grows a thread's buffer *buf (of *cap floats) to at least ``need`` floats; 0 when out
+   of memory (the buffer is then as it was). */
+static int grow(float **buf, size_t *cap, size_t need) {
+  if (need <= *cap) return 1;
+  float *p = (float *)realloc(*buf, need * sizeof(float));
+  if (!p) return 0;
+  *buf = p;
+  *cap = need;
+  return 1;
+}
+
 #ifdef QW_BUF
-static __thread float *w_buf;
-static __thread int w_cap;
+static __thread float *w_buf; /* a dequantized weight row (qrow) */
+static __thread size_t w_cap;
 #endif
 
 /* One weight row n (of segment sg) against every input row. */
@@ -719,35 +730,21 @@ static inline void qrow(const qseg_t *sg, int n, const qin_t *in, float alpha, f
   const float *s = sg->s + (size_t)r * ng, *b = sg->b + (size_t)r * ng;
   float out[MT];
 #ifdef QW_BUF
-  if (!in->i8 && in->M > MT) {
-    if (w_cap < K) {
-      float *p = (float *)realloc(w_buf, sizeof(float) * (size_t)K);
-      if (p) {
-        w_buf = p;
-        w_cap = K;
-      }
-    }
-    if (w_cap >= K) {
-      (sg->bits == 4 ? deq4_row : deq8_row)(q, s, b, K, sg->gs, w_buf);
-      for (int m0 = 0; m0 < in->M; m0 += MT) {
-        int mt = in->M - m0 < MT ? in->M - m0 : MT;
-        if (sg->bits == 4)
-          dotw_tab[mt](w_buf, K, in->xe + (size_t)m0 * (K / 2), in->xo + (size_t)m0 * (K / 2),
-                       K / 2, out);
-        else
-          dotw8_tab[mt](w_buf, K, in->A + (size_t)m0 * in->lda, in->lda, out);
-        for (int i = 0; i < mt; i++) {
-          float y = alpha * out[i];
-          float *c = C + (size_t)(m0 + i) * ldc + n;
-          *c = beta == 0.f ? y : y + beta * *c;
-        }
-      }
-      return;
-    }
+  const float *w = 0; /* the row dequantized once, for more input rows than one tile */
+  if (!in->i8 && in->M > MT && grow(&w_buf, &w_cap, (size_t)K)) {
+    (sg->bits == 4 ? deq4_row : deq8_row)(q, s, b, K, sg->gs, w_buf);
+    w = w_buf;
   }
 #endif
   for (int m0 = 0; m0 < in->M; m0 += MT) {
     int mt = in->M - m0 < MT ? in->M - m0 : MT;
+#ifdef QW_BUF
+    if (w && sg->bits == 4)
+      dotw_tab[mt](w, K, in->xe + (size_t)m0 * (K / 2), in->xo + (size_t)m0 * (K / 2), K / 2, out);
+    else if (w)
+      dotw8_tab[mt](w, K, in->A + (size_t)m0 * in->lda, in->lda, out);
+    else
+#endif
 #ifdef MB_VNNI
     if (in->i8)
       idot_tab[mt](sg->bits, q, s, b, in, m0, out);
@@ -905,18 +902,8 @@ static void run_job(const qw_t *e, const qin_t *in, float alpha, float beta, flo
   pthread_mutex_unlock(&pool_lock);
 }
 
-static __thread float *q_buf;
+static __thread float *q_buf; /* the calling thread's prepared inputs (qgemm) */
 static __thread size_t q_cap;
-
-/* The calling thread's input buffer, at least ``need`` floats; 0 when out of memory. */
-static int grow_buf(size_t need) {
-  if (need <= q_cap) return 1;
-  float *p = (float *)realloc(q_buf, need * sizeof(float));
-  if (!p) return 0;
-  q_buf = p;
-  q_cap = need;
-  return 1;
-}
 
 static int qgemm(const qw_t *e, int M, const float *A, int lda, float alpha, float beta, float *C,
                  int ldc) {
@@ -932,7 +919,7 @@ static int qgemm(const qw_t *e, int M, const float *A, int lda, float alpha, flo
     size_t bytes = (size_t)M * (2 * in.c4 * 64 + in.c8 * 64);
     size_t floats = (size_t)M * (in.c4 * 16 + in.c8 * 16 + in.nblk16);
     size_t need = floats + (bytes + 3) / 4;
-    if (!grow_buf(need)) return -1;
+    if (!grow(&q_buf, &q_cap, need)) return -1;
     in.d4 = q_buf;
     in.d8 = in.d4 + (size_t)M * in.c4 * 16;
     in.xs = in.d8 + (size_t)M * in.c8 * 16;
@@ -950,7 +937,7 @@ static int qgemm(const qw_t *e, int M, const float *A, int lda, float alpha, flo
     in.nblk = K / 32;
     size_t cells = (size_t)M * in.nblk;
     size_t need = 2 * cells + cells * 64 / 4; /* dx, sq (floats); x8, xn (32 bytes a cell) */
-    if (!grow_buf(need)) return -1;
+    if (!grow(&q_buf, &q_cap, need)) return -1;
     in.dx = q_buf;
     in.sq = in.dx + cells;
     in.x8 = (int8_t *)(in.sq + cells);
@@ -962,7 +949,7 @@ static int qgemm(const qw_t *e, int M, const float *A, int lda, float alpha, flo
   }
 #endif
   size_t need = (size_t)M * K;
-  if (!grow_buf(need)) return -1;
+  if (!grow(&q_buf, &q_cap, need)) return -1;
   in.xe = q_buf;
   in.xo = q_buf + (size_t)M * (K / 2);
   for (int m = 0; m < M; m++) {
