@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent import futures
 
 import mlx.core as mx
 
@@ -636,15 +637,33 @@ class ModelWorker:
         self, logits: mx.array, seqs: list[Sequence], prev: tuple | None
     ) -> None:
         """A pipelined step with constrained rows: their masks need the previous step's
-        tokens on the host. The forward is queued first; while the device runs it, the
-        previous step's tokens are read back and fed to the grammars and this step's
-        masks are filled; then the masked draw is queued behind the forward."""
-        mx.async_eval(logits)
+        tokens on the host. Those are read back first and fed to the grammars
+        (``feed_ahead``); the masks are then filled in the filler's thread while this
+        thread queues the forward (MLX's launch releases the GIL, and on a small model
+        it is most of a step's host time: the fill hides behind it). Then the tokens
+        are handed on and the masked draw is queued behind the forward. Every MLX call
+        stays on this thread, and no grammar is read while the fill runs."""
+        tokens = None
         if prev is not None:
-            self._deliver(*prev)
+            try:
+                tokens = prev[0].tolist()
+            except Exception as exc:  # the device's: the rows' KV depends on it
+                log.exception("decode step failed")
+                self._fail_batch(f"Decode failed: {exc!r}")
+                return
+            for seq, tok in zip(prev[1], tokens):
+                if seq.grammar is not None and seq.state is SeqState.RUNNING:
+                    if tok not in seq.end_ids:
+                        seq.grammar.feed_ahead(tok)
+        pending = self.masks.start(self._grammar_rows(seqs))
+        mx.async_eval(logits)
+        if pending is not None:
+            futures.wait([pending])  # before the hand-on, which reads the grammars too
+        if prev is not None:
+            self._deliver(*prev, tokens=tokens)
+        masks = self._step_masks(seqs, pending)
         if not any(s.state is SeqState.RUNNING for s in seqs):
             return
-        masks = self._step_masks(seqs)  # filled here: the device is busy with the forward
         try:
             sampled, lps = self._draw(logits, seqs, masks)
             mx.async_eval(sampled, *(lps.arrays() if lps is not None else ()))
@@ -715,12 +734,18 @@ class ModelWorker:
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
     def _deliver(
-        self, sampled: mx.array, seqs: list[Sequence], lps: StepLogprobs | None = None
+        self,
+        sampled: mx.array,
+        seqs: list[Sequence],
+        lps: StepLogprobs | None = None,
+        tokens: list[int] | None = None,
     ) -> None:
-        """Read back a queued step's tokens (and logprobs) and hand them to their rows.
-        A failure here is the device's: the rows' KV depends on it, so the batch ends."""
+        """Read back a queued step's tokens (unless ``tokens`` were read already) and
+        logprobs and hand them to their rows. A failure here is the device's: the rows'
+        KV depends on it, so the batch ends."""
         try:
-            tokens = sampled.tolist()
+            if tokens is None:
+                tokens = sampled.tolist()
             row_lps = lps.for_rows(len(seqs)) if lps is not None else None
         except Exception as exc:
             log.exception("decode step failed")

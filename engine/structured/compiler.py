@@ -60,14 +60,33 @@ class SequenceGrammar:
     """One sequence's place in its grammar: fed each sampled token, asked for the
     next mask (by ``MaskFiller``) and whether the output is complete."""
 
-    __slots__ = ("matcher", "error")
+    __slots__ = ("matcher", "error", "_ahead")
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self.matcher = matcher
         self.error: str | None = None
+        self._ahead: tuple[int, bool] | None = None
 
     def accept(self, token: int) -> bool:
-        """Advance by a sampled token; False (and ``error`` set) if the grammar refused it."""
+        """Advance by a sampled token; False (and ``error`` set) if the grammar refused it.
+        A token already fed by ``feed_ahead`` is not fed again: its answer is returned."""
+        if self._ahead is not None:
+            ahead, ok = self._ahead
+            self._ahead = None
+            if ahead != int(token):
+                raise RuntimeError(f"grammar fed token {ahead} ahead, then given {token}")
+            return ok
+        return self._consume(token)
+
+    def feed_ahead(self, token: int) -> None:
+        """``accept`` now, ahead of handing the token on: the pipelined step feeds the
+        grammars, fills the next masks while the forward is queued, then hands the
+        tokens on, whose ``accept(token)`` takes this answer."""
+        if self._ahead is not None:
+            raise RuntimeError("grammar fed ahead twice")
+        self._ahead = (int(token), self._consume(token))
+
+    def _consume(self, token: int) -> bool:
         if self.matcher.consume_token(int(token)):
             return True
         self.error = self.matcher.get_error() or f"token {token} is not allowed here"

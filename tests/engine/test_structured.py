@@ -289,3 +289,51 @@ def test_constrained_rows_keep_their_logprobs(tiny):
     assert re.fullmatch("[a-c]{3,6}!", text), text
     assert len(got) == len(tokens) > 0
     assert all(len(lp.top) == 2 and lp.logprob <= 0.0 for lp in got)
+
+
+def test_a_token_fed_ahead_is_not_fed_twice(compiler):
+    """The pipelined step feeds a grammar before filling its next mask (``feed_ahead``)
+    and hands the token on after; that later ``accept`` of the same token takes the
+    answer instead of advancing the grammar again, and a different token is an error,
+    not a silent double feed."""
+    s = spec("regex", "ab!")
+    g = compiler.matcher(s)
+    g.feed_ahead(ord("a"))
+    assert g.accept(ord("a"))
+    assert g.accept(ord("b")) and g.accept(ord("!")) and g.done
+    g = compiler.matcher(s)
+    g.feed_ahead(ord("x"))  # refused: the answer is kept for accept
+    assert not g.accept(ord("x")) and g.error
+    g = compiler.matcher(s)
+    g.feed_ahead(ord("a"))
+    with pytest.raises(RuntimeError, match="ahead"):
+        g.accept(ord("b"))
+
+
+def test_a_failing_mask_fill_ends_only_the_constrained_rows(tiny, monkeypatch):
+    """If llguidance's fill fails mid-answer, the constrained rows end with an error and
+    the unconstrained row of the same batch runs to its length, sync and pipelined
+    (where the fill runs while the forward is queued, after the grammars were fed)."""
+    model, client = tiny
+    masks = client.worker(model).masks
+    real, calls = masks.fill, [0]
+
+    def failing(rows):
+        calls[0] += 1
+        if calls[0] > 3:
+            raise RuntimeError("fill broke")
+        return real(rows)
+
+    monkeypatch.setattr(masks, "fill", failing)
+
+    async def main():
+        return await asyncio.gather(
+            _run(client, model, PROMPT, spec("regex", "[a-c]{40}"), max_tokens=30),
+            _run(client, model, PROMPT, ignore_eos=True, max_tokens=12),
+        )
+
+    bad, good = asyncio.run(main())
+    assert bad[2].finish_reason is FinishReason.ERROR, bad[2]
+    assert "fill broke" in (bad[2].error or ""), bad[2]
+    assert 0 < len(bad[1]) < 30 and re.fullmatch("[a-c]*", bad[0]), bad[0]
+    assert good[2].finish_reason is FinishReason.LENGTH and len(good[1]) == 12

@@ -226,13 +226,16 @@ def test_compiled_step_plumbing_on_the_cpu(monkeypatch):
     its contract (T from the views' length, or pos + start + 1 with ``nsplit``; it does
     not write the cache, so both runs read the same stale cache); the kernel itself is
     tests/backends/cuda/test_gpu_attention.py's, on a GPU."""
-    from engine.backends.cuda.attention import decode as gpu_attention
+    from engine.backends import cuda
     from tests.helpers.models import RAGGED_PROMPTS, prefilled_batch
 
     seen = []
     stand_in = _append_stand_in(seen)
 
-    monkeypatch.setattr(gpu_attention, "decode_attention_append", stand_in)
+    # the name the step calls: the backend's face, which keeps what it first resolved
+    # (patching the attention module instead would reach the step only if the face had
+    # not resolved the name yet, and the face would then keep the stand-in)
+    monkeypatch.setattr(cuda, "decode_attention_append", stand_in)
     model, step = _append_step(layers=2, seed=3)
     assert step.rope is not None
     traces = []

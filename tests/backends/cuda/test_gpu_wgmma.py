@@ -148,10 +148,14 @@ def test_exact_on_small_integers(rows, n, k, gs, dtype, form, monkeypatch):
     got = gpu_wgmma.quantized_matmul(xm, wq, s, b, gs, glu=True)
     assert got.shape == (rows, n // 2)
     gate, up = mx.array(exact[:, : n // 2]), mx.array(exact[:, n // 2 :])
-    want = (gate * mx.sigmoid(gate) * up).astype(mx.float32)
-    np.testing.assert_allclose(
-        np.array(got.astype(mx.float32)), np.array(want), rtol=2e-2, atol=1e-2
-    )
+    want = np.array((gate * mx.sigmoid(gate) * up).astype(mx.float32))
+    got = np.array(got.astype(mx.float32))
+    # silu(gate) * up of sums this large passes float16's range (65,504): compared
+    # where the result fits with room for the tolerance, infinite where it is far past
+    top = float(mx.finfo(dtype).max)
+    fits, past = np.abs(want) < 0.9 * top, np.abs(want) > 1.1 * top
+    np.testing.assert_allclose(got[fits], want[fits], rtol=2e-2, atol=1e-2)
+    assert np.isinf(got[past]).all()
 
 
 @needs_hopper
