@@ -19,8 +19,8 @@ prefill done) over the time from then to the last token. Each configuration runs
 ``--rounds`` times, interleaved with the others (a shared machine's noise only slows
 a run down), and the table gives the best; "vs 0%" is the ratio to the unconstrained
 run of the same B in the same process. "fill ms" is the host time of llguidance's mask
-fill per constrained step (``MaskFiller.fill``, which on the CPU runs in its own thread
-while the worker waits for the forward); "wait ms" is how long the worker then waited
+fill per constrained step (``MaskFiller.fill``, which runs in its own thread while the
+worker waits for the forward, or on a GPU queues it); "wait ms" is how long the worker then waited
 for the masks, i.e. what the fill added to the step. The command, the device and the date are printed with the
 table; raw numbers go to bench/results/structured-<stamp>.json.
 """
@@ -110,13 +110,16 @@ def parse_args() -> argparse.Namespace:
 class MaskClock:
     """Sums, per step with constrained rows, the host time of llguidance's fill
     (``MaskFiller.fill``: in a thread of its own on the CPU, overlapping the forward)
-    and the time the worker spent getting a step's masks (``ModelWorker._step_masks``:
-    waiting for the CPU's background fill, or on a GPU the fill itself), and the host
+    and the time the worker spent getting a step's masks (``ModelWorker._step_masks``
+    and the pipelined step's wait for the fill: what the fill added to the step), and the host
     time of applying them (``apply_token_masks``: on the CPU the masking itself, on a
     GPU building its lazy ops)."""
 
     def __init__(self, worker) -> None:
+        from concurrent import futures
+
         import engine.sampler
+        import engine.worker
 
         self.fill_s = self.wait_s = self.apply_s = 0.0
         self.fills = self.waits = self.applies = 0
@@ -150,6 +153,19 @@ class MaskClock:
         worker.masks.fill = timed_fill
         worker._step_masks = timed_wait
         engine.sampler.apply_token_masks = timed_apply
+
+        class TimedFutures:  # the pipelined step waits for the fill with futures.wait
+            def __getattr__(_, name):
+                return getattr(futures, name)
+
+            def wait(_, fs, *a, **k):
+                t = time.perf_counter()
+                try:
+                    return futures.wait(fs, *a, **k)
+                finally:
+                    self.wait_s += time.perf_counter() - t
+
+        engine.worker.futures = TimedFutures()
 
     def take(self) -> tuple[float, float, float]:
         """(fill, wait, apply) ms per step since the last call."""
@@ -295,9 +311,7 @@ def main() -> None:
     async def bench():
         # untimed: every batch size once, constrained, so the first timed run is warm
         for b in batches:
-            await run_batch(
-                client, lm.name, prompt, b, b, 8, spec, f"warm{b}", args.top_logprobs
-            )
+            await run_batch(client, lm.name, prompt, b, b, 8, spec, f"warm{b}", args.top_logprobs)
         clock.take()
         best: dict[tuple[int, int], dict] = {}
         for r in range(args.rounds):
