@@ -70,8 +70,15 @@ $(BROWSER_STAMP): Makefile
 serve: install
 	$(VENV)/bin/markbase serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
+# PyTorch is only for the reference test's transformers subprocess, so it goes into a
+# folder of its own beside the venv: installed in the venv, every process that imports
+# mlx_lm (each server a test starts) would import it through transformers, ~3 s each.
+TORCH_SITE := $(VENV)/torch-site
+
 test: install browser
-	$(PIP) install -q torch==2.13.0 2>/dev/null || echo "torch 2.13.0 not installable here: the reference-model test will skip"
+	@test -f $(TORCH_SITE)/.complete || { rm -rf $(TORCH_SITE) && \
+	  $(PIP) install -q --target $(TORCH_SITE) torch==2.13.0 2>/dev/null && touch $(TORCH_SITE)/.complete; } \
+	  || echo "torch 2.13.0 not installable here: the reference-model test will skip"
 	$(PY) -m pytest -q
 
 lint: install

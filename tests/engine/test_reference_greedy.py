@@ -13,11 +13,13 @@ prompts: Gemma's first 11 tokens identically (then a near-tie), SmolLM2's first 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,13 +35,27 @@ from tests.helpers.models import (
     sequence_logits,
 )
 
-pytest.importorskip("torch")
+# `make test` installs PyTorch here, beside the venv, not in it (Makefile: TORCH_SITE)
+TORCH_SITE = Path(sys.prefix) / "torch-site"
+
+
+def _torch_version() -> str | None:
+    """PyTorch's version in TORCH_SITE or this environment, without importing it."""
+    for dist in importlib.metadata.distributions(path=[str(TORCH_SITE), *sys.path]):
+        if dist.metadata["Name"] == "torch":
+            return dist.version
+    return None
+
+
+if _torch_version() is None:
+    pytest.skip("no PyTorch for the reference (make test installs it)", allow_module_level=True)
 
 N_TOKENS = 24
 
 _HF_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
+    sys.path.append(sys.argv[4])  # PyTorch's folder, after the venv's own packages
     import torch
     import transformers.modeling_utils as mu
     # transformers refuses GGUF without accelerate, which it only needs for device maps.
@@ -63,16 +79,15 @@ _HF_SCRIPT = textwrap.dedent(
 
 
 def hf_reference(alias: str, prompts: list[list[int]], n: int = N_TOKENS) -> list[list[int]]:
-    import torch
     import transformers
 
     path = builtin_path(alias)
-    key = digest(file_stat_key(path), transformers.__version__, torch.__version__, prompts, n)
+    key = digest(file_stat_key(path), transformers.__version__, _torch_version(), prompts, n)
     cached = cache_root() / "reference" / f"{alias}-{key}.json"
     if cached.exists() and not os.environ.get("MARKBASE_REFERENCE_RECOMPUTE"):
         return json.loads(cached.read_text())
     proc = subprocess.run(
-        [sys.executable, "-c", _HF_SCRIPT, str(path), json.dumps(prompts), str(n)],
+        [sys.executable, "-c", _HF_SCRIPT, str(path), json.dumps(prompts), str(n), str(TORCH_SITE)],
         capture_output=True,
         text=True,
         timeout=900,
