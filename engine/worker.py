@@ -643,15 +643,12 @@ class ModelWorker:
         it is most of a step's host time: the fill hides behind it). Then the tokens
         are handed on and the masked draw is queued behind the forward. Every MLX call
         stays on this thread, and no grammar is read while the fill runs."""
-        tokens = None
+        got = None
         if prev is not None:
-            try:
-                tokens = prev[0].tolist()
-            except Exception as exc:  # the device's: the rows' KV depends on it
-                log.exception("decode step failed")
-                self._fail_batch(f"Decode failed: {exc!r}")
+            got = self._read_back(*prev)
+            if got is None:
                 return
-            for seq, tok in zip(prev[1], tokens):
+            for seq, tok in zip(prev[1], got[0]):
                 if seq.grammar is not None and seq.state is SeqState.RUNNING:
                     if tok not in seq.end_ids:
                         seq.grammar.feed_ahead(tok)
@@ -659,8 +656,8 @@ class ModelWorker:
         mx.async_eval(logits)
         if pending is not None:
             futures.wait([pending])  # before the hand-on, which reads the grammars too
-        if prev is not None:
-            self._deliver(*prev, tokens=tokens)
+        if got is not None:
+            self._accept_rows(prev[1], *got)
         masks = self._step_masks(seqs, pending)
         if not any(s.state is SeqState.RUNNING for s in seqs):
             return
@@ -734,25 +731,28 @@ class ModelWorker:
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
     def _deliver(
-        self,
-        sampled: mx.array,
-        seqs: list[Sequence],
-        lps: StepLogprobs | None = None,
-        tokens: list[int] | None = None,
+        self, sampled: mx.array, seqs: list[Sequence], lps: StepLogprobs | None = None
     ) -> None:
-        """Read back a queued step's tokens (unless ``tokens`` were read already) and
-        logprobs and hand them to their rows. A failure here is the device's: the rows'
-        KV depends on it, so the batch ends."""
+        """Read back a queued step's tokens (and logprobs) and hand them to their rows."""
+        got = self._read_back(sampled, seqs, lps)
+        if got is not None:
+            self._accept_rows(seqs, *got)
+
+    def _read_back(
+        self, sampled: mx.array, seqs: list[Sequence], lps: StepLogprobs | None = None
+    ) -> tuple[list[int], list[TokenLogprob | None] | None] | None:
+        """A queued step's tokens and its rows' logprobs (None where none asked), or
+        None if reading them failed: that is the device's, the rows' KV depends on it,
+        so the batch ends."""
         try:
-            if tokens is None:
-                tokens = sampled.tolist()
+            tokens = sampled.tolist()
             row_lps = lps.for_rows(len(seqs)) if lps is not None else None
         except Exception as exc:
             log.exception("decode step failed")
             self._inflight = None
             self._fail_batch(f"Decode failed: {exc!r}")
-            return
-        self._accept_rows(seqs, tokens, row_lps)
+            return None
+        return tokens, row_lps
 
     def _accept_rows(
         self,
