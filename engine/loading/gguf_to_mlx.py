@@ -639,11 +639,14 @@ def gguf_weights(
             and dests[0][1] is None
             and gq.EXACT_BITS.get(t.ggml_type)
         ):
-            p = gq.transcode(raw, t.ggml_type)
-            shadow = cpu.shadow_of(fix(p.weight), fix(p.scales), fix(p.biases), p.bits, p.group_size)
+            # decoded once: the codes give both the shadow and the float32 values
+            q, scale, bias, qbits = gq.decode(raw, t.ggml_type)
+            shadow = cpu.shadow_of_codes(fix(q), fix(scale), fix(bias), qbits, gq.GROUP)
             if shadow is not None:
                 shadows[dests[0][0].rsplit(".", 1)[0]] = shadow
-        a = gq.dequantize(raw, t.ggml_type, t.ne[0]).reshape(shape)
+            a = gq.expand(q, scale, bias).reshape(shape)
+        else:
+            a = gq.dequantize(raw, t.ggml_type, t.ne[0]).reshape(shape)
         if (
             arch.norm_offset
             and name.endswith(".weight")

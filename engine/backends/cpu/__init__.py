@@ -24,6 +24,7 @@ _EXPORTS = {
     "register_qgemm_model": ("qgemm", "register_model"),
     "exact_qgemm": ("qgemm", "exact_products"),
     "shadow_of": ("qgemm", "shadow_of"),
+    "shadow_of_codes": ("qgemm", "shadow_of_codes"),
     "CpuDecodeStep": ("step", "CpuDecodeStep"),
     "best_cpu_weight_format": ("tuning", "best_cpu_weight_format"),
 }
@@ -51,6 +52,6 @@ if TYPE_CHECKING:
     from engine.backends.cpu.qgemm import available as qgemm_available
     from engine.backends.cpu.qgemm import exact_products as exact_qgemm
     from engine.backends.cpu.qgemm import register_model as register_qgemm_model
-    from engine.backends.cpu.qgemm import shadow_of
+    from engine.backends.cpu.qgemm import shadow_of, shadow_of_codes
     from engine.backends.cpu.step import CpuDecodeStep
     from engine.backends.cpu.tuning import best_cpu_weight_format

@@ -39,6 +39,28 @@ def _q8_1(x: np.ndarray) -> np.ndarray:
     return (steps * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
 
 
+@pytest.mark.parametrize("bits", [3, 4, 5, 6, 8])
+def test_shadow_from_codes_equals_shadow_from_mlx_packing(bits):
+    """A GGUF's decoded codes (one uint8 a weight) make the same shadow as MLX's packed
+    bit stream of them, and the widened forms are the codes themselves."""
+    w = mx.random.normal((64, 256), key=mx.random.key(bits))
+    q, s, b = mx.quantize(w, group_size=32, bits=bits)
+    mx.eval(q, s, b)
+    stream = np.unpackbits(np.array(q).view(np.uint8), axis=-1, bitorder="little")
+    codes = (stream.reshape(64, 256, bits).astype(np.uint16) << np.arange(bits)).sum(-1)
+    packed = cpu_qgemm.shadow_of(q, s, b, bits, 32)
+    decoded = cpu_qgemm.shadow_of_codes(codes.astype(np.uint8), np.array(s), np.array(b), bits, 32)
+    assert packed.bits == decoded.bits == (4 if bits == 4 else 8)
+    for x, y in (
+        (packed.q, decoded.q),
+        (packed.scales, decoded.scales),
+        (packed.biases, decoded.biases),
+    ):
+        assert x.dtype == y.dtype and np.array_equal(x, y)
+    if bits != 4:
+        assert np.array_equal(decoded.q, codes)
+
+
 @pytest.mark.parametrize("int8", [True, False])
 @pytest.mark.parametrize(
     "bits,gs,n,k",
