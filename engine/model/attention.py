@@ -22,6 +22,7 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 from mlx_lm.models import base as mlx_lm_base
+from mlx_lm.models import gemma2
 
 from engine import platform
 from engine.backends import cuda
@@ -65,10 +66,26 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
     return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
+class _Gemma2Attention(gemma2.Attention):
+    """gemma2's attention with a batch's mask. It computes its scores inline with the
+    query heads of a group on their own axis, [B, Hkv, repeats, L, T], so a running
+    batch's [B, 1, L, T] mask broadcast its rows against the KV heads (one row's mask
+    on another's scores, or a shape error from 3 rows on). mlx-lm's own cache gives
+    one row, where both shapes mean the same."""
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if isinstance(mask, mx.array) and mask.ndim == 4 and self.repeats > 1:
+            mask = mx.expand_dims(mask, 2)
+        return super().__call__(x, mask, cache)
+
+
 def install(model) -> bool:
     """Route the decode attention of ``model``'s mlx-lm modules through ours: the
     model's own module and those its layers come from (a wrapper family such as
     gemma3 or qwen3_5 runs another family's attention layers)."""
+    for m in model.modules():
+        if type(m) is gemma2.Attention:
+            m.__class__ = _Gemma2Attention
     names = {type(model).__module__} | {type(m).__module__ for m in model.modules()}
     done = False
     for name in names:

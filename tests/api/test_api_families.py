@@ -1,10 +1,12 @@
-"""Gemma 4, Gemma 3n and a MoE served over HTTP: tiny random-weight models saved as mlx-lm
+"""Gemma 4, Gemma 3n, Gemma 2 and a MoE served over HTTP: tiny random-weight models saved as mlx-lm
 folders (config.json + safetensors + tokenizer), served by one real ``markbase serve``
 subprocess, spoken to with the ``openai`` SDK.
 
 - gemma4_text: a MoE block and per-layer inputs in every layer, sliding and global
   layers, the last two layers reusing the first two's keys and values;
 - gemma3n: per-layer inputs, AltUp, KV-shared layers, sliding and global layers;
+- gemma2: attention computed inline with grouped heads on their own axis (the batch's
+  mask reshaped for it: engine/model/attention.py), logit soft-capping;
 - qwen3_moe: a 4-expert MoE.
 
 For each: a chat completion and the same request streamed give the same text, and
@@ -28,7 +30,7 @@ from tests.helpers.server import REPO, free_port, running_server
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ("gemma4_text", "gemma3n", "qwen3_moe")
+FAMILIES = ("gemma4_text", "gemma3n", "gemma2", "qwen3_moe")
 QUESTIONS = [
     "What is the capital of France?",
     "Name three colors.",
@@ -110,12 +112,12 @@ def test_all_families_at_once(client) -> None:
 
 
 def test_unsupported_family_is_refused_at_start(tmp_path) -> None:
-    """gemma2's attention broadcasts the batch's mask across the wrong axis: the engine
-    refuses it when it loads, naming the family, instead of answering wrongly."""
-    loaded = build_random_model("gemma2", tiny_config("gemma2"), seed=1)
-    folder = export_mlx_folder(loaded, tmp_path / "tiny-gemma2")
+    """llama4's chunked attention keeps a cache the engine has no batched form for: the
+    engine refuses it when it loads, naming the family, instead of answering wrongly."""
+    loaded = build_random_model("llama4", tiny_config("llama4"), seed=1)
+    folder = export_mlx_folder(loaded, tmp_path / "tiny-llama4")
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(folder)]
     cmd += ["--host", "127.0.0.1", "--port", str(free_port())]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "cannot load model: model family 'gemma2' is not supported" in proc.stderr
+    assert "cannot load model: model family 'llama4' is not supported" in proc.stderr

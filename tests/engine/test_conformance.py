@@ -76,7 +76,6 @@ REFUSED: dict[str, str] = {
     "deepseek_v41": "deepseek_v41.LayerCache",
     # its attention folds query heads as [B, kv_heads, repeats, L, T] and the batch's
     # [B, 1, L, T] mask then broadcasts across the wrong axis
-    "gemma2": "a batched decode step differs",
     "gpt_bigcode": "Only length-1 arrays",  # positions from an int offset, not one per row
     "llama4": "ChunkedKVCache",
     # its n-gram embedding keeps each row's recent token ids, of different lengths
