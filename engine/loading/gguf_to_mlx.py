@@ -233,6 +233,20 @@ def gemma3_config(m: Meta) -> dict:
     return cfg
 
 
+# Gemma 2 settings llama.cpp hard-codes (llama-model.cpp, LLM_ARCH_GEMMA2): attention
+# scaled by 1/sqrt(head_dim), except the 27B (46 layers): 1/sqrt(hidden/heads).
+def gemma2_config(m: Meta) -> dict:
+    cfg = _base_config(m, "gemma2")
+    cfg.pop("tie_word_embeddings")  # gemma2 always reads its output from the embedding
+    layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    cfg.update(
+        query_pre_attn_scalar=(hidden // heads) if layers == 46 else cfg["head_dim"],
+        attn_logit_softcapping=float(m("attn_logit_softcapping", 50.0)),
+        final_logit_softcapping=float(m("final_logit_softcapping", 30.0)),
+    )
+    return cfg
+
+
 GEMMA4_LAYER = {
     **ATTENTION_LAYER,
     "post_attention_norm": "post_attention_layernorm",
@@ -436,6 +450,7 @@ class GGUFArch:
 ARCHITECTURES: dict[str, GGUFArch] = {
     "llama": GGUFArch(llama_config, LLAMA_LAYER, permute_qk=True),
     "gemma3": GGUFArch(gemma3_config, GEMMA3_LAYER, norm_offset=1.0),
+    "gemma2": GGUFArch(gemma2_config, GEMMA3_LAYER, norm_offset=1.0),
     "qwen2": GGUFArch(qwen2_config, LLAMA_LAYER),
     "qwen3": GGUFArch(qwen3_config, LLAMA_LAYER),
     "qwen3moe": GGUFArch(qwen3moe_config, LLAMA_LAYER),

@@ -121,6 +121,22 @@ TINY_GEMMA3 = dict(
     max_position_embeddings=512,
 )
 
+TINY_GEMMA2 = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    vocab_size=256,
+    query_pre_attn_scalar=16,
+    attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+)
+
 TINY_QWEN3 = dict(
     hidden_size=64,
     num_hidden_layers=2,
@@ -138,6 +154,7 @@ TINY_QWEN3 = dict(
 TINY_CONFIGS = {
     "llama": TINY_LLAMA,
     "gemma3_text": TINY_GEMMA3,
+    "gemma2": TINY_GEMMA2,
     "qwen3": TINY_QWEN3,
     "qwen3_moe": dict(
         TINY_QWEN3,
@@ -189,6 +206,7 @@ TINY_CONFIGS["gemma4_text_kv"] = dict(
 _GGUF_ARCH = {
     "llama": "llama",
     "gemma3_text": "gemma3",
+    "gemma2": "gemma2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",
@@ -359,12 +377,17 @@ def write_gguf(
     else:
         w.add_feed_forward_length(cfg["intermediate_size"])
         w.add_head_count_kv(cfg["num_key_value_heads"])
-        w.add_rope_freq_base(cfg["rope_theta"])
+        if arch != "gemma2":
+            w.add_rope_freq_base(cfg["rope_theta"])
     if "head_dim" in cfg and arch not in ("gemma4", "gemma3n"):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
     if arch == "gemma3":
         w.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":  # llama.cpp's Gemma2Model converter; no RoPE base (its default)
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(4096)
     n_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if n_experts and arch != "gemma4":
         w.add_expert_count(n_experts)
