@@ -121,22 +121,6 @@ TINY_GEMMA3 = dict(
     max_position_embeddings=512,
 )
 
-TINY_GEMMA2 = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-6,
-    vocab_size=256,
-    query_pre_attn_scalar=16,
-    attn_logit_softcapping=50.0,
-    final_logit_softcapping=30.0,
-    rope_theta=10000.0,
-    max_position_embeddings=512,
-)
-
 TINY_QWEN3 = dict(
     hidden_size=64,
     num_hidden_layers=2,
@@ -150,6 +134,14 @@ TINY_QWEN3 = dict(
     rope_theta=10000.0,
     tie_word_embeddings=True,
 )
+
+# gemma2's attention keeps a group's query heads on their own axis; soft-capped logits
+TINY_GEMMA2 = {
+    **{k: v for k, v in TINY_QWEN3.items() if k != "tie_word_embeddings"},
+    "query_pre_attn_scalar": 16,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+}
 
 TINY_CONFIGS = {
     "llama": TINY_LLAMA,
