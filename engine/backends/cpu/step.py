@@ -39,6 +39,10 @@ Two layer forms, each written as its mlx-lm module computes it:
   between global ones (their own RoPE base, and the window mask of their own cache,
   which keeps about the window's keys: engine/kv.py); one RoPE table pair per distinct
   rope module and one mask per kind of layer.
+- Gemma 2 (``mlx_lm.models.gemma2``): Gemma 3's sandwich norms and GELU-tanh MLP,
+  without the query/key norms and sliding windows (mlx-lm's gemma2 attends to every
+  position), with the attention scores and the output logits soft-capped
+  (``cap * tanh(x / cap)``).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import logging
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import gemma3_text, llama
+from mlx_lm.models import gemma2, gemma3_text, llama
 
 from engine.backends.cpu import fast_math
 from engine.model.decode_step import fuse_linears
@@ -71,7 +75,7 @@ class CpuDecodeStep:
     def __init__(self, model) -> None:
         self.model = model
         self.family = layer_form(model)
-        self.gemma = self.family == "gemma3"
+        self.gemma = self.family in ("gemma3", "gemma2")  # the sandwich norms, GELU MLP
         self.inner = inner = model.model
         layers = inner.layers
         attn = layers[0].self_attn
@@ -103,11 +107,17 @@ class CpuDecodeStep:
         # Gemma 3: which layers attend through the sliding window (the model's own rule)
         self.window = None
         self._sliding = [False] * len(layers)
-        if self.gemma:
+        if self.family == "gemma3":
             pattern = inner.sliding_window_pattern
             self.window = int(inner.window_size)
             self._sliding = [i % pattern != pattern - 1 for i in range(len(layers))]
             self._embed_scale = mx.array(inner.args.hidden_size**0.5, mx.bfloat16)
+        # Gemma 2: the embedding scaled in float32, soft-capped scores and logits
+        self._score_cap = self._logit_cap = None
+        if self.family == "gemma2":
+            self._embed_scale = mx.array(inner.args.hidden_size**0.5, mx.float32)
+            self._score_cap = float(attn.attn_logit_softcapping)
+            self._logit_cap = float(model.final_logit_softcapping)
         # the first layer of each kind, whose cache gives that kind's mask
         self._global_at = next((i for i, w in enumerate(self._sliding) if not w), None)
         self._sliding_at = next((i for i, w in enumerate(self._sliding) if w), None)
@@ -183,7 +193,7 @@ class CpuDecodeStep:
     # costs every matmul a Flatten and an Unflatten node.
     def _embedded(self, x):
         """The token embeddings as the model's body scales them (Gemma 3: by
-        sqrt(hidden), rounded to bfloat16 as mlx-lm does)."""
+        sqrt(hidden), rounded to bfloat16 as mlx-lm does; Gemma 2: in float32)."""
         if self.gemma:
             return x * self._embed_scale.astype(x.dtype)
         return x
@@ -194,7 +204,7 @@ class CpuDecodeStep:
         layer = self.inner.layers[i]
         b = x.shape[0]
         qkv = layer.input_layernorm(x) @ self._wt[i]["qkv"]  # [B, Nq + 2 Nk]
-        if self.gemma:
+        if self.family == "gemma3":
             attn = layer.self_attn
             q, k, v = mx.split(qkv, [self.nq, self.nq + self.nk], axis=-1)
             q = attn.q_norm(q.reshape(b, self.n_heads, self.head_dim)).reshape(b, -1)
@@ -213,17 +223,21 @@ class CpuDecodeStep:
         the sandwich norms and the GELU-tanh MLP)."""
         layer, w = self.inner.layers[i], self._wt[i]
         if self.gemma:
-            h = _residual(x, layer.post_attention_layernorm(o @ w["o"]))
+            add = _residual if self.family == "gemma3" else mx.add
+            h = add(x, layer.post_attention_layernorm(o @ w["o"]))
             z = layer.pre_feedforward_layernorm(h) @ w["gate_up"]
             g, u = mx.split(z, 2, axis=-1)
             m = (nn.gelu_approx(g) * u) @ w["down"]
-            return _residual(h, layer.post_feedforward_layernorm(m))
+            return add(h, layer.post_feedforward_layernorm(m))
         h = mx.addmm(x, o, w["o"])  # x + o @ w: one BLAS call with beta = 1
         g, u = mx.split(layer.post_attention_layernorm(h) @ w["gate_up"], 2, axis=-1)
         return mx.addmm(h, fast_math.silu_mul(g, u), w["down"])
 
     def _head(self, x):
-        return self.inner.norm(x) @ self._head_wt
+        out = self.inner.norm(x) @ self._head_wt
+        if self._logit_cap is not None:
+            out = mx.tanh(out / self._logit_cap) * self._logit_cap
+        return out
 
     def _pairs(self, v):
         """[B, N] -> the shape in which ``_swap`` is one reversed axis."""
@@ -307,6 +321,8 @@ class CpuDecodeStep:
             # grouped-query attention (engine/model/attention.py's form); q is pre-scaled and
             # already grouped [B, Hkv, G, D]
             scores = q @ keys.swapaxes(-1, -2)
+            if self._score_cap is not None:
+                scores = mx.tanh(scores / self._score_cap) * self._score_cap
             m = window_mask if self._sliding[i] else mask
             if m is not None:
                 scores = scores + m
@@ -328,8 +344,8 @@ class CpuDecodeStep:
 
 
 def layer_form(model) -> str:
-    """The layer form of ``model`` the lean step computes ("llama" or "gemma3"); raises
-    ``_Unsupported`` (why) for anything else."""
+    """The layer form of ``model`` the lean step computes ("llama", "gemma3" or
+    "gemma2"); raises ``_Unsupported`` (why) for anything else."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if not layers:
@@ -342,8 +358,12 @@ def layer_form(model) -> str:
         type(layer) is gemma3_text.TransformerBlock for layer in layers
     ):
         return "gemma3"
+    if type(model) is gemma2.Model and all(
+        type(layer) is gemma2.TransformerBlock for layer in layers
+    ):
+        return "gemma2"
     kinds = sorted({f"{type(layer).__module__}.{type(layer).__name__}" for layer in layers})
-    raise _Unsupported(f"layer type {', '.join(kinds)} is neither llama's nor gemma3_text's")
+    raise _Unsupported(f"layer type {', '.join(kinds)} is not llama's, gemma3_text's or gemma2's")
 
 
 def _residual(x, y):

@@ -1,7 +1,7 @@
 """engine.backends.cpu.step: the lean CPU decode step gives the model's own logits (RoPE tables
 from the model's rope module, every rope flavour mlx-lm builds for llama; Gemma 3's
-sandwich norms, q/k norms, GELU MLP and sliding-window layers), ragged rows and one
-row, and is only used where it fits."""
+sandwich norms, q/k norms, GELU MLP and sliding-window layers; Gemma 2's soft-capped
+scores and logits), ragged rows and one row, and is only used where it fits."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ mx = pytest.importorskip("mlx.core")
 
 from engine.backends.cpu.step import CpuDecodeStep  # noqa: E402
 from engine.loading import build_random_model  # noqa: E402
+from engine.model import attention  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 from tests.helpers.models import (  # noqa: E402
     RANDOM_LLAMA,
     ROPES,  # noqa: E402
+    TINY_GEMMA2,
     TINY_GEMMA3,
     TINY_QWEN3,
     prefilled_batch,
@@ -91,16 +93,28 @@ def test_runner_uses_it_on_the_cpu_and_falls_back():
     # Gemma 3's layers: this step
     gemma = build_random_model("gemma3_text", TINY_GEMMA, seed=2).model
     assert isinstance(ModelRunner(gemma).decode_step, CpuDecodeStep)
-    # neither llama's nor gemma3_text's block (qwen3: q/k norms without Gemma's form)
+    # not llama's, gemma3_text's or gemma2's block (qwen3: q/k norms without Gemma's form)
     qwen = build_random_model("qwen3", TINY_QWEN3, seed=2).model
     assert CpuDecodeStep.build(qwen) is None
     assert not isinstance(ModelRunner(qwen).decode_step, CpuDecodeStep)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_lean_step_matches_gemma2():
+    """Gemma 2's layers: soft-capped scores (small caps, so the tanh bends them) and
+    logits, every layer global."""
+    config = {**TINY_GEMMA2, "vocab_size": 97, "attn_logit_softcapping": 2.0}
+    model = build_random_model("gemma2", {**config, "final_logit_softcapping": 3.0}, seed=3)
+    attention.install(model.model)  # the reference's own call on a batch needs its mask form
+    step = CpuDecodeStep.build(model.model)
+    assert step is not None and step.family == "gemma2"
+    _check(model.model, step, PROMPTS, steps=6)
+    _check(model.model, step, PROMPTS[:1], steps=6)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gemma2"])
 def test_runner_decode_is_greedy_identical_to_the_plain_model(family):
     """Through ModelRunner (what the worker calls), with rows joining mid-way."""
-    config = TINY if family == "llama" else TINY_GEMMA
+    config = {"llama": TINY, "gemma3_text": TINY_GEMMA, "gemma2": TINY_GEMMA2}[family]
     loaded = build_random_model(family, config, seed=5)
     lean = ModelRunner(loaded.model)
     plain = ModelRunner(loaded.model, fused_decode=False)
