@@ -143,8 +143,12 @@ TINY_GEMMA2 = {
     "final_logit_softcapping": 30.0,
 }
 
+# qwen2 (Qwen2.5): biases on the Q/K/V projections, no head_dim setting
+TINY_QWEN2 = {k: v for k, v in TINY_QWEN3.items() if k != "head_dim"}
+
 TINY_CONFIGS = {
     "llama": TINY_LLAMA,
+    "qwen2": TINY_QWEN2,
     "gemma3_text": TINY_GEMMA3,
     "gemma2": TINY_GEMMA2,
     "qwen3": TINY_QWEN3,
@@ -199,6 +203,7 @@ _GGUF_ARCH = {
     "llama": "llama",
     "gemma3_text": "gemma3",
     "gemma2": "gemma2",
+    "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",

@@ -505,7 +505,7 @@ def test_random_model_quantized_and_per_layer_inputs():
 # --- GGUF of every family llama.cpp defines = the same weights as an mlx-lm folder -------
 
 GGUF_FAMILIES = [
-    "llama", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gemma4_text",
+    "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gemma4_text",
     "gemma4_text_kv", "gemma3n",
 ]  # fmt: skip
 
