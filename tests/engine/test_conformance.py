@@ -74,8 +74,6 @@ REFUSED: dict[str, str] = {
     "afm7": "a batched decode step differs",
     "bitnet": "cannot run on this device",  # a Metal-only kernel
     "deepseek_v41": "deepseek_v41.LayerCache",
-    # its attention folds query heads as [B, kv_heads, repeats, L, T] and the batch's
-    # [B, 1, L, T] mask then broadcasts across the wrong axis
     "gpt_bigcode": "Only length-1 arrays",  # positions from an int offset, not one per row
     "llama4": "ChunkedKVCache",
     # its n-gram embedding keeps each row's recent token ids, of different lengths

@@ -78,7 +78,7 @@ def shadow_of(wq, scales, biases, bits: int, group_size: int) -> QuantShadow | N
     2, 3, 5 and 6-bit weights (Gemma 3's Q5_0 projections, Q5_1, Q5_K) are widened
     to 8 bits: the same integers, scales and biases, so the same values
     (``w = scale * q + bias``) at 1.25 bytes a weight instead of float32's 4."""
-    if bits not in WIDENED + (4, 8) or group_size % 32 or biases is None or wq.ndim != 2:
+    if not _kernel_takes(bits, group_size) or biases is None or wq.ndim != 2:
         return None
     q = np.ascontiguousarray(_numpy(wq))
     q = q.view(np.uint8).reshape(q.shape[0], -1)
@@ -102,7 +102,7 @@ def shadow_of_codes(
 ) -> QuantShadow | None:
     """``shadow_of`` from unpacked codes (uint8 [N, K], one weight each: a GGUF block
     format decoded), without packing them into MLX's bit stream first."""
-    if bits not in WIDENED + (4, 8) or group_size % 32 or q.ndim != 2:
+    if not _kernel_takes(bits, group_size) or q.ndim != 2:
         return None
     q = q.astype(np.uint8, copy=False)
     if bits == 4:
@@ -114,6 +114,12 @@ def shadow_of_codes(
 
 # bit widths whose packed integers are stored as 8-bit ones in the shadow
 WIDENED = (2, 3, 5, 6)
+
+
+def _kernel_takes(bits: int, group_size: int) -> bool:
+    """Whether the products can read weights of this affine format (as 4 or 8 bits,
+    one scale and bias per 32 weights)."""
+    return bits in WIDENED + (4, 8) and group_size % 32 == 0
 
 
 def _widen_to_8(packed: np.ndarray, bits: int) -> np.ndarray:
