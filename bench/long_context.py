@@ -150,15 +150,16 @@ def table(rows: list[dict]) -> str:
 
 
 def run(models: dict, positions: list[int], steps: int, repeat: int) -> list[dict]:
-    """``models``: name -> LoadedModel. Warms each engine at the longest position first
-    (kernels, buffers), then measures every position."""
+    """``models``: name -> LoadedModel. Warms each engine at every position first
+    (kernels and buffers of each length: on a GPU a form first used at a new length
+    compiles then), then measures every position."""
     rows = []
     for name, lm in models.items():
         engine = engine_for(lm, max(positions) + steps + 64)
         try:
             vocab = lm.config.get("vocab_size", 256)
             t = time.perf_counter()
-            measure_positions(engine, lm.name, vocab, [0, max(positions)], 4)  # warm-up
+            measure_positions(engine, lm.name, vocab, positions, 4)  # warm-up
             print(f"{name}: warm-up {time.perf_counter() - t:.1f} s", flush=True)
             got = measure_positions(engine, lm.name, vocab, positions, steps, repeat)
         finally:
