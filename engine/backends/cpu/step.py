@@ -58,6 +58,14 @@ from engine.model.decode_step import fuse_linears
 
 log = logging.getLogger("markbase.cpu_step")
 
+# Every this many layers the step queues what it has built so far (``mx.async_eval``):
+# MLX's CPU stream then runs those layers while Python builds the next ones, instead
+# of starting only when the whole graph is built (~2.5 ms of Python for SmolLM2-135M's
+# 30 layers). SmolLM2's step, 256 positions, alternated in one process on 2 Zen 3
+# cores: 1.05x at B=1, 1.03x at B=4, 1.01x at B=8 (every layer: 1.04x / 1.02-1.07x /
+# 0.99x at B=16; every 6: 1.05x / 1.02x / 1.01x).
+_QUEUE_EVERY = 3
+
 
 class CpuDecodeStep:
     """``step(tokens [B, 1] int32, cache) -> logits [B, V]`` (lazy) for llama-family
@@ -329,6 +337,8 @@ class CpuDecodeStep:
             o = (mx.softmax(scores, axis=-1, precise=True) @ values).reshape(b, -1)
             if i < last:
                 x, q, k, v = self._between[i](x, o, *tables[self._rope_of[i + 1]])
+                if i % _QUEUE_EVERY == _QUEUE_EVERY - 1:
+                    mx.async_eval(x, q, k, v)
             else:
                 return self._last(x, o)
         raise AssertionError("no layers")
