@@ -994,10 +994,36 @@ static inline void store_c(float *c, float v, float alpha, float beta) {
 }
 
 
-/* C[M x N] = alpha * A[M x K] * B[N x K]^T + beta * C (K <= SMALL_D). */
+/* C[M x N] = alpha * A[M x K] * B[N x K]^T + beta * C (K <= SMALL_D). Each dot product
+   is one chain of 8-lane FMAs over K, then a horizontal sum, whatever M and N: decode
+   attention's scores (M = a group's query heads, often fewer than 4) take four key
+   rows at a time, four independent chains, instead of one latency-bound chain. */
 static void small_nt(int M, int N, int K, float alpha, const float *A, int lda, const float *B,
                      int ldb, float beta, float *C, int ldc) {
-  for (int n = 0; n < N; n++) {
+  int n = 0;
+#if defined(MB_AVX2) || defined(MB_AVX512)
+  if (K % 8 == 0)
+    for (; n + 4 <= N; n += 4) {
+      const float *b0 = B + (size_t)n * ldb, *b1 = b0 + ldb, *b2 = b1 + ldb, *b3 = b2 + ldb;
+      for (int m = 0; m < M; m++) {
+        const float *x = A + (size_t)m * lda;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int k = 0; k < K; k += 8) {
+          const __m256 xv = _mm256_loadu_ps(x + k);
+          a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(b0 + k), a0);
+          a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(b1 + k), a1);
+          a2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(b2 + k), a2);
+          a3 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(b3 + k), a3);
+        }
+        float *c = C + (size_t)m * ldc + n;
+        store_c(c, hsum8(a0), alpha, beta);
+        store_c(c + 1, hsum8(a1), alpha, beta);
+        store_c(c + 2, hsum8(a2), alpha, beta);
+        store_c(c + 3, hsum8(a3), alpha, beta);
+      }
+    }
+#endif
+  for (; n < N; n++) {
     const float *b = B + (size_t)n * ldb;
     int m = 0;
 #if defined(MB_AVX2) || defined(MB_AVX512)
