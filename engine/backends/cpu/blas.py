@@ -241,7 +241,7 @@ def build_gemv_shim(cache_dir: str | os.PathLike | None = None) -> str | None:
                 src = Path(tmp) / "shim.c"
                 src.write_text(source)
                 tmp_so = Path(tmp) / "shim.so"
-                cmd = [cc, *flags, "-shared", "-fPIC", "-o", str(tmp_so), str(src), "-ldl"]
+                cmd = [cc, *flags, "-shared", "-fPIC", "-o", str(tmp_so), str(src), "-ldl", "-lm"]
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
                 if proc.returncode != 0:
                     log.info(

@@ -22,8 +22,11 @@ This step builds ~30 nodes per layer:
 - Reshapes instead of transposes (one query position per row), and the MLP of
   layer i compiled together with the norm, QKV product and RoPE of layer i + 1.
 - SiLU from engine/backends/cpu/fast_math.py (MLX's CPU exp is ~15x slower than its multiplies:
-  ~14 ms of a batch-16 step). The attention's softmax keeps MLX's: its shape changes
-  every step, and a compiled one would be traced anew each time.
+  ~14 ms of a batch-16 step). The attention's masked softmax runs inside its score
+  product when MLX's matmuls reach the sgemm shim (``mx.addmm`` with the shim's
+  softmax alpha: engine/backends/cpu/native/blas_shim.c): MLX's CPU softmax runs its exp
+  one element at a time, ~28 ms of a batch-16 step. Soft-capped scores (Gemma 2) keep
+  MLX's softmax.
 
 The KV update and the attention stay outside ``mx.compile`` (they touch the cache
 object); the attention is the grouped-query form of engine/model/attention.py. Values
@@ -47,6 +50,7 @@ Two layer forms, each written as its mlx-lm module computes it:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import mlx.core as mx
@@ -186,6 +190,10 @@ class CpuDecodeStep:
         self._probe = mx.stack([first, 1 - first])[:, None, :]  # [2, 1, D]
         mx.eval(self._first_member, self._probe)
         self._check_rope(layers)
+        # float32 scores without a soft cap: the softmax runs inside their product
+        self._softmax_alpha = None
+        if self._score_cap is None and self._head_wt.dtype == mx.float32:
+            self._softmax_alpha = _shim_softmax_alpha()
 
         n = len(layers)
         # layer 0's input part; then "MLP of i + input part of i + 1"; the last MLP + head
@@ -324,17 +332,27 @@ class CpuDecodeStep:
             window_mask = self._additive(window_mask, b, x.dtype)
         x, q, k, v = self._first(x, *tables[self._rope_of[0]])
         last = len(cache) - 1
+        zeros: dict[int, mx.array] = {}  # the softmax's mask where a layer needs none
         for i, layer_kv in enumerate(cache):
             keys, values = layer_kv.update_and_fetch(k, v)
             # grouped-query attention (engine/model/attention.py's form); q is pre-scaled and
             # already grouped [B, Hkv, G, D]
-            scores = q @ keys.swapaxes(-1, -2)
-            if self._score_cap is not None:
-                scores = mx.tanh(scores / self._score_cap) * self._score_cap
             m = window_mask if self._sliding[i] else mask
-            if m is not None:
-                scores = scores + m
-            o = (mx.softmax(scores, axis=-1, precise=True) @ values).reshape(b, -1)
+            if self._softmax_alpha is not None:
+                # the masked softmax inside the score product (native/blas_shim.c)
+                t = keys.shape[2]
+                if m is None and t not in zeros:
+                    zeros[t] = mx.zeros((b, self.n_kv, self.n_heads // self.n_kv, t), x.dtype)
+                c = zeros[t] if m is None else m
+                probs = mx.addmm(c, q, keys.swapaxes(-1, -2), alpha=self._softmax_alpha, beta=1.0)
+                o = (probs @ values).reshape(b, -1)
+            else:
+                scores = q @ keys.swapaxes(-1, -2)
+                if self._score_cap is not None:
+                    scores = mx.tanh(scores / self._score_cap) * self._score_cap
+                if m is not None:
+                    scores = scores + m
+                o = (mx.softmax(scores, axis=-1, precise=True) @ values).reshape(b, -1)
             if i < last:
                 x, q, k, v = self._between[i](x, o, *tables[self._rope_of[i + 1]])
                 if i % _QUEUE_EVERY == _QUEUE_EVERY - 1:
@@ -351,6 +369,29 @@ class CpuDecodeStep:
         g = self.n_heads // self.n_kv
         mask = mx.where(mask, 0.0, -mx.inf).astype(dtype)
         return mx.broadcast_to(mask, (b, self.n_kv, g, mask.shape[-1])) + 0
+
+
+def _shim_softmax_alpha() -> float | None:
+    """The ``alpha`` that makes ``mx.addmm(mask, q, k^T, alpha, beta=1)`` the masked
+    softmax of the scores (engine/backends/cpu/native/blas_shim.c), when MLX's matmuls
+    reach the shim in this process; else None. Checked with a probe: MLX bound to
+    another BLAS would return alpha * scores + mask instead."""
+    from engine.backends.cpu.blas import shim_library
+
+    lib = shim_library()
+    if lib is None or not hasattr(lib, "markbase_softmax_alpha"):
+        return None
+    lib.markbase_softmax_alpha.restype = ctypes.c_float
+    alpha = float(lib.markbase_softmax_alpha())
+    q = mx.array([[[[0.5, -1.0], [2.0, 0.25]]]])  # [1, 1, 2, 2]
+    k = mx.array([[[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]]])  # [1, 1, 3, 2]
+    mask = mx.array([[[[0.0, -mx.inf, 0.0], [0.0, 0.0, 0.0]]]])
+    got = mx.addmm(mask, q, k.swapaxes(-1, -2), alpha=alpha, beta=1.0)
+    want = mx.softmax(q @ k.swapaxes(-1, -2) + mask, axis=-1, precise=True)
+    if not mx.allclose(got, want, rtol=1e-6, atol=1e-7).item():
+        log.info("softmax in the score product not used: MLX's matmuls do not reach the shim")
+        return None
+    return alpha
 
 
 def layer_form(model) -> str:

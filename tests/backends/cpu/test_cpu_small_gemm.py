@@ -80,3 +80,30 @@ def test_switch_off_gives_the_same_values():
     finally:
         lib.markbase_blas_set_small(1)
     assert np.allclose(np.asarray(on), np.asarray(off), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("g,d,t", [(3, 64, 300), (1, 64, 5), (16, 128, 40), (2, 320, 33)])
+def test_softmax_inside_the_score_product(g, d, t):
+    """``addmm(mask, q, k^T, alpha=markbase_softmax_alpha(), beta=1)`` is the masked
+    softmax of the scores (the lean decode step's attention), through the small loops
+    and, for a head wider than they take (320), through the real BLAS; positions the
+    mask hides get exactly 0, as in MLX's softmax."""
+    from engine.backends.cpu.step import _shim_softmax_alpha
+
+    _lib()
+    alpha = _shim_softmax_alpha()
+    assert alpha is not None, "MLX's matmuls reach the shim here, so the step would use it"
+    b, h, cap = 2, 3, t + 11
+    buf = mx.random.normal((b, h, cap, d), key=mx.random.key(t)) * 0.5
+    q = mx.random.normal((b, h, g, d), key=mx.random.key(d))
+    keys = buf[:, :, :t, :]
+    pad = mx.array([0, t // 3])  # row 1 left-padded, as in a running batch
+    visible = mx.arange(t)[None, :] >= pad[:, None]
+    mask = mx.where(visible, 0.0, -mx.inf)[:, None, None, :]
+    mask = mx.broadcast_to(mask, (b, h, g, t)) + 0
+    got = mx.addmm(mask, q, keys.swapaxes(-1, -2), alpha=alpha, beta=1.0)
+    want = mx.softmax(q @ keys.swapaxes(-1, -2) + mask, axis=-1, precise=True)
+    got, want = np.asarray(got), np.asarray(want)
+    assert np.abs(got - want).max() < 1e-6
+    assert np.allclose(got.sum(axis=-1), 1.0, atol=1e-5)
+    assert (got[1, :, :, : t // 3] == 0).all()

@@ -14,6 +14,7 @@
 */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1100,10 +1101,77 @@ void markbase_qw_timing(int on) {
 }
 double markbase_qw_time_us(void) { return q_time_us; }
 
+/* ------------------------------------------------ decode attention's softmax
+
+   MLX's CPU softmax runs its exp one element at a time (~20 ns): at 16 rows and 256
+   positions a SmolLM2 step spent ~28 ms of ~200 in it. The lean decode step asks for
+   the softmax inside the score product instead: ``mx.addmm(mask, q, k^T, alpha=A,
+   beta=1)`` with A = markbase_softmax_alpha() (2^-100, which no model passes) comes
+   here as C = softmax over each row of (A' B^T + C), A' = the unscaled product, so
+   the mask is added first. The step checks at construction that MLX's matmuls reach
+   this shim (a probe whose rows must sum to 1), else it keeps MLX's softmax. exp:
+   Cephes' single-precision scheme with FMA (within 2 ulp), 0 below -87.3 (masked
+   positions: exactly 0, as MLX's). */
+#define MB_SOFTMAX_ALPHA 0x1p-100f
+float markbase_softmax_alpha(void) { return MB_SOFTMAX_ALPHA; }
+
+#if defined(MB_AVX2) || defined(MB_AVX512)
+static inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3365478515625f), hi = _mm256_set1_ps(88.3762626647949f);
+  const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+#endif
+
+static void softmax_row(float *c, int n) {
+  float m = -INFINITY;
+  for (int i = 0; i < n; i++) m = c[i] > m ? c[i] : m;
+  float sum = 0.f;
+  int i = 0;
+#if defined(MB_AVX2) || defined(MB_AVX512)
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(c + i), mv));
+    _mm256_storeu_ps(c + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum8(acc);
+#endif
+  for (; i < n; i++) {
+    c[i] = c[i] - m < -87.3365478515625f ? 0.f : expf(c[i] - m);
+    sum += c[i];
+  }
+  const float inv = 1.f / sum;
+  for (i = 0; i < n; i++) c[i] *= inv;
+}
+
 void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha,
                  const float *A, int lda, const float *B, int ldb, float beta,
                  float *C, int ldc) {
   if (!real_sgemm && markbase_blas_init(NULL) != 0) abort();
+  if (alpha == MB_SOFTMAX_ALPHA && order == RowMajor) { /* decode attention: softmax(Q K^T + C) */
+    if (ta == NoTrans && tb == Trans && M <= SMALL_M && K <= SMALL_D)
+      small_nt(M, N, K, 1.f, A, lda, B, ldb, beta, C, ldc);
+    else
+      real_sgemm(order, ta, tb, M, N, K, 1.f, A, lda, B, ldb, beta, C, ldc);
+    for (int m = 0; m < M; m++) softmax_row(C + (size_t)m * ldc, N);
+    return;
+  }
   if (q_on && order == RowMajor && ta == NoTrans && tb == Trans && ldb == K && M > 0 &&
       M <= q_max_m && K % 32 == 0) {
     const qw_t *e = qfind(B, N, K);
