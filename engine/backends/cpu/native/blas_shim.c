@@ -796,9 +796,56 @@ static long pool_helper_tiles, pool_jobs; /* for markbase_qw_pool_stats */
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER; /* one job at a time */
 static pthread_mutex_t pool_init_lock = PTHREAD_MUTEX_INITIALIZER;
 
+#ifdef QW_BUF
+static __thread float *t_buf; /* a tile's weight rows dequantized (tile_rows) */
+static __thread size_t t_cap;
+
+/* Rows [n0, n1) of job j with more input rows than one register tile (float inputs):
+   the weight rows dequantized once into a buffer, then each tile of MT input rows
+   against all of them, so the inputs a tile reads stay in L1 (qrow instead reads
+   every input row for each weight row). The same dot products in the same order as
+   qrow's, so the same bits. 0 when it does not apply. */
+static int tile_rows(const qjob_t *j, int n0, int n1) {
+  const qw_t *e = j->e;
+  const qin_t *in = j->in;
+  const int K = in->K;
+  if (in->i8 || in->M <= MT || !grow(&t_buf, &t_cap, (size_t)(n1 - n0) * K)) return 0;
+  int bits[TILE];
+  for (int n = n0, si = 0; n < n1; n++) {
+    while (n >= e->seg[si].n0 + e->seg[si].n) si++;
+    const qseg_t *sg = &e->seg[si];
+    const int r = n - sg->n0, ng = K / sg->gs;
+    const uint8_t *q = sg->q + (size_t)r * (K * sg->bits / 8);
+    (sg->bits == 4 ? deq4_row : deq8_row)(q, sg->s + (size_t)r * ng, sg->b + (size_t)r * ng, K,
+                                          sg->gs, t_buf + (size_t)(n - n0) * K);
+    bits[n - n0] = sg->bits;
+  }
+  float out[MT];
+  for (int m0 = 0; m0 < in->M; m0 += MT) {
+    const int mt = in->M - m0 < MT ? in->M - m0 : MT;
+    for (int n = n0; n < n1; n++) {
+      const float *w = t_buf + (size_t)(n - n0) * K;
+      if (bits[n - n0] == 4)
+        dotw_tab[mt](w, K, in->xe + (size_t)m0 * (K / 2), in->xo + (size_t)m0 * (K / 2), K / 2, out);
+      else
+        dotw8_tab[mt](w, K, in->A + (size_t)m0 * in->lda, in->lda, out);
+      for (int i = 0; i < mt; i++) {
+        float y = j->alpha * out[i];
+        float *c = j->C + (size_t)(m0 + i) * j->ldc + n;
+        *c = j->beta == 0.f ? y : y + j->beta * *c;
+      }
+    }
+  }
+  return 1;
+}
+#endif
+
 static void run_tile(const qjob_t *j, int t) {
   const qw_t *e = j->e;
   int n = t * TILE, end = n + TILE < e->N ? n + TILE : e->N, si = 0;
+#ifdef QW_BUF
+  if (tile_rows(j, n, end)) return;
+#endif
   for (; n < end; n++) {
     while (n >= e->seg[si].n0 + e->seg[si].n) si++;
     qrow(&e->seg[si], n, j->in, j->alpha, j->beta, j->C, j->ldc);
