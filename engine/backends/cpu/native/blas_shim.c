@@ -718,34 +718,17 @@ static int grow(float **buf, size_t *cap, size_t need) {
   return 1;
 }
 
-#ifdef QW_BUF
-static __thread float *w_buf; /* a dequantized weight row (qrow) */
-static __thread size_t w_cap;
-#endif
-
-/* One weight row n (of segment sg) against every input row. */
+/* One weight row n (of segment sg) against every input row, straight from its codes
+   (with more input rows than one register tile, run_tile's tile_rows buffers the
+   tile's dequantized rows instead; qrow is its fallback when that buffer cannot grow). */
 static inline void qrow(const qseg_t *sg, int n, const qin_t *in, float alpha, float beta,
                         float *C, int ldc) {
   const int K = in->K, r = n - sg->n0, ng = K / sg->gs;
   const uint8_t *q = sg->q + (size_t)r * (K * sg->bits / 8);
   const float *s = sg->s + (size_t)r * ng, *b = sg->b + (size_t)r * ng;
   float out[MT];
-#ifdef QW_BUF
-  const float *w = 0; /* the row dequantized once, for more input rows than one tile */
-  if (!in->i8 && in->M > MT && grow(&w_buf, &w_cap, (size_t)K)) {
-    (sg->bits == 4 ? deq4_row : deq8_row)(q, s, b, K, sg->gs, w_buf);
-    w = w_buf;
-  }
-#endif
   for (int m0 = 0; m0 < in->M; m0 += MT) {
     int mt = in->M - m0 < MT ? in->M - m0 : MT;
-#ifdef QW_BUF
-    if (w && sg->bits == 4)
-      dotw_tab[mt](w, K, in->xe + (size_t)m0 * (K / 2), in->xo + (size_t)m0 * (K / 2), K / 2, out);
-    else if (w)
-      dotw8_tab[mt](w, K, in->A + (size_t)m0 * in->lda, in->lda, out);
-    else
-#endif
 #ifdef MB_VNNI
     if (in->i8)
       idot_tab[mt](sg->bits, q, s, b, in, m0, out);
@@ -1160,11 +1143,12 @@ double markbase_qw_time_us(void) { return q_time_us; }
    Cephes' single-precision scheme with FMA (within 2 ulp), 0 below -87.3 (masked
    positions: exactly 0, as MLX's). */
 #define MB_SOFTMAX_ALPHA 0x1p-100f
+#define MB_EXP_FLOOR -87.3365478515625f /* below it exp is 0 here (float's smallest normal) */
 float markbase_softmax_alpha(void) { return MB_SOFTMAX_ALPHA; }
 
 #if defined(MB_AVX2) || defined(MB_AVX512)
 static inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3365478515625f), hi = _mm256_set1_ps(88.3762626647949f);
+  const __m256 lo = _mm256_set1_ps(MB_EXP_FLOOR), hi = _mm256_set1_ps(88.3762626647949f);
   const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
   x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -1200,7 +1184,7 @@ static void softmax_row(float *c, int n) {
   sum = hsum8(acc);
 #endif
   for (; i < n; i++) {
-    c[i] = c[i] - m < -87.3365478515625f ? 0.f : expf(c[i] - m);
+    c[i] = c[i] - m < MB_EXP_FLOOR ? 0.f : expf(c[i] - m);
     sum += c[i];
   }
   const float inv = 1.f / sum;
