@@ -148,6 +148,7 @@ class StepAdjust:
     def apply(self, x, xp):
         """``x`` float32 [B, V] (numpy: a copy this may write in) with the adjusted rows
         changed; MLX returns a new array."""
+
         def adjust(sub):
             sub = self._bias(self._mask_ends(sub, xp), xp)
             if self.penalized:

@@ -255,9 +255,7 @@ class LastPositions:
             return None
         for _, module in model.named_modules():
             # the module that holds the layers, whatever it calls them (gpt2: ``h``)
-            holds = any(
-                isinstance(v, list) and v and v[0] is layers[0] for v in module.values()
-            )
+            holds = any(isinstance(v, list) and v and v[0] is layers[0] for v in module.values())
             if holds:
                 for name in cls.NAMES:
                     if isinstance(module.get(name), nn.Module):

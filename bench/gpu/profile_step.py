@@ -209,7 +209,8 @@ def main() -> None:
     variants = [v for v in args.variants.split(",") if v]
     if not kernel_ok:  # no CUDA (a CPU dry run) or a shape the kernel does not take
         variants = [v for v in variants if not VARIANTS[v.split("-")[0]][0]] or variants[:1]
-    if os.environ.get("MARKBASE_NO_MMA"):  # suite.sh: engine/backends/cuda/products/mma.py failed its tests
+    # suite.sh: engine/backends/cuda/products/mma.py failed its tests
+    if os.environ.get("MARKBASE_NO_MMA"):
         variants = [v for v in variants if not v.startswith(("mma", "s6", "qmma"))] or variants[:1]
     for rep in range(args.repeat):
         for b in [int(x) for x in args.batches.split(",") if x]:
@@ -232,7 +233,8 @@ def main() -> None:
                 # reset_plans below, and read this when they are)
                 os.environ["MARKBASE_GPU_QSTREAM_NORM"] = "1" if "-qn1" in v else "0"
                 os.environ["MARKBASE_GPU_QSTREAM_EARLY"] = "1" if "-qe" in v else "0"
-                pf = re.search(r"-pf(\d*)", v)  # engine/backends/cuda/prefetch.py, its MB of gate/up
+                # engine/backends/cuda/prefetch.py, its MB of gate/up
+                pf = re.search(r"-pf(\d*)", v)
                 if hasattr(step, "l2_prefetch"):
                     step.l2_prefetch = pf is not None
                 if pf and pf.group(1):

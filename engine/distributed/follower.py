@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         from engine.runner import ModelRunner
 
         loaded = load_model(
-            model_cfg["source"], name=model_cfg.get("name"), weight_format=model_cfg["weight_format"]
+            model_cfg["source"],
+            name=model_cfg.get("name"),
+            weight_format=model_cfg["weight_format"],
         )
         shard_model(loaded, group)
         runner = ModelRunner(loaded.model, None, fused_decode=False, check=False)

@@ -88,7 +88,9 @@ class TensorParallelGroup:
             mx_group = join_group(spec0)
             t0 = time.monotonic()
             loaded = load_model(
-                model_config.source, name=model_config.name, weight_format=model_config.weight_format
+                model_config.source,
+                name=model_config.name,
+                weight_format=model_config.weight_format,
             )
             shard_model(loaded, mx_group)
             hellos = leader.accept(START_TIMEOUT_S, group._check_alive)

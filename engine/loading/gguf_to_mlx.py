@@ -607,7 +607,9 @@ def gguf_weights(
     ws = WeightSet(arrays={}, hint=_inverse_hint(arch))
     src = str(gf.path)
     n_head, n_kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
-    tensors = bar(gf.tensors.items(), desc=f"converting {gf.path.name}", total=len(gf.tensors), unit="tensor")
+    tensors = bar(
+        gf.tensors.items(), desc=f"converting {gf.path.name}", total=len(gf.tensors), unit="tensor"
+    )
     for name, t in tensors:
         if name in arch.consumed:
             continue

@@ -268,9 +268,7 @@ class FusedDecodeStep:
         # capacity (every 256 steps) or the attention's split count changes; the
         # warm-up traces the batch sizes it runs, and a retrace later cost no step over
         # ~80 ms in the H100 engine table (max step at B=32/128, as without it)
-        self.step_compile = (
-            self.rope is not None and envs.MARKBASE_GPU_STEP_COMPILE
-        )
+        self.step_compile = self.rope is not None and envs.MARKBASE_GPU_STEP_COMPILE
         self._whole = mx.compile(self._whole_step) if self.step_compile else None
         # (thread, batch size) whose split counters are made; threads whose stream-K
         # buffers are (both are per thread)

@@ -68,7 +68,9 @@ def test_limit_settings_come_from_every_layer_and_are_checked(tmp_path):
     s = load_settings(str(cfg), env={"MARKBASE_MAX_CONNECTIONS_PER_CLIENT": "7"})
     assert (s.server.header_timeout_s, s.server.max_connections) == (3.0, 50)
     assert s.server.max_connections_per_client == 7
-    args = build_parser().parse_args(["serve", "--body-min-rate-bytes", "0", "--keepalive-timeout-s", "2"])
+    args = build_parser().parse_args(
+        ["serve", "--body-min-rate-bytes", "0", "--keepalive-timeout-s", "2"]
+    )
     s = load_settings(None, env={}, overrides=overrides_from_args(args))
     assert (s.server.body_min_rate_bytes, s.server.keepalive_timeout_s) == (0, 2.0)
     for key, bad in [

@@ -121,7 +121,9 @@ def test_models_lists_packaged_configured_and_cached(tmp_path):
     gguf = tmp_path / "mine.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 1000)
     cfg = tmp_path / "models.yaml"
-    cfg.write_text(f"engine:\n  models:\n    - source: {MODEL}\n    - source: {gguf}\n      name: mine\n")
+    cfg.write_text(
+        f"engine:\n  models:\n    - source: {MODEL}\n    - source: {gguf}\n      name: mine\n"
+    )
     out = markbase("models", "--config", str(cfg), "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)

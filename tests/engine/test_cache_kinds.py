@@ -50,7 +50,9 @@ def test_layouts_follow_make_cache() -> None:
 
 def test_unknown_cache_class_is_refused_at_load() -> None:
     loaded = build_random_model("llama4", tiny_config("llama4"))
-    with pytest.raises(ModelLoadError, match="model family 'llama4' is not supported.*ChunkedKVCache"):
+    with pytest.raises(
+        ModelLoadError, match="model family 'llama4' is not supported.*ChunkedKVCache"
+    ):
         ModelRunner(loaded.model)
 
 

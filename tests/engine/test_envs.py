@@ -118,7 +118,11 @@ def test_settings_match_server_config():
             if f.name == "models":
                 continue
             s = envs.switch("MARKBASE_" + f.name.upper())
-            if f.default is not dataclasses.MISSING and f.default is not None and s.default is not None:
+            if (
+                f.default is not dataclasses.MISSING
+                and f.default is not None
+                and s.default is not None
+            ):
                 assert s.default == f.default, f.name
 
 

@@ -341,9 +341,7 @@ def ensure_fast_blas(*, allow_reexec: bool = True, gemv_shim: bool | None = None
             f"{ENV_LIB}=/path/to/libopenblas.so.0)",
         )
         return _setup
-    want_shim = (
-        gemv_shim if gemv_shim is not None else envs.value(ENV_GEMV) == "1"
-    )
+    want_shim = gemv_shim if gemv_shim is not None else envs.value(ENV_GEMV) == "1"
     shim = build_gemv_shim() if want_shim else None
     _thread_env()
 

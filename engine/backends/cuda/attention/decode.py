@@ -240,8 +240,6 @@ _SPLIT_BODY = _WRITE_PARTS + _MERGE_LAST
 _COUNTER = ("counter", "int32", 1)
 
 
-
-
 def _specs(scale: float, rope_scale: float = 1.0) -> dict[str, KernelSpec]:
     header = _header(scale, rope_scale)
     inputs = [("q", "T", 4), *CACHE_INPUTS]

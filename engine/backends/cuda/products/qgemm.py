@@ -70,10 +70,7 @@ _SOURCE = _source("products/qgemm/source.cu")
 PAIR = _source("products/qgemm/pair.cuh")
 
 # one m-tile's weight registers for one k-step: words of its two rows, scale/bias pairs
-_QW = (
-    PAIR
-    + _source("products/qgemm/qw.cuh")
-)
+_QW = PAIR + _source("products/qgemm/qw.cuh")
 
 
 def product_kind(kind: str, suffix: str, flag: str, residual: str) -> tuple:
