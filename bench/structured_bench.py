@@ -59,8 +59,34 @@ PROMPT = "List the books, films, songs and games you like as JSON records."
 
 # --model random-smollm2: SmolLM2-135M's shape with random bfloat16 weights, for a machine
 # without the model's package (an offline GPU machine); --tokenizer gives the real vocabulary,
-# which is what the masks depend on.
+# which is what the masks depend on. random-llama-1b / random-llama-8b: Llama 3.2 1B's and
+# Llama 3 8B's layers with the same vocabulary (49,152 tokens), for the mask's cost beside a
+# forward that is not bound by the host.
+_LLAMA3 = dict(
+    rms_norm_eps=1e-5,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    num_key_value_heads=8,
+)
 RANDOM_SHAPES = {
+    "random-llama-1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        head_dim=64,
+        **_LLAMA3,
+    ),
+    "random-llama-8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        head_dim=128,
+        **_LLAMA3,
+    ),
     "random-smollm2": dict(
         hidden_size=576,
         num_hidden_layers=30,
@@ -73,7 +99,7 @@ RANDOM_SHAPES = {
         rope_theta=100000.0,
         tie_word_embeddings=True,
         head_dim=64,
-    )
+    ),
 }
 
 
@@ -87,6 +113,9 @@ def parse_args() -> argparse.Namespace:
         help=f"a model source, or {', '.join(RANDOM_SHAPES)} (with --tokenizer)",
     )
     p.add_argument("--tokenizer", help="a saved tokenizer folder (engine.tokenizer.Tokenizer.save)")
+    p.add_argument(
+        "--bits", type=int, default=None, help="a random model's weights quantized (4 or 8)"
+    )
     p.add_argument("--batches", default="1,8,32", help="batch sizes, comma-separated")
     p.add_argument("--fractions", default="0,0.5,1", help="shares of constrained rows")
     p.add_argument("--tokens", type=int, default=48, help="tokens decoded per row")
@@ -234,7 +263,7 @@ async def run_batch(
     }
 
 
-def random_model(name: str, tokenizer_dir: str | None):
+def random_model(name: str, tokenizer_dir: str | None, bits: int | None = None):
     import dataclasses
 
     import mlx.core as mx
@@ -244,7 +273,7 @@ def random_model(name: str, tokenizer_dir: str | None):
 
     if not tokenizer_dir:
         raise SystemExit(f"--model {name} needs --tokenizer DIR")
-    lm = build_random_model("llama", RANDOM_SHAPES[name], seed=0)
+    lm = build_random_model("llama", RANDOM_SHAPES[name], seed=0, quantize_bits=bits, group_size=64)
     lm.model.set_dtype(mx.bfloat16)
     mx.eval(lm.model.parameters())
     return dataclasses.replace(
@@ -252,7 +281,7 @@ def random_model(name: str, tokenizer_dir: str | None):
         name=name,
         tokenizer=Tokenizer.load(tokenizer_dir),
         compute_dtype="bfloat16",
-        weight_format="random-bfloat16",
+        weight_format=f"random-q{bits}" if bits else "random-bfloat16",
     )
 
 
@@ -283,7 +312,7 @@ def main() -> None:
 
     t = time.perf_counter()
     lm = (
-        random_model(args.model, args.tokenizer)
+        random_model(args.model, args.tokenizer, args.bits)
         if args.model in RANDOM_SHAPES
         else load_model(args.model)
     )
