@@ -39,6 +39,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench" / "gpu"))  # shapes.py
+
+from shapes import CONFIGS as GPU_SHAPES  # noqa: E402
 
 SCHEMA = {
     "type": "array",
@@ -59,34 +62,10 @@ PROMPT = "List the books, films, songs and games you like as JSON records."
 
 # --model random-smollm2: SmolLM2-135M's shape with random bfloat16 weights, for a machine
 # without the model's package (an offline GPU machine); --tokenizer gives the real vocabulary,
-# which is what the masks depend on. random-llama-1b / random-llama-8b: Llama 3.2 1B's and
-# Llama 3 8B's layers with the same vocabulary (49,152 tokens), for the mask's cost beside a
-# forward that is not bound by the host.
-_LLAMA3 = dict(
-    rms_norm_eps=1e-5,
-    vocab_size=49152,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-    tie_word_embeddings=False,
-    num_key_value_heads=8,
-)
+# which is what the masks depend on. random-llama-1b / random-llama-8b: the GPU table's 1b and
+# 8b layers (bench/gpu/shapes.py: Llama 3.2 1B's and Llama 3 8B's) with the same vocabulary,
+# for the mask's cost beside a forward that is not bound by the host.
 RANDOM_SHAPES = {
-    "random-llama-1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=16,
-        intermediate_size=8192,
-        num_attention_heads=32,
-        head_dim=64,
-        **_LLAMA3,
-    ),
-    "random-llama-8b": dict(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        head_dim=128,
-        **_LLAMA3,
-    ),
     "random-smollm2": dict(
         hidden_size=576,
         num_hidden_layers=30,
@@ -100,6 +79,10 @@ RANDOM_SHAPES = {
         tie_word_embeddings=True,
         head_dim=64,
     ),
+    **{
+        name: {**GPU_SHAPES[size], "vocab_size": 49152}
+        for name, size in (("random-llama-1b", "1b"), ("random-llama-8b", "8b"))
+    },
 }
 
 
