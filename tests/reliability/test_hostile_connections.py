@@ -352,11 +352,13 @@ def test_past_the_server_cap_a_connection_gets_503_with_retry_after(srv):
 
 
 def test_a_full_queue_is_429_with_retry_after(srv):
-    """One slot, one waiting place: of three long requests at once, one is refused."""
+    """One slot, one waiting place: of three long requests at once, one is refused.
+    "Long": the first must still be decoding when the third arrives 0.6 s later, on a
+    fast machine too (24 tokens were done in ~0.5 s at ~50 tok/s)."""
     body = {
         "model": DEFAULT_MODEL,
         "prompt": "Once upon a time",
-        "max_tokens": 24,
+        "max_tokens": 200,
         "ignore_eos": True,
     }
     results: list[httpx.Response] = []
