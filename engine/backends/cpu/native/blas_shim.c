@@ -768,11 +768,12 @@ static inline void qrow(const qseg_t *sg, int n, const qin_t *in, float alpha, f
    A product is cut into tiles of 16 weight rows. The calling thread (MLX's CPU
    stream) publishes the job and works through the tiles itself; helpers, woken by a
    futex, claim runs of tiles (claim_span) from the same counter. The caller waits
-   only for tiles a helper has already claimed, so when the machine is busy and a helper is not scheduled,
-   the caller just does all the work (OpenMP's join would wait for that helper's
-   whole share, a scheduler time slice or more: measured 2-3x slower steps on 2
-   shared cores). The counter carries the job's generation in its high half, so a
-   late helper can never claim a tile of a newer job with an older job's fields. */
+   only for tiles a helper has already claimed, so when the machine is busy and a
+   helper is not scheduled, the caller just does all the work (OpenMP's join would
+   wait for that helper's whole share, a scheduler time slice or more: measured 2-3x
+   slower steps on 2 shared cores). The counter carries the job's generation in its
+   high half, so a late helper can never claim a tile of a newer job with an older
+   job's fields. */
 typedef struct {
   const qw_t *e;
   const qin_t *in;
