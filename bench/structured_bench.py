@@ -4,6 +4,7 @@
     .venv/bin/python bench/structured_bench.py --tokens 128 --rounds 3
     .venv/bin/python bench/structured_bench.py --model gemma3-270m --batches 8
     .venv/bin/python bench/structured_bench.py --batches 8 --top-logprobs 5  # logprobs on too
+    .venv/bin/python bench/structured_bench.py --orders read-first,forward-first  # GPU: A/B
 
 For each batch size B and share of constrained rows (``--fractions``), B requests with
 one chat prompt are run together through the real engine (``EngineClient``, the served
@@ -115,6 +116,18 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="the engine's warm-up (default: by backend, on for a GPU)",
     )
+    p.add_argument(
+        "--orders",
+        default="auto",
+        help="the pipelined constrained step's orders to run (auto, read-first, forward-first; "
+        "engine/structured/step_order.py), comma-separated",
+    )
+    p.add_argument(
+        "--fill",
+        choices=("parallel", "serial"),
+        default=None,
+        help="llguidance's fill (default: by backend)",
+    )
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     return p.parse_args()
 
@@ -128,10 +141,7 @@ class MaskClock:
     GPU building its lazy ops)."""
 
     def __init__(self, worker) -> None:
-        from concurrent import futures
-
         import engine.sampler
-        import engine.worker
 
         self.fill_s = self.wait_s = self.apply_s = 0.0
         self.fills = self.waits = self.applies = 0
@@ -165,19 +175,6 @@ class MaskClock:
         worker.masks.fill = timed_fill
         worker._step_masks = timed_wait
         engine.sampler.apply_token_masks = timed_apply
-
-        class TimedFutures:  # the pipelined step waits for the fill with futures.wait
-            def __getattr__(_, name):
-                return getattr(futures, name)
-
-            def wait(_, fs, *a, **k):
-                t = time.perf_counter()
-                try:
-                    return futures.wait(fs, *a, **k)
-                finally:
-                    self.wait_s += time.perf_counter() - t
-
-        engine.worker.futures = TimedFutures()
 
     def take(self) -> tuple[float, float, float]:
         """(fill, wait, apply) ms per step since the last call."""
@@ -283,6 +280,7 @@ def main() -> None:
     from engine.client import EngineClient
     from engine.config import EngineConfig
     from engine.loading import load_model
+    from engine.structured import StepOrder
     from engine.types import GrammarSpec
 
     batches = [int(x) for x in args.batches.split(",")]
@@ -306,6 +304,8 @@ def main() -> None:
     start_s = time.perf_counter() - t
     worker = client.worker(lm.name)
     clock = MaskClock(worker)
+    if args.fill:
+        worker.masks.parallel = args.fill == "parallel"
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
     t = time.perf_counter()
     client.compile_grammar(lm.name, spec)
@@ -327,7 +327,8 @@ def main() -> None:
         clock.take()
         best: dict[tuple[int, int], dict] = {}
         for r in range(args.rounds):
-            for b in batches:
+            for b, order in ((b, o) for b in batches for o in args.orders.split(",")):
+                worker.step_order = StepOrder(fixed=None if order == "auto" else order)
                 for n_c in counts(b):
                     res = await run_batch(
                         client,
@@ -346,10 +347,11 @@ def main() -> None:
                     )
                     res["constrained_rows"] = n_c
                     print(
-                        f"# round {r} B={b} constrained={n_c}: {res['tok_s']:.1f} tok/s",
+                        f"# round {r} B={b} order={order} constrained={n_c}: "
+                        f"{res['tok_s']:.1f} tok/s (order now {worker.step_order.chosen})",
                         file=sys.stderr,
                     )
-                    key = (b, n_c)
+                    key = (b, n_c, order)
                     if key not in best or res["tok_s"] > best[key]["tok_s"]:
                         best[key] = res
         return best
@@ -367,13 +369,13 @@ def main() -> None:
         "temperature 0.8"
         + (f", every row with logprobs (top {args.top_logprobs})" if args.top_logprobs else ""),
         "",
-        "| B | constrained rows | decode tok/s | step ms | vs 0% | fill ms | wait ms | apply ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| B | order | constrained rows | decode tok/s | step ms | vs 0% | fill ms | wait ms | apply ms |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for b in batches:
-        base = best[(b, 0)]["tok_s"] if (b, 0) in best else None
+    for b, order in ((b, o) for b in batches for o in args.orders.split(",")):
+        base = best[(b, 0, order)]["tok_s"] if (b, 0, order) in best else None
         for n_c in counts(b):
-            res = best[(b, n_c)]
+            res = best[(b, n_c, order)]
             ratio = f"{res['tok_s'] / base:.2f}" if base else "-"
             step = 1e3 * b / res["tok_s"] if res["tok_s"] else 0.0
             ms = [
@@ -381,7 +383,7 @@ def main() -> None:
                 for k in ("fill_ms_per_step", "wait_ms_per_step", "apply_ms_per_step")
             ]
             lines.append(
-                f"| {b} | {n_c} ({n_c / b:.0%}) | {res['tok_s']:.1f} | {step:.1f} | {ratio} | "
+                f"| {b} | {order} | {n_c} ({n_c / b:.0%}) | {res['tok_s']:.1f} | {step:.1f} | {ratio} | "
                 + " | ".join(ms)
                 + " |"
             )
@@ -397,7 +399,7 @@ def main() -> None:
                 "device": device,
                 "model": args.model,
                 "tokens": args.tokens,
-                "rows": [{"batch": b, **best[(b, n)]} for (b, n) in sorted(best)],
+                "rows": [{"batch": b, "order": o, **best[(b, n, o)]} for (b, n, o) in sorted(best)],
                 "table": lines,
             },
             indent=1,

@@ -16,7 +16,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent import futures
 
 import mlx.core as mx
 
@@ -46,7 +45,7 @@ from engine.scheduler import (
 )
 from engine.sequence import SeqState, Sequence, StopMatcher
 from engine.state_cache import StateRows
-from engine.structured import GrammarCompiler, MaskFiller, TokenMasks
+from engine.structured import FORWARD_FIRST, GrammarCompiler, MaskFiller, StepOrder, TokenMasks
 from engine.tokenizer import StreamingDetokenizer
 from engine.types import (
     ContextLengthError,
@@ -103,6 +102,8 @@ class ModelWorker:
             self.tokenizer.eos_token_ids,
             parallel=not platform.on_cpu(),
         )
+        # which order a pipelined step with constrained rows does its work in, by timing
+        self.step_order = StepOrder()
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         # events of this iteration, handed over together at its end (_flush_outbox)
@@ -637,12 +638,17 @@ class ModelWorker:
         self, logits: mx.array, seqs: list[Sequence], prev: tuple | None
     ) -> None:
         """A pipelined step with constrained rows: their masks need the previous step's
-        tokens on the host. Those are read back first and fed to the grammars
-        (``feed_ahead``); the masks are then filled in the filler's thread while this
-        thread queues the forward (MLX's launch releases the GIL, and on a small model
-        it is most of a step's host time: the fill hides behind it). Then the tokens
-        are handed on and the masked draw is queued behind the forward. Every MLX call
-        stays on this thread, and no grammar is read while the fill runs."""
+        tokens on the host. Those are read back and fed to the grammars
+        (``feed_ahead``), the masks are filled in the filler's thread while the tokens
+        are handed on, and the masked draw is queued behind the forward. The forward is
+        queued either first (the device runs it while the host fills) or right after
+        the fill starts (the fill runs beside MLX's launch, which releases the GIL):
+        ``self.step_order`` times both and keeps the faster
+        (engine/structured/step_order.py). Every MLX call stays on this thread, and no
+        matcher is touched here while the fill runs."""
+        forward_first = self.step_order.next(len(seqs), time.perf_counter()) == FORWARD_FIRST
+        if forward_first:
+            mx.async_eval(logits)
         got = None
         if prev is not None:
             got = self._read_back(*prev)
@@ -653,10 +659,9 @@ class ModelWorker:
                     if tok not in seq.end_ids:
                         seq.grammar.feed_ahead(tok)
         pending = self.masks.start(self._grammar_rows(seqs))
-        mx.async_eval(logits)
-        if pending is not None:
-            futures.wait([pending])  # before the hand-on, which reads the grammars too
-        if got is not None:
+        if not forward_first:
+            mx.async_eval(logits)
+        if got is not None:  # beside the fill: the hand-on reads what feed_ahead kept
             self._accept_rows(prev[1], *got)
         masks = self._step_masks(seqs, pending)
         if not any(s.state is SeqState.RUNNING for s in seqs):

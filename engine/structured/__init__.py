@@ -11,6 +11,8 @@ Its life in the engine:
 * Each step, ``masks.MaskFiller`` fills one bitmask row (a bit per token, int32 words,
   llguidance's parallel fill with the GIL released) per constrained row, in a thread of
   its own while the worker thread waits for the model's forward.
+* On a GPU's pipelined decode, ``step_order.StepOrder`` picks by timing whether the
+  forward is queued before the previous tokens are read back or after the fill starts.
 * ``masks.apply_token_masks`` sets the logits of disallowed tokens to -inf in the
   constrained rows only, right before the sampler's draw; unconstrained rows of the
   same batch are not touched.
@@ -20,8 +22,12 @@ Its life in the engine:
 
 from engine.structured.compiler import GrammarCompiler, SequenceGrammar
 from engine.structured.masks import MaskFiller, TokenMasks, apply_token_masks
+from engine.structured.step_order import FORWARD_FIRST, READ_FIRST, StepOrder
 
 __all__ = [
+    "FORWARD_FIRST",
+    "READ_FIRST",
+    "StepOrder",
     "GrammarCompiler",
     "MaskFiller",
     "SequenceGrammar",

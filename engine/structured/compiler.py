@@ -60,12 +60,13 @@ class SequenceGrammar:
     """One sequence's place in its grammar: fed each sampled token, asked for the
     next mask (by ``MaskFiller``) and whether the output is complete."""
 
-    __slots__ = ("matcher", "error", "_ahead")
+    __slots__ = ("matcher", "error", "_ahead", "_stopped")
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self.matcher = matcher
         self.error: str | None = None
         self._ahead: tuple[int, bool] | None = None
+        self._stopped: bool | None = None  # ``done`` as of the last token fed ahead
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False (and ``error`` set) if the grammar refused it.
@@ -81,12 +82,16 @@ class SequenceGrammar:
     def feed_ahead(self, token: int) -> None:
         """``accept`` now, ahead of handing the token on: the pipelined step feeds the
         grammars, fills the next masks while the forward is queued, then hands the
-        tokens on, whose ``accept(token)`` takes this answer."""
+        tokens on, whose ``accept(token)`` and ``done`` take this answer without
+        touching the matcher: the hand-on runs while the next mask is being filled."""
         if self._ahead is not None:
             raise RuntimeError("grammar fed ahead twice")
-        self._ahead = (int(token), self._consume(token))
+        ok = self._consume(token)
+        self._stopped = self.matcher.is_stopped()
+        self._ahead = (int(token), ok)
 
     def _consume(self, token: int) -> bool:
+        self._stopped = None
         if self.matcher.consume_token(int(token)):
             return True
         self.error = self.matcher.get_error() or f"token {token} is not allowed here"
@@ -95,6 +100,8 @@ class SequenceGrammar:
     @property
     def done(self) -> bool:
         """Nothing more can follow (end of sequence is the only choice left)."""
+        if self._stopped is not None:
+            return self._stopped
         return self.matcher.is_stopped()
 
 

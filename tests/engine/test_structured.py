@@ -21,7 +21,14 @@ from engine.client import EngineClient
 from engine.config import EngineConfig
 from engine.loading import build_random_model
 from engine.sampler import RowSampler, sample_batch
-from engine.structured import GrammarCompiler, MaskFiller, apply_token_masks
+from engine.structured import (
+    FORWARD_FIRST,
+    READ_FIRST,
+    GrammarCompiler,
+    MaskFiller,
+    StepOrder,
+    apply_token_masks,
+)
 from engine.tokenizer import Tokenizer
 from engine.types import (
     FinishReason,
@@ -162,16 +169,57 @@ def test_sampler_draws_only_allowed_tokens(compiler):
         assert tokens[3] == int(np.argmax(np.array(logits)[3]))  # unmasked row: its own argmax
 
 
+def _orders_run(order: StepOrder, cost: dict, steps: int, batch=lambda i: 8) -> str:
+    """The orders ``order`` picks over ``steps`` steps that take ``cost[order]`` seconds."""
+    now, picked = 0.0, []
+    for i in range(steps):
+        o = order.next(batch(i), now)
+        picked.append("f" if o == FORWARD_FIRST else "r")
+        now += cost[o]
+    return "".join(picked)
+
+
+def test_step_order_keeps_the_faster_order_and_probes_again():
+    order = StepOrder(probe_steps=4, keep_steps=10)
+    run = _orders_run(order, {READ_FIRST: 3.0, FORWARD_FIRST: 2.0}, 20)
+    assert run == "fffff" + "rrrrr" + "f" * 10  # probe both, keep the faster
+    assert order.chosen == FORWARD_FIRST
+    run = _orders_run(order, {READ_FIRST: 1.0, FORWARD_FIRST: 2.0}, 25)
+    assert run == "rrrrr" + "fffff" + "r" * 10 + "fffff"  # the next probe finds the other
+    assert order.chosen == READ_FIRST
+
+
+def test_step_order_counts_no_period_across_a_batch_size_change():
+    # the batch grows at every step of the probe: no period is comparable, the choice stays
+    order = StepOrder(probe_steps=4, keep_steps=10)
+    _orders_run(order, {READ_FIRST: 3.0, FORWARD_FIRST: 1.0}, 11, batch=lambda i: i)
+    assert order.chosen == READ_FIRST
+    assert StepOrder(fixed=FORWARD_FIRST).next(8, 0.0) == FORWARD_FIRST
+
+
 # -- through the engine ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "pipelined"])
+# the pipelined constrained step in each of its orders, and switching between them as
+# its timing does (every few steps here: engine/structured/step_order.py)
+ORDERS = {
+    "sync": None,
+    "pipelined-read-first": StepOrder(fixed=READ_FIRST),
+    "pipelined-forward-first": StepOrder(fixed=FORWARD_FIRST),
+    "pipelined-timed": StepOrder(probe_steps=2, keep_steps=3),
+}
+
+
+@pytest.fixture(scope="module", params=list(ORDERS), ids=list(ORDERS))
 def tiny(request):
     loaded = build_random_model("llama", {**RANDOM_LLAMA, "vocab_size": 258}, seed=1)
+    order = ORDERS[request.param]
     client = EngineClient.from_loaded(
         [(loaded, None)],
-        EngineConfig(max_num_seqs=8, prefill_chunk_tokens=16, pipeline_decode=request.param),
+        EngineConfig(max_num_seqs=8, prefill_chunk_tokens=16, pipeline_decode=order is not None),
     )
+    if order is not None:
+        client.worker(loaded.name).step_order = order
     yield loaded.name, client
     client.shutdown()
 
@@ -308,6 +356,16 @@ def test_a_token_fed_ahead_is_not_fed_twice(compiler):
     g.feed_ahead(ord("a"))
     with pytest.raises(RuntimeError, match="ahead"):
         g.accept(ord("b"))
+    # the hand-on runs while the next mask is filled: accept and done after a feed
+    # ahead answer from what it kept, never from the matcher the fill is using
+    g = compiler.matcher(s)
+    g.accept(ord("a"))
+    g.accept(ord("b"))
+    g.feed_ahead(ord("!"))
+    matcher, g.matcher = g.matcher, None
+    assert g.accept(ord("!")) and g.done
+    g.matcher = matcher
+    assert not compiler.matcher(s).done
 
 
 def test_a_failing_mask_fill_ends_only_the_constrained_rows(tiny, monkeypatch):
