@@ -50,7 +50,6 @@ Two layer forms, each written as its mlx-lm module computes it:
 
 from __future__ import annotations
 
-import ctypes
 import logging
 
 import mlx.core as mx
@@ -58,6 +57,7 @@ import mlx.nn as nn
 from mlx_lm.models import gemma2, gemma3_text, llama
 
 from engine.backends.cpu import fast_math
+from engine.backends.cpu.attention import softmax_alpha
 from engine.model.decode_step import fuse_linears
 
 log = logging.getLogger("markbase.cpu_step")
@@ -193,7 +193,7 @@ class CpuDecodeStep:
         # float32 scores without a soft cap: the softmax runs inside their product
         self._softmax_alpha = None
         if self._score_cap is None and self._head_wt.dtype == mx.float32:
-            self._softmax_alpha = _shim_softmax_alpha()
+            self._softmax_alpha = softmax_alpha()
 
         n = len(layers)
         # layer 0's input part; then "MLP of i + input part of i + 1"; the last MLP + head
@@ -243,7 +243,7 @@ class CpuDecodeStep:
             h = add(x, layer.post_attention_layernorm(o @ w["o"]))
             z = layer.pre_feedforward_layernorm(h) @ w["gate_up"]
             g, u = mx.split(z, 2, axis=-1)
-            m = (nn.gelu_approx(g) * u) @ w["down"]
+            m = fast_math.gelu_tanh_mul(g, u) @ w["down"]
             return add(h, layer.post_feedforward_layernorm(m))
         h = mx.addmm(x, o, w["o"])  # x + o @ w: one BLAS call with beta = 1
         g, u = mx.split(layer.post_attention_layernorm(h) @ w["gate_up"], 2, axis=-1)
@@ -369,29 +369,6 @@ class CpuDecodeStep:
         g = self.n_heads // self.n_kv
         mask = mx.where(mask, 0.0, -mx.inf).astype(dtype)
         return mx.broadcast_to(mask, (b, self.n_kv, g, mask.shape[-1])) + 0
-
-
-def _shim_softmax_alpha() -> float | None:
-    """The ``alpha`` that makes ``mx.addmm(mask, q, k^T, alpha, beta=1)`` the masked
-    softmax of the scores (engine/backends/cpu/native/blas_shim.c), when MLX's matmuls
-    reach the shim in this process; else None. Checked with a probe: MLX bound to
-    another BLAS would return alpha * scores + mask instead."""
-    from engine.backends.cpu.blas import shim_library
-
-    lib = shim_library()
-    if lib is None or not hasattr(lib, "markbase_softmax_alpha"):
-        return None
-    lib.markbase_softmax_alpha.restype = ctypes.c_float
-    alpha = float(lib.markbase_softmax_alpha())
-    q = mx.array([[[[0.5, -1.0], [2.0, 0.25]]]])  # [1, 1, 2, 2]
-    k = mx.array([[[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]]])  # [1, 1, 3, 2]
-    mask = mx.array([[[[0.0, -mx.inf, 0.0], [0.0, 0.0, 0.0]]]])
-    got = mx.addmm(mask, q, k.swapaxes(-1, -2), alpha=alpha, beta=1.0)
-    want = mx.softmax(q @ k.swapaxes(-1, -2) + mask, axis=-1, precise=True)
-    if not mx.allclose(got, want, rtol=1e-6, atol=1e-7).item():
-        log.info("softmax in the score product not used: MLX's matmuls do not reach the shim")
-        return None
-    return alpha
 
 
 def layer_form(model) -> str:

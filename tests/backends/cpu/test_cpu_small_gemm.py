@@ -88,10 +88,10 @@ def test_softmax_inside_the_score_product(g, d, t):
     softmax of the scores (the lean decode step's attention), through the small loops
     and, for a head wider than they take (320), through the real BLAS; positions the
     mask hides get exactly 0, as in MLX's softmax."""
-    from engine.backends.cpu.step import _shim_softmax_alpha
+    from engine.backends.cpu.attention import softmax_alpha
 
     _lib()
-    alpha = _shim_softmax_alpha()
+    alpha = softmax_alpha()
     assert alpha is not None, "MLX's matmuls reach the shim here, so the step would use it"
     b, h, cap = 2, 3, t + 11
     buf = mx.random.normal((b, h, cap, d), key=mx.random.key(t)) * 0.5
