@@ -12,9 +12,10 @@ mlx-lm's attention layers call the module-level name ``scaled_dot_product_attent
 that each model module imported, so ``install`` rebinds that name in the module of
 the model being served. On a CUDA GPU a causal prompt chunk goes to
 engine/backends/cuda/attention/prefill.py's kernel (no per-length cuDNN graph, no score matrix
-in memory); on the CPU, a float32 prompt chunk to the function ``install`` was handed
-(engine/backends/cpu/attention.py's: the softmax inside the score product, not MLX's
-one-element-at-a-time exp); other shapes go to the original function unchanged.
+in memory). On the CPU, float32 calls, prompt chunks and decode steps alike, go first to
+the backend's attention that ``install`` was handed (engine/backends/cpu/attention.py:
+the softmax inside the score product, not MLX's one-element-at-a-time exp). Other
+shapes go to the original function unchanged.
 """
 
 from __future__ import annotations
@@ -61,12 +62,12 @@ def _use_grouped(queries: mx.array, mask) -> bool:
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
     if sinks is None and not hasattr(cache, "bits"):
+        if _backend is not None and _backend[0](queries, keys, values, mask):
+            return _backend[1](queries, keys, values, scale, mask)
         if _use_grouped(queries, mask):
             return grouped_decode_attention(queries, keys, values, scale, mask)
         if cuda.prefill_attention_supported(queries, keys, values, mask):
             return cuda.prefill_attention(queries, keys, values, scale)
-        if _prompt is not None and _prompt[0](queries, keys, values, mask):
-            return _prompt[1](queries, keys, values, scale, mask)
     return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -83,18 +84,19 @@ class _Gemma2Attention(gemma2.Attention):
         return super().__call__(x, mask, cache)
 
 
-# (supported(q, k, v, mask), attention(q, k, v, scale, mask)) for prompt chunks, or None
-_prompt: tuple | None = None
+# a backend's (supported(q, k, v, mask), attention(q, k, v, scale, mask)), or None
+_backend: tuple | None = None
 
 
-def install(model, prompt: tuple | None = None) -> bool:
+def install(model, backend: tuple | None = None) -> bool:
     """Route the decode attention of ``model``'s mlx-lm modules through ours: the
     model's own module and those its layers come from (a wrapper family such as
-    gemma3 or qwen3_5 runs another family's attention layers). ``prompt``: a backend's
-    prompt attention, ``(supported, attention)``, for the calls it takes (the CPU's)."""
-    global _prompt
-    if prompt is not None:
-        _prompt = prompt
+    gemma3 or qwen3_5 runs another family's attention layers). ``backend``: a
+    backend's own attention, ``(supported, attention)``, first for the calls it takes
+    (the CPU's)."""
+    global _backend
+    if backend is not None:
+        _backend = backend
     for m in model.modules():
         if type(m) is gemma2.Attention:
             m.__class__ = _Gemma2Attention

@@ -3,7 +3,7 @@ engine/model/, engine/loading/, server/) imports from engine/backends/cpu.
 
 Inside: ``blas`` (MLX's float32 matmuls bound to a fast system BLAS, and the C shim in
 ``native/``), ``qgemm`` (4-bit decode products from quantized copies of float32
-weights), ``step`` (the lean decode step), ``attention`` (prompt attention with the softmax
+weights), ``step`` (the lean decode step), ``attention`` (``sdpa``: attention with the softmax
 inside the score product), ``fast_math`` (exp and SwiGLU without MLX's
 slow exp), ``tuning`` (the weight format per machine).
 
@@ -21,8 +21,8 @@ _EXPORTS = {
     "ensure_fast_blas": ("blas", "ensure_fast_blas"),
     "warn_if_slow": ("blas", "warn_if_slow"),
     "install_fast_math": ("fast_math", "install"),
-    "prompt_attention": ("attention", "prompt_attention"),
-    "prompt_attention_supported": ("attention", "prompt_attention_supported"),
+    "sdpa": ("attention", "sdpa"),
+    "sdpa_supported": ("attention", "sdpa_supported"),
     "qgemm_available": ("qgemm", "available"),
     "register_qgemm_model": ("qgemm", "register_model"),
     "exact_qgemm": ("qgemm", "exact_products"),
@@ -50,7 +50,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from engine.backends.cpu.attention import prompt_attention, prompt_attention_supported
+    from engine.backends.cpu.attention import sdpa, sdpa_supported
     from engine.backends.cpu.blas import ensure_fast_blas, warn_if_slow
     from engine.backends.cpu.fast_math import install as install_fast_math
     from engine.backends.cpu.qgemm import available as qgemm_available

@@ -1,15 +1,18 @@
-"""Prompt attention on the CPU: the masked softmax inside the score product.
+"""Attention on the CPU with the masked softmax inside the score product.
 
-Why: MLX's CPU ``scaled_dot_product_attention`` computes a prompt chunk's scores, then
-its softmax, whose exp runs one element at a time (~20 ns an element here). The sgemm
+Why: MLX's CPU ``scaled_dot_product_attention`` (and ``mx.softmax``) computes the
+scores, then their softmax, whose exp runs one element at a time (~20 ns an element
+here). The sgemm
 shim (engine/backends/cpu/native/blas_shim.c) takes ``mx.addmm(mask, q, k^T, alpha=A,
 beta=1)`` with its softmax alpha ``A`` as "add the mask, then softmax each row" with an
-AVX2 exp, in the same pass as the product; the decode step already uses it
-(engine/backends/cpu/step.py). Here the query heads of a group are folded into the
-rows of one product against their shared K/V head, so K and V are read once a group.
+AVX2 exp, in the same pass as the product; the lean decode step uses it
+(engine/backends/cpu/step.py), and ``sdpa`` here serves every other call the
+model makes: prompt chunks of every family, and decode steps of the families the lean
+step does not compute. The query heads of a group are folded into the rows of one
+product against their shared K/V head, so K and V are read once a group.
 
 One SmolLM2-135M layer (9 query heads, 3 KV heads of 64), 2 Zen 3 cores, 2026-12-07
-(`scaled_dot_product_attention` against ``prompt_attention``, median of 20): a
+(`scaled_dot_product_attention` against ``sdpa``, median of 20): a
 128-token prompt 5.3 against 1.35 ms, 53 new tokens after 128 cached 3.2 against
 0.81 ms, 128 after 384 cached 17.7 against 3.4 ms; the largest difference in the
 outputs 1e-6 (the shim's exp is within 2 ulp of float's).
@@ -59,13 +62,12 @@ def _probe() -> float | None:
     return alpha
 
 
-def prompt_attention_supported(q: mx.array, k: mx.array, v: mx.array, mask) -> bool:
-    """Whether ``prompt_attention`` takes this call: float32, several query positions,
-    grouped heads, a mask that is None, "causal" or one array for every head ([L, T] or
-    [B or 1, 1, L, T])."""
+def sdpa_supported(q: mx.array, k: mx.array, v: mx.array, mask) -> bool:
+    """Whether ``sdpa`` takes this call: float32, grouped heads, a mask that is None,
+    "causal" or one array for every head ([L, T] or [B or 1, 1, L, T])."""
     if q.dtype != mx.float32 or k.dtype != mx.float32 or v.dtype != mx.float32:
         return False
-    if q.ndim != 4 or q.shape[2] < 2 or q.shape[1] % k.shape[1]:
+    if q.ndim != 4 or q.shape[1] % k.shape[1]:
         return False
     if isinstance(mask, str):
         if mask != "causal":
@@ -75,7 +77,7 @@ def prompt_attention_supported(q: mx.array, k: mx.array, v: mx.array, mask) -> b
     return softmax_alpha() is not None
 
 
-def prompt_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
     """softmax(q k^T * scale + mask) v for q [B, Hq, L, D], k [B, Hkv, T, D], v [B, Hkv,
     T, Dv]; ``mask`` None, "causal" (the last L of T positions: a prompt chunk after
     T - L cached ones) or boolean / additive [L, T] or [B or 1, 1, L, T]. Returns

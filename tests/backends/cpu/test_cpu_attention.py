@@ -1,6 +1,7 @@
-"""engine/backends/cpu/attention.py: a prompt chunk's attention with the softmax inside
-the score product (the sgemm shim) equals MLX's ``scaled_dot_product_attention`` to
-float32 rounding, for every mask form the models pass, and takes only what it can."""
+"""engine/backends/cpu/attention.py: attention with the softmax inside the score
+product (the sgemm shim) equals MLX's ``scaled_dot_product_attention`` to float32
+rounding, for prompt chunks and decode steps and every mask form the models pass, and
+takes only what it can."""
 
 from __future__ import annotations
 
@@ -32,13 +33,13 @@ def _close(got, want):
     assert mx.abs(got - want).max().item() < 2e-6 * max(1.0, mx.abs(want).max().item())
 
 
-@pytest.mark.parametrize("length,t", [(5, 5), (7, 20), (33, 33)])
+@pytest.mark.parametrize("length,t", [(1, 9), (5, 5), (7, 20), (33, 33)])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (4, 1)])
 def test_causal_chunk_after_cached_positions(length, t, hq, hkv):
     q, k, v = _qkv(1, hq, hkv, length, t)
-    assert attention.prompt_attention_supported(q, k, v, "causal")
+    assert attention.sdpa_supported(q, k, v, "causal")
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
-    _close(attention.prompt_attention(q, k, v, 0.25, "causal"), want)
+    _close(attention.sdpa(q, k, v, 0.25, "causal"), want)
 
 
 def test_array_masks_of_a_batch():
@@ -48,15 +49,14 @@ def test_array_masks_of_a_batch():
     keep = mx.arange(9)[None, None, None, :] <= (mx.arange(4)[:, None] + 5)
     keep = mx.concatenate([keep, keep & (mx.arange(9) >= 2)], axis=0)  # row 1 left-padded
     for mask in (keep, mx.where(keep, 0.0, -mx.inf), keep[0, 0], None):
-        assert attention.prompt_attention_supported(q, k, v, mask)
+        assert attention.sdpa_supported(q, k, v, mask)
         want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
-        _close(attention.prompt_attention(q, k, v, 0.3, mask), want)
+        _close(attention.sdpa(q, k, v, 0.3, mask), want)
 
 
 def test_what_it_leaves_to_mlx():
     q, k, v = _qkv(1, 4, 2, 3, 3)
-    assert not attention.prompt_attention_supported(q[:, :, :1], k, v, None)  # one position
     half = [a.astype(mx.float16) for a in (q, k, v)]
-    assert not attention.prompt_attention_supported(*half, "causal")
+    assert not attention.sdpa_supported(*half, "causal")
     per_head = mx.zeros((1, 4, 3, 3))
-    assert not attention.prompt_attention_supported(q, k, v, per_head)
+    assert not attention.sdpa_supported(q, k, v, per_head)
