@@ -107,3 +107,49 @@ def test_softmax_inside_the_score_product(g, d, t):
     assert np.abs(got - want).max() < 1e-6
     assert np.allclose(got.sum(axis=-1), 1.0, atol=1e-5)
     assert (got[1, :, :, : t // 3] == 0).all()
+
+
+@pytest.mark.parametrize("g,d,t", [(3, 64, 1024), (4, 256, 300), (5, 64, 1021)])
+def test_attention_products_on_the_pool_keep_their_bits(g, d, t):
+    """Long enough rows go to the shim's thread pool (scores split by key rows, the
+    weighted values by query rows): the same bits as one thread, softmax included."""
+    from engine.backends.cpu.attention import softmax_alpha
+
+    lib = _lib()
+    lib.markbase_blas_set_small_par.argtypes = [ctypes.c_int]
+    b, h = 2, 3
+    q = mx.random.normal((b, h, g, d), key=mx.random.key(1))
+    k = mx.random.normal((b, h, t, d), key=mx.random.key(2))
+    v = mx.random.normal((b, h, t, d), key=mx.random.key(3))
+    mask = mx.zeros((b, h, g, t))
+    alpha = softmax_alpha()
+
+    def attend():
+        scores = q @ k.swapaxes(-1, -2)
+        out = [scores, scores.swapaxes(-1, -2).swapaxes(-1, -2) @ v]
+        if alpha is not None:
+            out.append(mx.addmm(mask, q, k.swapaxes(-1, -2), alpha=alpha, beta=1.0) @ v)
+        mx.eval(out)
+        return [np.array(o) for o in out]
+
+    stats = (ctypes.c_long * 3)()
+
+    def pool_jobs():
+        lib.markbase_qw_pool_stats(stats)
+        return stats[0], stats[2]
+
+    try:
+        lib.markbase_blas_set_small_par(0)
+        alone = attend()
+        lib.markbase_blas_set_small_par(1)
+        jobs, _ = pool_jobs()
+        pooled = attend()
+        after, helpers = pool_jobs()
+    finally:
+        lib.markbase_blas_set_small_par(1)
+    if helpers:  # a machine with one CPU has no pool: both runs are one thread's
+        assert after - jobs >= 2 * b * h  # every (row, head) product of both kinds
+    for a, p in zip(alone, pooled):
+        assert np.array_equal(a, p)
+    want = np.einsum("bhgd,bhtd->bhgt", np.array(q, np.float64), np.array(k, np.float64))
+    _close(pooled[0], want)

@@ -781,6 +781,8 @@ typedef struct {
   float *C;
   int ldc, tiles;
   int span; /* tiles a claim takes */
+  void (*fn)(const void *arg, int t); /* a job of another kind: tile t is fn(arg, t) */
+  const void *arg;
 } qjob_t;
 
 #define TILE 16
@@ -857,6 +859,10 @@ static int tile_rows(const qjob_t *j, int n0, int n1) {
 #endif
 
 static void run_tile(const qjob_t *j, int t) {
+  if (j->fn) {
+    j->fn(j->arg, t);
+    return;
+  }
   const qw_t *e = j->e;
   int n = t * TILE, end = n + TILE < e->N ? n + TILE : e->N, si = 0;
 #ifdef QW_BUF
@@ -966,6 +972,29 @@ static void run_job(const qw_t *e, const qin_t *in, float alpha, float beta, flo
   work_on(g, 0);
   while (__atomic_load_n(&pool_done, __ATOMIC_ACQUIRE) < tiles) __builtin_ia32_pause();
   pthread_mutex_unlock(&pool_lock);
+}
+
+/* fn(arg, 0 .. parts - 1) on the pool, the caller taking part; 0 (nothing run) when
+   the pool is missing or busy: the caller then runs the parts itself. */
+static int pool_parts(void (*fn)(const void *, int), const void *arg, int parts) {
+  if (!__atomic_load_n(&pool_started, __ATOMIC_ACQUIRE)) pool_start();
+  if (pool_helpers == 0 || q_threads == 1 || pthread_mutex_trylock(&pool_lock) != 0) return 0;
+  pool_job = (qjob_t){0};
+  pool_job.fn = fn;
+  pool_job.arg = arg;
+  pool_job.tiles = parts;
+  pool_job.span = 1;
+  __atomic_store_n(&pool_done, 0, __ATOMIC_RELAXED);
+  uint32_t g = pool_gen + 1;
+  __atomic_store_n(&pool_claim, (uint64_t)g << 32, __ATOMIC_RELEASE);
+  __atomic_store_n(&pool_gen, g, __ATOMIC_RELEASE);
+  if (__atomic_load_n(&pool_sleepers, __ATOMIC_ACQUIRE))
+    syscall(SYS_futex, &pool_gen, FUTEX_WAKE_PRIVATE, pool_helpers, NULL, NULL, 0);
+  pool_jobs++;
+  work_on(g, 0);
+  while (__atomic_load_n(&pool_done, __ATOMIC_ACQUIRE) < parts) __builtin_ia32_pause();
+  pthread_mutex_unlock(&pool_lock);
+  return 1;
 }
 
 static __thread float *q_buf; /* the calling thread's prepared inputs (qgemm) */
@@ -1155,6 +1184,50 @@ static void small_nn(int M, int N, int K, float alpha, const float *A, int lda, 
   }
 }
 
+/* The attention's small products on the pool, from 65,536 multiply-adds a call (a
+   group of 3 query heads of 64 against ~340 positions): Q K^T split by key rows (in
+   fours), P V by query rows, every output computed as on one thread (the same bits).
+   SmolLM2's lean step, the two forms alternated in one process (2 Zen 3 cores,
+   2026-12-07): at 1,024 positions 1.05x at one row and 1.10-1.11x at 16; Gemma 3
+   270M's (4 heads of 256) 1.00-1.04x. From 16,384 multiply-adds (256 positions
+   pooled too) one row lost 2% and 16 rows gained 2-3%. */
+static int small_par = 1;
+void markbase_blas_set_small_par(int on) { small_par = on; }
+#define SMALL_PAR_WORK 65536 /* multiply-adds below which one thread does it */
+typedef struct {
+  int nt, M, N, K, parts;
+  float alpha, beta;
+  const float *A, *B;
+  float *C;
+  int lda, ldb, ldc;
+} small_job_t;
+static void small_part(const void *p, int t) {
+  const small_job_t *s = p;
+  if (s->nt) {
+    const int n0 = s->N * t / s->parts / 4 * 4;
+    const int n1 = t + 1 == s->parts ? s->N : s->N * (t + 1) / s->parts / 4 * 4;
+    if (n1 > n0)
+      small_nt(s->M, n1 - n0, s->K, s->alpha, s->A, s->lda, s->B + (size_t)n0 * s->ldb, s->ldb,
+               s->beta, s->C + n0, s->ldc);
+  } else {
+    const int m0 = s->M * t / s->parts, m1 = s->M * (t + 1) / s->parts;
+    if (m1 > m0)
+      small_nn(m1 - m0, s->N, s->K, s->alpha, s->A + (size_t)m0 * s->lda, s->lda, s->B, s->ldb,
+               s->beta, s->C + (size_t)m0 * s->ldc, s->ldc);
+  }
+}
+static void small_run(int nt, int M, int N, int K, float alpha, const float *A, int lda,
+                      const float *B, int ldb, float beta, float *C, int ldc) {
+  if (small_par && !__atomic_load_n(&pool_started, __ATOMIC_ACQUIRE)) pool_start();
+  const int threads = pool_helpers + 1;
+  const int parts = nt ? (N / 4 < threads ? N / 4 : threads) : (M < threads ? M : threads);
+  if (small_par && parts > 1 && (long)M * N * K >= SMALL_PAR_WORK) {
+    small_job_t s = {nt, M, N, K, parts, alpha, beta, A, B, C, lda, ldb, ldc};
+    if (pool_parts(small_part, &s, parts)) return;
+  }
+  (nt ? small_nt : small_nn)(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
 /* Wall time the calling thread spends in the quantized route, for the decode step's
    breakdown (bench/cpu/step_bench.py): counted only between markbase_qw_timing(1), which
    also zeroes it, and markbase_qw_timing(0); off, it costs a product one branch. */
@@ -1232,7 +1305,7 @@ void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha,
   if (!real_sgemm && markbase_blas_init(NULL) != 0) abort();
   if (alpha == MB_SOFTMAX_ALPHA && order == RowMajor) { /* decode attention: softmax(Q K^T + C) */
     if (ta == NoTrans && tb == Trans && M <= SMALL_M && K <= SMALL_D)
-      small_nt(M, N, K, 1.f, A, lda, B, ldb, beta, C, ldc);
+      small_run(1, M, N, K, 1.f, A, lda, B, ldb, beta, C, ldc);
     else
       real_sgemm(order, ta, tb, M, N, K, 1.f, A, lda, B, ldb, beta, C, ldc);
     for (int m = 0; m < M; m++) softmax_row(C + (size_t)m * ldc, N);
@@ -1252,12 +1325,12 @@ void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha,
   if (small_on && order == RowMajor && ta == NoTrans && M > 0 && M <= SMALL_M && N > 0 && K > 0) {
     if (tb == Trans && K <= SMALL_D) {
       n_small++;
-      small_nt(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+      small_run(1, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
       return;
     }
     if (tb == NoTrans && N <= SMALL_D) {
       n_small++;
-      small_nn(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+      small_run(0, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
       return;
     }
   }
