@@ -951,49 +951,51 @@ static void pool_start(void) {
   pthread_mutex_unlock(&pool_init_lock);
 }
 
+/* Runs pool_job (set by the caller, who holds pool_lock) on the pool, the caller
+   taking part, and releases the lock once every tile is done. */
+static void pool_dispatch(void) {
+  __atomic_store_n(&pool_done, 0, __ATOMIC_RELAXED);
+  uint32_t g = pool_gen + 1;
+  __atomic_store_n(&pool_claim, (uint64_t)g << 32, __ATOMIC_RELEASE);
+  __atomic_store_n(&pool_gen, g, __ATOMIC_RELEASE);
+  if (__atomic_load_n(&pool_sleepers, __ATOMIC_ACQUIRE))
+    syscall(SYS_futex, &pool_gen, FUTEX_WAKE_PRIVATE, pool_helpers, NULL, NULL, 0);
+  pool_jobs++;
+  work_on(g, 0);
+  while (__atomic_load_n(&pool_done, __ATOMIC_ACQUIRE) < pool_job.tiles) __builtin_ia32_pause();
+  pthread_mutex_unlock(&pool_lock);
+}
+
+/* The pool's lock when the pool can take a job now (started here if need be); 0 when
+   it has no helper, is set to one thread or is busy. */
+static int pool_take(void) {
+  if (!__atomic_load_n(&pool_started, __ATOMIC_ACQUIRE)) pool_start();
+  return pool_helpers > 0 && q_threads != 1 && pthread_mutex_trylock(&pool_lock) == 0;
+}
+
 static void run_job(const qw_t *e, const qin_t *in, float alpha, float beta, float *C, int ldc) {
   const int tiles = (e->N + TILE - 1) / TILE;
   const long work = (long)e->N * e->K * (in->M < MT ? in->M : MT);
-  if (!__atomic_load_n(&pool_started, __ATOMIC_ACQUIRE)) pool_start();
-  if (pool_helpers == 0 || q_threads == 1 || work < 200000 || pthread_mutex_trylock(&pool_lock) != 0) {
+  if (work < 200000 || !pool_take()) {
     qjob_t j = {e, in, alpha, beta, C, ldc, tiles, 1};
     for (int t = 0; t < tiles; t++) run_tile(&j, t);
     return;
   }
   const int span = in->M <= MT ? claim_span(tiles, pool_helpers + 1) : 1;
   pool_job = (qjob_t){e, in, alpha, beta, C, ldc, tiles, span};
-  __atomic_store_n(&pool_done, 0, __ATOMIC_RELAXED);
-  uint32_t g = pool_gen + 1;
-  __atomic_store_n(&pool_claim, (uint64_t)g << 32, __ATOMIC_RELEASE);
-  __atomic_store_n(&pool_gen, g, __ATOMIC_RELEASE);
-  if (__atomic_load_n(&pool_sleepers, __ATOMIC_ACQUIRE))
-    syscall(SYS_futex, &pool_gen, FUTEX_WAKE_PRIVATE, pool_helpers, NULL, NULL, 0);
-  pool_jobs++;
-  work_on(g, 0);
-  while (__atomic_load_n(&pool_done, __ATOMIC_ACQUIRE) < tiles) __builtin_ia32_pause();
-  pthread_mutex_unlock(&pool_lock);
+  pool_dispatch();
 }
 
 /* fn(arg, 0 .. parts - 1) on the pool, the caller taking part; 0 (nothing run) when
-   the pool is missing or busy: the caller then runs the parts itself. */
+   the pool cannot take it now: the caller then runs the parts itself. */
 static int pool_parts(void (*fn)(const void *, int), const void *arg, int parts) {
-  if (!__atomic_load_n(&pool_started, __ATOMIC_ACQUIRE)) pool_start();
-  if (pool_helpers == 0 || q_threads == 1 || pthread_mutex_trylock(&pool_lock) != 0) return 0;
+  if (!pool_take()) return 0;
   pool_job = (qjob_t){0};
   pool_job.fn = fn;
   pool_job.arg = arg;
   pool_job.tiles = parts;
   pool_job.span = 1;
-  __atomic_store_n(&pool_done, 0, __ATOMIC_RELAXED);
-  uint32_t g = pool_gen + 1;
-  __atomic_store_n(&pool_claim, (uint64_t)g << 32, __ATOMIC_RELEASE);
-  __atomic_store_n(&pool_gen, g, __ATOMIC_RELEASE);
-  if (__atomic_load_n(&pool_sleepers, __ATOMIC_ACQUIRE))
-    syscall(SYS_futex, &pool_gen, FUTEX_WAKE_PRIVATE, pool_helpers, NULL, NULL, 0);
-  pool_jobs++;
-  work_on(g, 0);
-  while (__atomic_load_n(&pool_done, __ATOMIC_ACQUIRE) < parts) __builtin_ia32_pause();
-  pthread_mutex_unlock(&pool_lock);
+  pool_dispatch();
   return 1;
 }
 
