@@ -47,8 +47,7 @@ class ModelRunner:
         except UnsupportedCache as exc:
             raise ModelLoadError(str(exc)) from None
         # CPU: the softmax inside the score product (engine/backends/cpu/attention.py)
-        backend = (cpu.sdpa_supported, cpu.sdpa)
-        attention.install(model, backend if platform.on_cpu() else None)
+        attention.install(model, (cpu.sdpa_supported, cpu.sdpa) if platform.on_cpu() else None)
         moe.install(model)  # expert products grouped per expert (engine/model/moe.py)
         cpu.install_fast_math(model)  # CPU: prefill's SwiGLU without MLX's slow exp
         self.num_layers = len(self.layout.groups)  # caches the model takes (make_cache())

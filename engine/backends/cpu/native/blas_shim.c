@@ -1220,12 +1220,12 @@ static void small_part(const void *p, int t) {
 }
 static void small_run(int nt, int M, int N, int K, float alpha, const float *A, int lda,
                       const float *B, int ldb, float beta, float *C, int ldc) {
-  if (small_par && !__atomic_load_n(&pool_started, __ATOMIC_ACQUIRE)) pool_start();
-  const int threads = pool_helpers + 1;
-  const int parts = nt ? (N / 4 < threads ? N / 4 : threads) : (M < threads ? M : threads);
-  if (small_par && parts > 1 && (long)M * N * K >= SMALL_PAR_WORK) {
+  if (small_par && (long)M * N * K >= SMALL_PAR_WORK) {
+    if (!__atomic_load_n(&pool_started, __ATOMIC_ACQUIRE)) pool_start();
+    const int threads = pool_helpers + 1;
+    const int parts = nt ? (N / 4 < threads ? N / 4 : threads) : (M < threads ? M : threads);
     small_job_t s = {nt, M, N, K, parts, alpha, beta, A, B, C, lda, ldb, ldc};
-    if (pool_parts(small_part, &s, parts)) return;
+    if (parts > 1 && pool_parts(small_part, &s, parts)) return;
   }
   (nt ? small_nt : small_nn)(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
