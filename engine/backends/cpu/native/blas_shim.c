@@ -1190,7 +1190,7 @@ static void small_nn(int M, int N, int K, float alpha, const float *A, int lda, 
    group of 3 query heads of 64 against ~340 positions): Q K^T split by key rows (in
    fours), P V by query rows, every output computed as on one thread (the same bits).
    SmolLM2's lean step, the two forms alternated in one process (2 Zen 3 cores,
-   2026-12-07): at 1,024 positions 1.00-1.05x at one row and 1.10-1.11x at 16; Gemma 3
+   2026-12-07): at 1,024 positions 1.00-1.05x at one row and 1.02-1.12x at 16; Gemma 3
    270M's (4 heads of 256) 1.00-1.04x. From 16,384 multiply-adds (256 positions
    pooled too) one row lost 2% and 16 rows gained 2-3%. */
 static int small_par = 1;
