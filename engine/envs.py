@@ -135,7 +135,7 @@ _SWITCHES = [
     _s("PREFILL_TOGETHER", "bool", True, "the rest of several prompts in one forward when the output layer is known (engine/runner.py)", RUNTIME),
     _s("MOE", "choice", "grouped", "MoE expert products: grouped per expert (engine/model/moe.py) or mlx-lm's own `SwitchGLU` (`mlx`)", RUNTIME, ("grouped", "mlx")),
     _s("MOE_KERNEL_TOKENS", "int", 128, "CUDA: MoE layers of at most this many tokens take the grouped 4-bit kernels (engine/backends/cuda/products/moe.py), larger chunks dequantize the experts", CUDA, minimum=0),
-    _s("CPU_STEP", "choice", "lean", "the CPU's decode step: `lean` (engine/backends/cpu/step.py) or `fused` (engine/model/decode_step.py)", RUNTIME, ("lean", "fused")),
+    _s("CPU_STEP", "choice", "native", "the CPU's decode step: `native` (llama layers in one C call: engine/backends/cpu/native_step.py; other layers take the lean one), `lean` (engine/backends/cpu/step.py) or `fused` (engine/model/decode_step.py)", RUNTIME, ("native", "lean", "fused")),
     _s("CACHE_DIR", "str", None, "where converted models, the BLAS shim and other caches go", LOADING, default_doc="~/.cache/markbase"),
     # ------------------------------------------------------------------ CPU
     _s("BLAS", "choice", "auto", "bind MLX's CPU matmuls to a fast system BLAS (`auto`) or leave MLX's reference BLAS (`off`)", CPU, ("auto", "off", "0", "none", "vendored")),

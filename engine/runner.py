@@ -75,8 +75,8 @@ class ModelRunner:
         on_gpu = platform.on_gpu()
         async_prefill = envs.MARKBASE_PREFILL_ASYNC
         self.async_prefill = on_gpu if async_prefill is None else async_prefill
-        # Llama-family models decode through a step of their own (CPU: the lean step,
-        # engine/backends/cpu/step.py; GPU: the fused one, engine/model/decode_step.py); other
+        # Llama-family models decode through a step of their own (CPU: the C step or the
+        # lean one, engine/backends/cpu/; GPU: the fused one, engine/model/decode_step.py); other
         # families, or fused_decode=False, call the model as is.
         plain = self.layout.plain
         self.windowed = any(s.kind == WINDOW for s in self.layout.leaves)
@@ -278,11 +278,17 @@ class LastPositions:
 
 
 def _make_decode_step(model):
-    """The lean step on the CPU (engine/backends/cpu/step.py), the fused one elsewhere or when
-    the lean one does not fit the model; ``MARKBASE_CPU_STEP=fused`` picks the fused
-    one on the CPU too (for A/B measurements)."""
+    """On the CPU the C step (engine/backends/cpu/native_step.py: llama and Gemma 3
+    layers) or the lean one (engine/backends/cpu/step.py: Gemma 2, and where the C step
+    cannot run), the fused one elsewhere or when neither fits the model;
+    ``MARKBASE_CPU_STEP=lean`` / ``fused`` picks those on the CPU (for A/B measurements)."""
     if platform.on_cpu() and envs.MARKBASE_CPU_STEP != "fused":
-        step = cpu.CpuDecodeStep.build(model)
+        build = (
+            cpu.NativeDecodeStep.build
+            if envs.MARKBASE_CPU_STEP == "native"
+            else cpu.CpuDecodeStep.build
+        )
+        step = build(model)
         if step is not None:
             return step
     return make_decode_step(model)

@@ -1,5 +1,6 @@
 """Decode step of the default model on the CPU, against llama.cpp on the same GGUF, in
-one run: markbase's decode steps (engine/backends/cpu/step.py's lean step and
+one run: markbase's decode steps (engine/backends/cpu/native_step.py's C step,
+engine/backends/cpu/step.py's lean step and
 engine/model/decode_step.py's fused step, each with the quantized products of
 engine/backends/cpu/qgemm.py and with float32 OpenBLAS) interleaved in one process, and
 llama.cpp (llama-cpp-python's bindings, 2 threads) decoding the same batch sizes.
@@ -37,6 +38,7 @@ ensure_fast_blas()
 import mlx.core as mx  # noqa: E402
 
 from engine.backends.cpu import qgemm as cpu_qgemm  # noqa: E402
+from engine.backends.cpu.native_step import NativeDecodeStep  # noqa: E402
 from engine.backends.cpu.step import CpuDecodeStep  # noqa: E402
 from engine.loading import load_model  # noqa: E402
 from engine.model.decode_step import FusedDecodeStep  # noqa: E402
@@ -50,16 +52,22 @@ def markbase_rows(batches: list[int], rounds: int) -> list[dict]:
     # two copies of the model, each with its step built (and its fused weights
     # registered with the quantized products) as the server builds them
     runners = {}
-    for name in ("lean", "fused"):
+    for name in ("native", "lean", "fused"):
         os.environ["MARKBASE_CPU_STEP"] = name
         lm = load_model("smollm2-135m-instruct", weight_format="float32")
         runners[name] = ModelRunner(lm.model, lm.cpu_shadows)
     os.environ.pop("MARKBASE_CPU_STEP")
+    assert isinstance(runners["native"].decode_step, NativeDecodeStep)
     assert isinstance(runners["lean"].decode_step, CpuDecodeStep)
     assert isinstance(runners["fused"].decode_step, FusedDecodeStep)
     lib = cpu_qgemm._lib() if runners["lean"].qgemm is not None else None
     # (step, quantized products, int8 inputs: MARKBASE_QGEMM_INT8's llama.cpp numerics)
-    configs = [("lean", True, False), ("lean", True, True), ("fused", True, False)]
+    configs = [
+        ("native", True, False),
+        ("lean", True, False),
+        ("lean", True, True),
+        ("fused", True, False),
+    ]
     configs = [c for c in configs if lib is not None and (not c[2] or lib.markbase_qw_has_int8())]
     configs.append(("lean", False, False))
     prompt = [(i * 7 + 13) % 40000 + 100 for i in range(KV)]

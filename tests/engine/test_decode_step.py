@@ -8,6 +8,7 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 nn = pytest.importorskip("mlx.nn")
 
+from engine.backends.cpu.native_step import NativeDecodeStep  # noqa: E402
 from engine.backends.cpu.step import CpuDecodeStep  # noqa: E402
 from engine.loading import build_random_model  # noqa: E402
 from engine.model.decode_step import FusedDecodeStep, fuse_linears, make_decode_step  # noqa: E402
@@ -122,8 +123,9 @@ def test_runner_fused_decode_switch():
     assert ModelRunner(loaded.model, fused_decode=False).decode_step is None
     # the CPU runs the lean step (engine/backends/cpu/step.py, tests/backends/cpu/test_cpu_step.py)
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
-    assert isinstance(ModelRunner(loaded.model).decode_step, (FusedDecodeStep, CpuDecodeStep))
-    assert on_cpu == isinstance(ModelRunner(loaded.model).decode_step, CpuDecodeStep)
+    cpu_steps = (CpuDecodeStep, NativeDecodeStep)
+    assert isinstance(ModelRunner(loaded.model).decode_step, (FusedDecodeStep, *cpu_steps))
+    assert on_cpu == isinstance(ModelRunner(loaded.model).decode_step, cpu_steps)
     other = build_random_model(
         "qwen3", {**TINY, "head_dim": 16, "max_position_embeddings": 512, "rope_theta": 1e4}, seed=6
     )

@@ -3,7 +3,7 @@ engine/model/, engine/loading/, server/) imports from engine/backends/cpu.
 
 Inside: ``blas`` (MLX's float32 matmuls bound to a fast system BLAS, and the C shim in
 ``native/``), ``qgemm`` (4-bit decode products from quantized copies of float32
-weights), ``step`` (the lean decode step), ``attention`` (``sdpa``: attention with the softmax
+weights), ``step`` (the lean decode step), ``native_step`` (the llama-form step as one C call), ``attention`` (``sdpa``: attention with the softmax
 inside the score product), ``fast_math`` (exp and SwiGLU without MLX's
 slow exp), ``tuning`` (the weight format per machine).
 
@@ -29,6 +29,7 @@ _EXPORTS = {
     "shadow_of": ("qgemm", "shadow_of"),
     "shadow_of_codes": ("qgemm", "shadow_of_codes"),
     "CpuDecodeStep": ("step", "CpuDecodeStep"),
+    "NativeDecodeStep": ("native_step", "NativeDecodeStep"),
     "best_cpu_weight_format": ("tuning", "best_cpu_weight_format"),
 }
 
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from engine.backends.cpu.attention import sdpa, sdpa_supported
     from engine.backends.cpu.blas import ensure_fast_blas, warn_if_slow
     from engine.backends.cpu.fast_math import install as install_fast_math
+    from engine.backends.cpu.native_step import NativeDecodeStep
     from engine.backends.cpu.qgemm import available as qgemm_available
     from engine.backends.cpu.qgemm import exact_products as exact_qgemm
     from engine.backends.cpu.qgemm import register_model as register_qgemm_model

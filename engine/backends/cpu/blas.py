@@ -107,6 +107,9 @@ _SYSTEM_CANDIDATES = (
 # before the real BLAS, so MLX binds to it; every other BLAS/LAPACK symbol comes from the
 # real library. It also holds the quantized-weight products of engine/backends/cpu/qgemm.py.
 _SHIM_PATH = Path(__file__).parent / "native" / "blas_shim.c"
+# compiled after the shim into the same library: it calls the shim's static routes
+# (engine/backends/cpu/native_step.py)
+_STEP_PATH = Path(__file__).parent / "native" / "decode_step.c"
 # Tried in order: native code (the quantized products use AVX-512 when the
 # CPU has it), then plain -O2 (the shim still routes M == 1 to sgemv).
 _SHIM_FLAGS = (
@@ -223,7 +226,7 @@ def _cpu_signature() -> str:
 
 def build_gemv_shim(cache_dir: str | os.PathLike | None = None) -> str | None:
     """Compile the shim once (cached by source, flags and CPU); None without a compiler."""
-    source = _SHIM_PATH.read_text()
+    source = _SHIM_PATH.read_text() + "\n" + _STEP_PATH.read_text()
     out_dir = Path(cache_dir) if cache_dir else _cache_dir()
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     for flags in _SHIM_FLAGS:

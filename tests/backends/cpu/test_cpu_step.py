@@ -9,6 +9,7 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
+from engine.backends.cpu.native_step import NativeDecodeStep  # noqa: E402
 from engine.backends.cpu.step import CpuDecodeStep  # noqa: E402
 from engine.loading import build_random_model  # noqa: E402
 from engine.model import attention  # noqa: E402
@@ -23,6 +24,7 @@ from tests.helpers.models import (  # noqa: E402
 )
 
 TINY = {**RANDOM_LLAMA, "vocab_size": 97}
+CPU_STEPS = (CpuDecodeStep, NativeDecodeStep)  # the runner's CPU steps (native_step wraps lean)
 # 6 layers (5 sliding, 1 global), a window of 4 that the longer prompts outgrow: the
 # sliding layers' mask hides keys the global layer still sees
 TINY_GEMMA = {**TINY_GEMMA3, "vocab_size": 97, "sliding_window": 4}
@@ -85,18 +87,18 @@ def test_lean_step_gemma3_untied_head():
 
 def test_runner_uses_it_on_the_cpu_and_falls_back():
     model = build_random_model("llama", TINY, seed=2).model
-    assert isinstance(ModelRunner(model).decode_step, CpuDecodeStep)
+    assert isinstance(ModelRunner(model).decode_step, CPU_STEPS)
     # 4-bit QuantizedLinear projections: not this step's kind (the fused one runs them)
     quant = build_random_model("llama", TINY, seed=2, quantize_bits=4, group_size=32).model
     assert CpuDecodeStep.build(quant) is None
-    assert not isinstance(ModelRunner(quant).decode_step, CpuDecodeStep)
+    assert not isinstance(ModelRunner(quant).decode_step, CPU_STEPS)
     # Gemma 3's layers: this step
     gemma = build_random_model("gemma3_text", TINY_GEMMA, seed=2).model
-    assert isinstance(ModelRunner(gemma).decode_step, CpuDecodeStep)
+    assert isinstance(ModelRunner(gemma).decode_step, CPU_STEPS)
     # not llama's, gemma3_text's or gemma2's block (qwen3: q/k norms without Gemma's form)
     qwen = build_random_model("qwen3", TINY_QWEN3, seed=2).model
     assert CpuDecodeStep.build(qwen) is None
-    assert not isinstance(ModelRunner(qwen).decode_step, CpuDecodeStep)
+    assert not isinstance(ModelRunner(qwen).decode_step, CPU_STEPS)
 
 
 def test_lean_step_matches_gemma2():
@@ -167,7 +169,7 @@ def test_gemma3_batched_equals_alone_and_plain():
     loaded = build_random_model("gemma3_text", TINY_GEMMA, seed=9)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15], [16]]
     lean = ModelRunner(loaded.model)
-    assert isinstance(lean.decode_step, CpuDecodeStep)
+    assert isinstance(lean.decode_step, CPU_STEPS)
     # 24 steps: the sliding layers' caches drop keys no row can see (engine/kv.py's
     # compact) while the global layers keep them all
     alone, together = _alone_and_batched(lean, prompts, steps=24)

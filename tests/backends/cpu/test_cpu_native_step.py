@@ -1,0 +1,95 @@
+"""engine.backends.cpu.native_step: the llama-form decode step as one C call gives the
+model's own logits and writes the model's own keys and values (every rope flavour, one
+row and ragged rows, a cache that grows mid-decode), each row's result independent of
+the batch, and hands batches it does not index to the lean step."""
+
+from __future__ import annotations
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from engine.backends.cpu.native_step import NativeDecodeStep  # noqa: E402
+from engine.backends.cpu.step import CpuDecodeStep  # noqa: E402
+from engine.loading import build_random_model  # noqa: E402
+from tests.helpers.models import (  # noqa: E402
+    RANDOM_LLAMA,
+    ROPES,
+    TINY_GEMMA2,
+    TINY_GEMMA3,
+    prefilled_batch,
+)
+
+TINY = {**RANDOM_LLAMA, "vocab_size": 97}
+TINY_GEMMA = {**TINY_GEMMA3, "vocab_size": 97}
+PROMPTS = ([5, 6, 7, 8, 9, 10], [11, 12, 13], [14])  # ragged: rows with padding
+
+
+def _native(model) -> NativeDecodeStep:
+    step = NativeDecodeStep.build(model)
+    if not isinstance(step, NativeDecodeStep):
+        pytest.skip("the sgemm shim is not loaded here")
+    return step
+
+
+def _check(model, step, prompts, steps=4):
+    mine, theirs = prefilled_batch(model, prompts), prefilled_batch(model, prompts)
+    tokens = mx.array([[1]] * len(prompts), dtype=mx.int32)
+    for _ in range(steps):
+        got = step(tokens, mine)
+        want = model(tokens, cache=theirs)[:, -1, :]
+        assert got.shape == want.shape
+        err = mx.abs(got - want).max().item()
+        assert err < 1e-4 * max(1.0, mx.abs(want).max().item()), err
+        tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
+    for a, b in zip(mine, theirs):
+        assert a.length == b.length and a.pad == b.pad
+        assert mx.allclose(a.keys[:, :, : a.length], b.keys[:, :, : b.length], atol=1e-5).item()
+        assert mx.allclose(a.values[:, :, : a.length], b.values[:, :, : b.length], atol=1e-5).item()
+
+
+@pytest.mark.parametrize("flavour", sorted(ROPES))
+def test_native_step_matches_model(flavour):
+    model = build_random_model("llama", {**TINY, **ROPES[flavour]}, seed=11).model
+    step = _native(model)
+    _check(model, step, PROMPTS)
+    _check(model, step, PROMPTS[:1])
+
+
+def test_native_step_cache_grows():
+    """A row whose keys reach the end of the buffer: the cache grows between steps."""
+    model = build_random_model("llama", TINY, seed=5).model
+    step = _native(model)
+    _check(model, step, ([3] * 254, [4, 5]), steps=5)
+
+
+def test_native_step_row_independent_of_batch():
+    """A row's logits are the same bits alone and beside other (padded) rows."""
+    model = build_random_model("llama", TINY, seed=12).model
+    step = _native(model)
+    alone = prefilled_batch(model, PROMPTS[1:2])
+    together = prefilled_batch(model, PROMPTS)
+    tok1 = mx.array([[7]], dtype=mx.int32)
+    tok3 = mx.array([[2], [7], [9]], dtype=mx.int32)
+    for _ in range(3):
+        a = step(tok1, alone)
+        t = step(tok3, together)
+        assert mx.array_equal(a[0], t[1]).item()
+
+
+@pytest.mark.parametrize("window", [4, 512])
+def test_native_step_matches_gemma3(window):
+    """Gemma 3's layers: sandwich norms, head norms, GELU-tanh MLP, two RoPE bases, and
+    sliding layers with a window the prompts outgrow (their caches keep about the
+    window's keys: their own lengths) and one they do not."""
+    loaded = build_random_model("gemma3_text", {**TINY_GEMMA, "sliding_window": window}, seed=3)
+    step = _native(loaded.model)
+    assert step.gemma and step._s.n_layers == 6
+    _check(loaded.model, step, PROMPTS, steps=6)
+    _check(loaded.model, step, PROMPTS[:1], steps=6)
+
+
+def test_native_step_leaves_other_layers_to_the_lean_step():
+    loaded = build_random_model("gemma2", {**TINY_GEMMA2, "vocab_size": 97}, seed=3)
+    step = NativeDecodeStep.build(loaded.model)
+    assert type(step) is CpuDecodeStep and step.family == "gemma2"
