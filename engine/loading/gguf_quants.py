@@ -161,6 +161,28 @@ def decode(raw: np.ndarray, gtype: T) -> tuple[np.ndarray, np.ndarray, np.ndarra
     )
 
 
+Q6_K_GROUP = 16  # Q6_K: a scale per 16 weights (an int8 sub-block scale times the block's d)
+
+
+def decode_q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K as (q uint8 (rows, cols) in 0..63, scale float32 (rows, cols/16)) with
+    w = scale * (q - 32); ``scale`` is exact in float32 (float16 d times an int8), so
+    ``fma(q, scale, -32 scale)`` rounds to the same float32 as ``(q - 32) * scale``."""
+    rows = raw.shape[0]
+    b = _blocks(raw, 210)
+    nb = b.shape[1]
+    ql = b[..., 0:128].reshape(rows, nb, 2, 64)
+    qh = b[..., 128:192].reshape(rows, nb, 2, 32)
+    sc = b[..., 192:208].view(np.int8).astype(np.float32)  # (rows, nb, 16)
+    d = _f16(b, 208)[..., None] * sc
+    lo = np.stack([ql & 0x0F, ql >> 4], axis=3).reshape(rows, nb, 2, 4, 32)
+    hi = (
+        qh[:, :, :, None, :] >> np.array([0, 2, 4, 6], np.uint8)[None, None, None, :, None]
+    ) & 3
+    q = (lo | (hi << 4)).astype(np.uint8)
+    return q.reshape(rows, -1), np.ascontiguousarray(d.reshape(rows, -1), dtype=np.float32)
+
+
 def dequantize(raw: np.ndarray, gtype: T, cols: int) -> np.ndarray:
     """float32 (rows, cols) of any GGML tensor ``raw`` (rows, bytes_per_row)."""
     rows = raw.shape[0]
@@ -173,18 +195,8 @@ def dequantize(raw: np.ndarray, gtype: T, cols: int) -> np.ndarray:
         q, scale, bias, _ = decode(raw, gtype)
         return expand(q, scale, bias)
     if gtype == T.Q6_K:
-        b = _blocks(raw, 210)
-        nb = b.shape[1]
-        ql = b[..., 0:128].reshape(rows, nb, 2, 64)
-        qh = b[..., 128:192].reshape(rows, nb, 2, 32)
-        sc = b[..., 192:208].view(np.int8).astype(np.float32)  # (rows, nb, 16)
-        d = _f16(b, 208)[..., None] * sc
-        lo = np.stack([ql & 0x0F, ql >> 4], axis=3).reshape(rows, nb, 2, 4, 32)
-        hi = (
-            qh[:, :, :, None, :] >> np.array([0, 2, 4, 6], np.uint8)[None, None, None, :, None]
-        ) & 3
-        q = (lo | (hi << 4)).astype(np.float32) - 32.0
-        w = q.reshape(rows, nb, 16, 16) * d[..., None]
+        q, d = decode_q6_k(raw)
+        w = (q.astype(np.float32) - 32.0).reshape(rows, -1, 16) * d[..., None]
         return w.reshape(rows, cols)
     from gguf.quants import dequantize as gguf_dequantize
 

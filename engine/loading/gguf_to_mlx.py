@@ -662,6 +662,21 @@ def gguf_weights(
             if shadow is not None:
                 shadows[dests[0][0].rsplit(".", 1)[0]] = shadow
             a = gq.expand(q, scale, bias).reshape(shape)
+        elif (
+            shadows is not None
+            and bits is None
+            and len(shape) == 2
+            and len(dests) == 1
+            and dests[0][1] is None
+            and t.ggml_type == T.Q6_K
+        ):
+            # Q6_K's codes as an 8-bit shadow with a scale per 16 weights (the float32
+            # values are the same products the kernel's fma rounds to)
+            q, scale = gq.decode_q6_k(raw)
+            shadow = cpu.shadow_of_codes(fix(q), fix(scale), fix(-32.0 * scale), 6, gq.Q6_K_GROUP)
+            if shadow is not None:
+                shadows[dests[0][0].rsplit(".", 1)[0]] = shadow
+            a = gq.dequantize(raw, t.ggml_type, t.ne[0]).reshape(shape)
         else:
             a = gq.dequantize(raw, t.ggml_type, t.ne[0]).reshape(shape)
         if (

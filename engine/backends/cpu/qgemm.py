@@ -118,8 +118,11 @@ WIDENED = (2, 3, 5, 6)
 
 def _kernel_takes(bits: int, group_size: int) -> bool:
     """Whether the products can read weights of this affine format (as 4 or 8 bits,
-    one scale and bias per 32 weights)."""
-    return bits in WIDENED + (4, 8) and group_size % 32 == 0
+    one scale and bias per 32 weights; rows stored as 8 bits also per 16: llama.cpp's
+    Q6_K sub-blocks)."""
+    if bits not in WIDENED + (4, 8):
+        return False
+    return group_size % 32 == 0 or (group_size == 16 and bits != 4)
 
 
 def _widen_to_8(packed: np.ndarray, bits: int) -> np.ndarray:

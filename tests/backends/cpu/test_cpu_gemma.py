@@ -1,6 +1,6 @@
-"""Gemma 3 270M (the built-in GGUF) served on the CPU's fast paths: the lean decode step
-(engine/backends/cpu/step.py) and quantized decode products for its Q4_K, Q5_0 and Q8_0
-matrices (engine/backends/cpu/qgemm.py). Greedy text from the real server, alone and
+"""Gemma 3 270M (the built-in GGUF) served on the CPU's fast paths: the C decode step
+(engine/backends/cpu/native_step.py) and quantized decode products for its Q4_K, Q5_0,
+Q6_K and Q8_0 matrices (engine/backends/cpu/qgemm.py). Greedy text from the real server, alone and
 with other requests in the batch, must be what mlx-lm's own gemma3_text model gives for
 the same weights (its own KV caches: a rotating 512-token window for the sliding
 layers), including a prompt longer than that window."""
@@ -25,9 +25,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 N = 16
-# Gemma 3 270M's matrices: 18 layers x 7, and the tied embedding; only the 9 Q6_K
-# down projections (16-wide sub-blocks) have no quantized copy
-SHADOWED = 18 * 7 + 1 - 9
+# Gemma 3 270M's matrices: 18 layers x 7, and the tied embedding, every one with a
+# quantized copy (the 9 Q6_K down projections with a scale per 16 weights)
+SHADOWED = 18 * 7 + 1
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +63,11 @@ def _complete(server, prompt: list[int]) -> dict:
 
 
 def test_fast_paths_serve_gemma3(server, reference):
-    """The server took the lean step and quantized products for Gemma's layers."""
+    """The server took the C step and quantized products for Gemma's layers."""
     _complete(server, reference[1][0][0])  # the log is written by now
     log = server.log_path.read_text(errors="replace")
     assert "lean CPU decode step not used" not in log, server.log_tail()
+    assert "C decode step not used" not in log, server.log_tail()
     counts = [int(n) for n in re.findall(r"quantized CPU decode matmuls: (\d+) weight", log)]
     assert counts and counts[-1] >= SHADOWED, server.log_tail()
 

@@ -101,6 +101,44 @@ def test_products_match_float_and_are_batch_invariant(int8, bits, gs, n, k):
         lib.markbase_qw_set_int8(0)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_groups_of_16_match_float_and_are_batch_invariant(int8):
+    """8-bit rows with a scale per 16 weights (llama.cpp's Q6_K sub-blocks, widened):
+    the kernels' values are the float32 weights (one fma each), every batch size gives
+    a row its own bits, and int8 inputs (blocks of 32) leave such rows on float inputs."""
+    lib = cpu_qgemm._lib()
+    if int8 and not lib.markbase_qw_has_int8():
+        pytest.skip("no int8 products on this CPU (AVX2 or AVX512-VNNI)")
+    rng = np.random.default_rng(16)
+    n, k = 80, 256
+    q = rng.integers(0, 64, size=(n, k), dtype=np.uint8)
+    scale = (rng.standard_normal((n, k // 16)) * 0.01).astype(np.float32)
+    wf = mx.array((q.astype(np.float32) - 32.0).reshape(n, -1, 16) * scale[..., None]).reshape(n, k)
+    shadow = cpu_qgemm.shadow_of_codes(q, scale, -32.0 * scale, 6, 16)
+    assert shadow is not None and shadow.bits == 8 and shadow.group_size == 16
+    lib.markbase_qw_set_int8(int(int8))
+    reg = cpu_qgemm.Registration()
+    try:
+        mx.eval(wf)
+        assert reg.add(wf, [shadow])
+        for m in (1, 3, 9, 16):
+            x = mx.random.normal((m, k), key=mx.random.key(m))
+            mx.eval(x)
+            before = cpu_qgemm.hits()
+            y = x @ wf.T
+            mx.eval(y)
+            assert cpu_qgemm.hits() == before + 1, "the product did not take the quantized route"
+            ref = np.asarray(x, dtype=np.float64) @ np.asarray(wf, dtype=np.float64).T
+            assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 1e-5
+            for i in sorted({0, m - 1}):
+                alone = x[i : i + 1] @ wf.T
+                mx.eval(alone)
+                assert np.array_equal(np.asarray(alone)[0], np.asarray(y)[i]), (m, i)
+    finally:
+        reg.close()
+        lib.markbase_qw_set_int8(0)
+
+
 def test_fused_run_is_found_by_address():
     """Q/K/V concatenated into one buffer (what the fused decode step does): the
     fused product is served too, with each part's own quantized rows."""

@@ -107,7 +107,7 @@ __attribute__((constructor)) static void markbase_blas_ctor(void) {
 
 typedef struct {
   int n0, n;          /* rows [n0, n0 + n) of the float32 matrix */
-  int bits, gs;       /* 4 or 8; group size, a multiple of 32 */
+  int bits, gs;       /* 4 or 8; group size, a multiple of 32 (8-bit rows: or 16) */
   const uint8_t *q;   /* n rows of K * bits / 8 bytes, MLX's packing (low bits first) */
   const float *s, *b; /* n rows of K / gs scales and biases: w = s * q + b */
 } qseg_t;
@@ -149,7 +149,8 @@ static const qw_t *qfind(const float *w, int N, int K) {
 int markbase_qw_add(const float *w, int N, int K, int n0, int n, int bits, int gs,
                     const void *q, const float *s, const float *b) {
   if (!w || N <= 0 || K <= 0 || n <= 0 || n0 < 0 || n0 + n > N) return -1;
-  if ((bits != 4 && bits != 8) || gs < 32 || gs % 32 || K % gs) return -2;
+  /* groups of 32, 64, 128 ...; 8-bit rows also 16 (llama.cpp's Q6_K sub-blocks) */
+  if ((bits != 4 && bits != 8) || K % gs || !(gs % 32 == 0 || (gs == 16 && bits == 8))) return -2;
   unsigned i = qhash(w, N), probes = 0, tomb = QTAB;
   for (; probes < QTAB; i = (i + 1) & (QTAB - 1), probes++) {
     const float *k = qtab[i].w;
@@ -309,8 +310,31 @@ typedef struct {
     }                                                                                  \
     for (int i = 0; i < T; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i])); \
   }
+/* dot8 for groups of 16: each 16-lane vector is one group */
+#define DEF_DOT8G16(T)                                                                 \
+  static void dot8g16_##T(const uint8_t *q, const float *s, const float *b, int K, int gs, \
+                          const float *x, int xstride, float *out) {                   \
+    (void)gs;                                                                          \
+    __m512 a0[T], a1[T];                                                               \
+    for (int i = 0; i < T; i++) a0[i] = a1[i] = _mm512_setzero_ps();                   \
+    for (int blk = 0; blk < K / 32; blk++) {                                           \
+      __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(             \
+                                      _mm_loadu_si128((const __m128i *)(q + blk * 32)))), \
+                                  _mm512_set1_ps(s[2 * blk]), _mm512_set1_ps(b[2 * blk])); \
+      __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(             \
+                                      _mm_loadu_si128((const __m128i *)(q + blk * 32 + 16)))), \
+                                  _mm512_set1_ps(s[2 * blk + 1]), _mm512_set1_ps(b[2 * blk + 1])); \
+      for (int i = 0; i < T; i++) {                                                    \
+        a0[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i * xstride + blk * 32), a0[i]); \
+        a1[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + i * xstride + blk * 32 + 16), a1[i]); \
+      }                                                                                \
+    }                                                                                  \
+    for (int i = 0; i < T; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i])); \
+  }
 DEF_DOT4(1) DEF_DOT4(2) DEF_DOT4(3) DEF_DOT4(4) DEF_DOT4(5) DEF_DOT4(6) DEF_DOT4(7) DEF_DOT4(8)
 DEF_DOT8(1) DEF_DOT8(2) DEF_DOT8(3) DEF_DOT8(4) DEF_DOT8(5) DEF_DOT8(6) DEF_DOT8(7) DEF_DOT8(8)
+DEF_DOT8G16(1) DEF_DOT8G16(2) DEF_DOT8G16(3) DEF_DOT8G16(4)
+DEF_DOT8G16(5) DEF_DOT8G16(6) DEF_DOT8G16(7) DEF_DOT8G16(8)
 typedef void (*dot4_t)(const uint8_t *, const float *, const float *, int, int, const float *,
                        const float *, int, float *);
 typedef void (*dot8_t)(const uint8_t *, const float *, const float *, int, int, const float *,
@@ -319,8 +343,11 @@ static const dot4_t dot4_tab[MT + 1] = {0, dot4_1, dot4_2, dot4_3, dot4_4,
                                         dot4_5, dot4_6, dot4_7, dot4_8};
 static const dot8_t dot8_tab[MT + 1] = {0, dot8_1, dot8_2, dot8_3, dot8_4,
                                         dot8_5, dot8_6, dot8_7, dot8_8};
+static const dot8_t dot8g16_tab[MT + 1] = {0, dot8g16_1, dot8g16_2, dot8g16_3, dot8g16_4,
+                                           dot8g16_5, dot8g16_6, dot8g16_7, dot8g16_8};
 #define DOT4(T, ...) dot4_tab[T](__VA_ARGS__)
 #define DOT8(T, ...) dot8_tab[T](__VA_ARGS__)
+#define DOT8G16(T, ...) dot8g16_tab[T](__VA_ARGS__)
 #elif defined(MB_AVX2)
 /* The same kernels 8 lanes wide (AVX2 + FMA: Zen 2/3, Haswell and later without
    AVX-512). A 32-weight block is 16 packed bytes: bytes 0-7 give even elements 0-7
@@ -383,8 +410,29 @@ static inline __m256 deq8(__m256i v, __m256 sc, __m256 bi) {
     }                                                                                  \
     for (int i = 0; i < T; i++) out[i] = hsum8(_mm256_add_ps(a0[i], a1[i]));         \
   }
+/* dot8 for groups of 16 (Q6_K's sub-blocks): the same chunks of 16 in the same order,
+   each with its own scale and bias */
+#define DEF_DOT8G16(T)                                                                 \
+  static void dot8g16_##T(const uint8_t *q, const float *s, const float *b, int K, int gs, \
+                          const float *x, int xstride, float *out) {                   \
+    (void)gs;                                                                          \
+    __m256 a0[T], a1[T];                                                               \
+    for (int i = 0; i < T; i++) a0[i] = a1[i] = _mm256_setzero_ps();                   \
+    for (int c = 0; c < K / 16; c++) {                                                 \
+      const __m256 sc = _mm256_set1_ps(s[c]), bi = _mm256_set1_ps(b[c]);              \
+      const uint8_t *p = q + c * 16;                                                   \
+      __m256 w0 = deq8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), sc, bi); \
+      __m256 w1 = deq8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))), sc, bi); \
+      for (int i = 0; i < T; i++) {                                                    \
+        a0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * xstride + c * 16), a0[i]); \
+        a1[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * xstride + c * 16 + 8), a1[i]); \
+      }                                                                                \
+    }                                                                                  \
+    for (int i = 0; i < T; i++) out[i] = hsum8(_mm256_add_ps(a0[i], a1[i]));         \
+  }
 DEF_DOT4(1) DEF_DOT4(2) DEF_DOT4(3) DEF_DOT4(4)
 DEF_DOT8(1) DEF_DOT8(2) DEF_DOT8(3) DEF_DOT8(4)
+DEF_DOT8G16(1) DEF_DOT8G16(2) DEF_DOT8G16(3) DEF_DOT8G16(4)
 /* More input rows than one register tile (M > MT): a tile's weight rows are dequantized
    once into the thread's buffer, and dotw runs dot4's (dot8's) two FMA chains from
    there: the same values in the same order, so a row's bits still do not depend on the
@@ -416,6 +464,16 @@ static void deq4_row(const uint8_t *q, const float *s, const float *b, int K, in
 static void deq8_row(const uint8_t *q, const float *s, const float *b, int K, int gs, float *w) {
   const int per = gs / 32;
   float *w2 = w + K / 2;
+  if (gs == 16) { /* the same layout, a scale and bias per chunk of 16 */
+    for (int c = 0; c < K / 16; c++) {
+      const __m256 sc = _mm256_set1_ps(s[c]), bi = _mm256_set1_ps(b[c]);
+      const uint8_t *p = q + c * 16;
+      _mm256_storeu_ps(w + c * 8, deq8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), sc, bi));
+      _mm256_storeu_ps(w2 + c * 8,
+                       deq8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))), sc, bi));
+    }
+    return;
+  }
   for (int g = 0, blk = 0; g < K / gs; g++) {
     __m256 sc = _mm256_set1_ps(s[g]), bi = _mm256_set1_ps(b[g]);
     for (int j = 0; j < per; j++, blk++)
@@ -471,9 +529,11 @@ typedef void (*dot8_t)(const uint8_t *, const float *, const float *, int, int, 
                        int, float *);
 static const dot4_t dot4_tab[MT + 1] = {0, dot4_1, dot4_2, dot4_3, dot4_4};
 static const dot8_t dot8_tab[MT + 1] = {0, dot8_1, dot8_2, dot8_3, dot8_4};
+static const dot8_t dot8g16_tab[MT + 1] = {0, dot8g16_1, dot8g16_2, dot8g16_3, dot8g16_4};
 
 #define DOT4(T, ...) dot4_tab[T](__VA_ARGS__)
 #define DOT8(T, ...) dot8_tab[T](__VA_ARGS__)
+#define DOT8G16(T, ...) dot8g16_tab[T](__VA_ARGS__)
 #else
 static void dot4_any(int T, const uint8_t *q, const float *s, const float *b, int K, int gs,
                      const float *xe, const float *xo, int xstride, float *out) {
@@ -496,6 +556,7 @@ static void dot8_any(int T, const uint8_t *q, const float *s, const float *b, in
 }
 #define DOT4(T, ...) dot4_any(T, __VA_ARGS__)
 #define DOT8(T, ...) dot8_any(T, __VA_ARGS__)
+#define DOT8G16(T, ...) dot8_any(T, __VA_ARGS__)
 #endif
 
 #ifdef MB_VNNI
@@ -753,6 +814,8 @@ static inline void qrow(const qseg_t *sg, int n, const qin_t *in, float alpha, f
     if (sg->bits == 4)
       DOT4(mt, q, s, b, K, sg->gs, in->xe + (size_t)m0 * (K / 2), in->xo + (size_t)m0 * (K / 2),
            K / 2, out);
+    else if (sg->gs == 16)
+      DOT8G16(mt, q, s, b, K, sg->gs, in->A + (size_t)m0 * in->lda, in->lda, out);
     else
       DOT8(mt, q, s, b, K, sg->gs, in->A + (size_t)m0 * in->lda, in->lda, out);
     for (int i = 0; i < mt; i++) {
@@ -1006,8 +1069,10 @@ static int qgemm(const qw_t *e, int M, const float *A, int lda, float alpha, flo
                  int ldc) {
   const int K = e->K;
   qin_t in = {M, K, A, lda};
+  int i8 = q_act_i8; /* int8 inputs meet blocks of 32: groups of 16 keep float inputs */
+  for (int i = 0; i < e->nseg; i++) i8 &= e->seg[i].gs != 16;
 #ifdef MB_VNNI
-  if (q_act_i8) {
+  if (i8) {
     in.i8 = 1;
     in.nblk = K / 32;
     in.c4 = (in.nblk + 3) / 4;
@@ -1029,7 +1094,7 @@ static int qgemm(const qw_t *e, int M, const float *A, int lda, float alpha, flo
     return 0;
   }
 #elif defined(MB_AVX2)
-  if (q_act_i8 && e->K % 32 == 0) {
+  if (i8 && e->K % 32 == 0) {
     in.i8 = 1;
     in.nblk = K / 32;
     size_t cells = (size_t)M * in.nblk;
