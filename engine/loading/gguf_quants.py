@@ -176,9 +176,7 @@ def decode_q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc = b[..., 192:208].view(np.int8).astype(np.float32)  # (rows, nb, 16)
     d = _f16(b, 208)[..., None] * sc
     lo = np.stack([ql & 0x0F, ql >> 4], axis=3).reshape(rows, nb, 2, 4, 32)
-    hi = (
-        qh[:, :, :, None, :] >> np.array([0, 2, 4, 6], np.uint8)[None, None, None, :, None]
-    ) & 3
+    hi = (qh[:, :, :, None, :] >> np.array([0, 2, 4, 6], np.uint8)[None, None, None, :, None]) & 3
     q = (lo | (hi << 4)).astype(np.uint8)
     return q.reshape(rows, -1), np.ascontiguousarray(d.reshape(rows, -1), dtype=np.float32)
 
