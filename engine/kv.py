@@ -270,9 +270,13 @@ class BatchKV:
         the first layer's is read by the decode steps, and each add was a graph node
         (one per layer per step, ~5 us each on MLX's CPU backend)."""
         if self._offset is None:
-            n = self.length
-            self._offset = mx.array([n - p + b for p, b in zip(self.pad, self.base)], mx.int32)
+            self._offset = mx.array(self.positions(), mx.int32)
         return self._offset
+
+    def positions(self) -> list[int]:
+        """``offset`` as host integers."""
+        n = self.length
+        return [n - p + b for p, b in zip(self.pad, self.base)]
 
     @property
     def start(self) -> mx.array:

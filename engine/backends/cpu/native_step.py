@@ -11,8 +11,8 @@ bits), and its attention takes the shim's score product with the softmax inside 
 small value product, one (row, KV head) at a time, each row over its own keys only.
 
 What stays in MLX: the RoPE factors (the lean step's tables, made from the model's own
-rope module, so every rope variant mlx-lm builds stays exact) and the caches'
-bookkeeping (``BatchKV.reserve``: the C step writes the new token's keys and values into
+rope module, so every rope variant mlx-lm builds stays exact; made for 256 positions at
+a time and kept) and the caches' bookkeeping (``BatchKV.reserve``: the C step writes the new token's keys and values into
 the buffers it returns, at the time index the batch reserved). Values equal the lean
 step's to float32 rounding (tests/backends/cpu/test_cpu_native_step.py).
 
@@ -37,6 +37,12 @@ from engine.backends.cpu.step import CpuDecodeStep, _Unsupported
 from engine.kv import BatchKV
 
 log = logging.getLogger("markbase.cpu_native_step")
+
+
+# RoPE factors are made for this many positions at a time, and kept for this many
+# such chunks per RoPE setting (at most ~16 MB for Gemma 3's head_dim of 256)
+_CHUNK = 256
+_CHUNKS_KEPT = 32
 
 
 class _Layer(ctypes.Structure):
@@ -79,10 +85,9 @@ class _Step(ctypes.Structure):
         ("final_norm", ctypes.c_void_p),
         ("head_w", ctypes.c_void_p),
         ("tokens", ctypes.c_void_p),
-        ("rc", ctypes.c_void_p),
-        ("rs", ctypes.c_void_p),
-        ("rc2", ctypes.c_void_p),
-        ("rs2", ctypes.c_void_p),
+        ("scale", ctypes.c_float),
+        ("cs", ctypes.c_void_p * 2),
+        ("sn", ctypes.c_void_p * 2),
         ("logits", ctypes.c_void_p),
         ("layers", ctypes.POINTER(_Layer)),
     ]
@@ -91,6 +96,16 @@ class _Step(ctypes.Structure):
 def _view(a: mx.array) -> np.ndarray:
     """The evaluated array's own memory as numpy (no copy)."""
     return np.asarray(memoryview(a))
+
+
+def _address(a: mx.array) -> tuple[int, tuple[int, int, int]]:
+    """An evaluated float32 [B, H, T, D] buffer's address and its row, head and time
+    strides in floats (D contiguous): what the C step indexes the KV buffers by."""
+    mv = memoryview(a)
+    if mv.format != "f" or mv.strides[3] != 4:
+        raise RuntimeError("the C decode step needs float32 KV rows")
+    b, h, t, _ = (x // 4 for x in mv.strides)
+    return ctypes.addressof(ctypes.c_char.from_buffer(mv)), (b, h, t)
 
 
 def _weight_ptr(w_t: mx.array) -> int:
@@ -185,9 +200,32 @@ class NativeDecodeStep:
         s.embed_scale = float(lean._embed_scale.astype(mx.float32).item()) if self.gemma else 1.0
         s.embed = _vector_ptr(embed.weight, self._keep)
         s.head_w = _weight_ptr(lean._head_wt)
+        s.scale = lean.scale
         s.layers = self._layers
         # the window of Gemma 3's sliding layers, as the lean step masks them
         self._window = [lean.window if w else None for w in lean._sliding]
+        # per RoPE setting: chunk index -> (cos, sin) [_CHUNK, head_dim] of its positions
+        self._factors: list[dict[int, tuple[np.ndarray, np.ndarray]]] = [{} for _ in lean._ropes]
+
+    def _rope_factors(self, which: int, positions: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's RoPE cos and sin factors [B, head_dim] for RoPE setting ``which``:
+        the lean step's tables (the model's own rope module applied to probe vectors)
+        at those positions, made for a chunk of positions at a time and kept for the
+        chunks in use (an MLX evaluation per ``_CHUNK`` steps instead of every step)."""
+        chunks = self._factors[which]
+        for c in {p // _CHUNK for p in positions} - chunks.keys():
+            if len(chunks) >= _CHUNKS_KEPT:
+                chunks.pop(next(iter(chunks)))  # the oldest
+            lean, nq, hd = self.lean, self.lean.nq, self.lean.head_dim
+            pos = mx.arange(c * _CHUNK, (c + 1) * _CHUNK, dtype=mx.int32)
+            cos, sin = lean._tables(pos, _CHUNK, lean._ropes[which])
+            cos = cos.reshape(_CHUNK, -1)[:, nq : nq + hd]  # a key head's (unscaled)
+            sin = sin.reshape(_CHUNK, -1)[:, nq : nq + hd]
+            mx.eval(cos, sin)
+            chunks[c] = (np.array(cos, dtype=np.float32), np.array(sin, dtype=np.float32))
+        cos = np.stack([chunks[p // _CHUNK][0][p % _CHUNK] for p in positions])
+        sin = np.stack([chunks[p // _CHUNK][1][p % _CHUNK] for p in positions])
+        return cos, sin
 
     def _fits(self, cache, b: int) -> bool:
         """Batch caches of the layers' own kinds, every row in each (what the C step
@@ -207,16 +245,17 @@ class NativeDecodeStep:
         b = tokens.shape[0]
         if not self._fits(cache, b):
             return self.lean(tokens, cache)
-        lean, s = self.lean, self._s
+        s = self._s
         kvs = list(cache)
-        offset = kvs[0].offset  # before the reserve below moves it
-        tables = [lean._tables(offset, b, rope) for rope in lean._ropes]
+        positions = kvs[0].positions()  # before the reserve below moves them
+        factors = [self._rope_factors(i, positions) for i in range(len(self._factors))]
         # each layer's new time index and its rows' first visible one (a sliding
         # layer's rows see the last ``window`` positions: the lean step's mask)
         starts: dict[tuple, np.ndarray] = {}
+        pad0 = kvs[0].pad
         for i, kv in enumerate(kvs):
             t_new, window = kv.length, self._window[i]
-            key = (t_new, tuple(kv.pad), window)
+            key = (t_new, window, None if kv.pad == pad0 else tuple(kv.pad))
             if key not in starts:
                 start = np.asarray(kv.pad, dtype=np.int32)
                 if window is not None:
@@ -225,22 +264,16 @@ class NativeDecodeStep:
             L = self._layers[i]
             L.t_new, L.start = t_new, starts[key].ctypes.data
         bufs = [kv.reserve(1, views=False) for kv in kvs]
-        mx.eval(tokens, tables, bufs)
+        mx.eval(tokens, bufs)
         tok = np.ascontiguousarray(_view(tokens).reshape(b), dtype=np.int32)
-        flat = [np.ascontiguousarray(_view(t).reshape(b, -1)) for pair in tables for t in pair]
         for i, (k, v) in enumerate(bufs):
-            kn, vn = _view(k), _view(v)
-            if kn.strides[3] != 4 or vn.strides[3] != 4 or kn.dtype != np.float32:
-                raise RuntimeError("the C decode step needs float32 KV rows")
             L = self._layers[i]
-            L.k, L.v = kn.ctypes.data, vn.ctypes.data
-            L.kb, L.kh, L.kt = (x // 4 for x in kn.strides[:3])
-            L.vb, L.vh, L.vt = (x // 4 for x in vn.strides[:3])
+            L.k, (L.kb, L.kh, L.kt) = _address(k)
+            L.v, (L.vb, L.vh, L.vt) = _address(v)
         logits = np.empty((b, s.vocab), dtype=np.float32)
         s.B, s.tokens, s.logits = b, tok.ctypes.data, logits.ctypes.data
-        s.rc, s.rs = flat[0].ctypes.data, flat[1].ctypes.data
-        if len(flat) > 2:
-            s.rc2, s.rs2 = flat[2].ctypes.data, flat[3].ctypes.data
+        for i, (cos, sin) in enumerate(factors):
+            s.cs[i], s.sn[i] = cos.ctypes.data, sin.ctypes.data
         rc = self._fn(ctypes.byref(s))
         if rc != 0:
             raise RuntimeError(f"the C decode step failed ({rc})")

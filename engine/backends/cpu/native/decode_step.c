@@ -25,7 +25,7 @@ typedef struct {
   long kb, kh, kt, vb, vh, vt;              /* their strides (floats): row, head, time */
   const int *start; /* [B]: each row's first time index the new token attends to */
   int t_new;        /* the time index the new token's keys go to */
-  int rope;         /* which RoPE factors (0: rc/rs, 1: rc2/rs2) */
+  int rope;         /* which RoPE setting's cos/sin (0 or 1) */
   /* Gemma 3 only (else NULL): the query/key head norms, the norms after the
      attention and after the MLP (their weights as 1 + w) */
   const float *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm;
@@ -39,8 +39,9 @@ typedef struct {
   const float *final_norm; /* [D] */
   const float *head_w;     /* [vocab, D] */
   const int *tokens;       /* [B] */
-  const float *rc, *rs;    /* [B, nq + 2 nk]: RoPE factors (query part scaled) */
-  const float *rc2, *rs2;  /* a second RoPE setting's (Gemma 3's global layers) */
+  float scale;             /* the attention scale, folded into the queries' RoPE */
+  const float *cs[2], *sn[2]; /* [B, head_dim] per RoPE setting: each row's factors
+                                 (Gemma 3: local and global layers) */
   float *logits;           /* [B, vocab] */
   const mb_layer_t *layers;
 } mb_step_t;
@@ -68,21 +69,28 @@ static void rms_rows(const float *x, const float *w, float eps, int B, int D, fl
   }
 }
 
-/* v = v * C + swap(v) * S over the query and key part of each row (the value part's
-   factors are 1 and 0). */
-static void rope_rows(float *qkv, const float *rc, const float *rs, int B, int n_rot, int stride,
-                      int hd, int traditional) {
+/* v = v * C + swap(v) * S over the query and key heads of each row (``swap``
+   exchanges the two members of each rotated pair: neighbours for "traditional" RoPE,
+   the two halves of a head otherwise), C and S the row's cos and sin factors, times
+   the attention scale for the query heads (engine/backends/cpu/step.py's tables). */
+static void rope_rows(float *qkv, const float *cs, const float *sn, float scale, int B,
+                      int n_q, int n_k, int stride, int hd, int traditional) {
   const int half = hd / 2;
-  float tmp[512];
+  float tmp[512], cq[512], sq[512];
   for (int b = 0; b < B; b++) {
     float *row = qkv + (size_t)b * stride;
-    const float *c = rc + (size_t)b * stride, *s = rs + (size_t)b * stride;
-    for (int h0 = 0; h0 < n_rot; h0 += hd) {
-      float *v = row + h0;
+    const float *c = cs + (size_t)b * hd, *s = sn + (size_t)b * hd;
+    for (int j = 0; j < hd; j++) {
+      cq[j] = c[j] * scale;
+      sq[j] = s[j] * scale;
+    }
+    for (int h = 0; h < n_q + n_k; h++) {
+      float *v = row + (size_t)h * hd;
+      const float *ch = h < n_q ? cq : c, *sh = h < n_q ? sq : s;
       memcpy(tmp, v, sizeof(float) * hd);
       for (int j = 0; j < hd; j++) {
         const int o = traditional ? (j ^ 1) : (j < half ? j + half : j - half);
-        v[j] = tmp[j] * c[h0 + j] + tmp[o] * s[h0 + j];
+        v[j] = tmp[j] * ch[j] + tmp[o] * sh[j];
       }
     }
   }
@@ -186,7 +194,7 @@ int markbase_decode_step(const mb_step_t *s) {
         rms_rows(r, L->q_norm, s->eps, s->n_heads, hd, r);
         rms_rows(r + nq, L->k_norm, s->eps, s->n_kv, hd, r + nq);
       }
-    rope_rows(qkv, L->rope ? s->rc2 : s->rc, L->rope ? s->rs2 : s->rs, B, nq + nk, nqkv, hd,
+    rope_rows(qkv, s->cs[L->rope], s->sn[L->rope], s->scale, B, s->n_heads, s->n_kv, nqkv, hd,
               s->traditional);
     long work = 0;
     for (int b = 0; b < B; b++) {
