@@ -283,6 +283,11 @@ def test_markdown_escapes_the_models_html(server, browser):
     inert; fenced code keeps its characters and gets a copy button."""
     d = browser
     d.get(server.url + "/")
+    # the page redraws the thread once the model list is in: inject after that
+    wait_for(
+        lambda: d.execute_script("return document.querySelectorAll('#model option').length"),
+        what="the model list",
+    )
     hostile = (
         'Hi <img src=x onerror="window.pwned=1"> <script>window.pwned=2</script>\n\n'
         "[click](javascript:window.pwned=3) [ok](https://example.org/?a=1&b=2)\n\n"
