@@ -93,3 +93,34 @@ def test_native_step_leaves_other_layers_to_the_lean_step():
     loaded = build_random_model("gemma2", {**TINY_GEMMA2, "vocab_size": 97}, seed=3)
     step = NativeDecodeStep.build(loaded.model)
     assert type(step) is CpuDecodeStep and step.family == "gemma2"
+
+
+def test_two_models_decode_at_once():
+    """Two models' C steps called from two threads at once (several models in one
+    server, a worker thread each): every step's logits equal that model's alone."""
+    import threading
+
+    models = [build_random_model("llama", TINY, seed=s).model for s in (21, 22)]
+    steps = [_native(m) for m in models]
+
+    def run(i, out):
+        batch = prefilled_batch(models[i], PROMPTS)
+        tokens = mx.array([[1]] * len(PROMPTS), dtype=mx.int32)
+        for _ in range(8):
+            logits = steps[i](tokens, batch)
+            out.append(logits)
+            tokens = mx.argmax(logits, axis=-1, keepdims=True).astype(mx.int32)
+
+    alone = [[], []]
+    for i in (0, 1):
+        run(i, alone[i])
+    together = [[], []]
+    threads = [threading.Thread(target=run, args=(i, together[i])) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in (0, 1):
+        assert len(together[i]) == 8
+        for a, b in zip(alone[i], together[i]):
+            assert mx.array_equal(a, b).item()
