@@ -13,7 +13,7 @@ from engine.backends.cpu.step import CpuDecodeStep  # noqa: E402
 from engine.loading import build_random_model  # noqa: E402
 from engine.model.decode_step import FusedDecodeStep, fuse_linears, make_decode_step  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
-from tests.helpers.models import RANDOM_LLAMA, prefilled_batch  # noqa: E402
+from tests.helpers.models import RANDOM_LLAMA, check_step, prefilled_batch  # noqa: E402
 
 TINY = {**RANDOM_LLAMA, "vocab_size": 97}
 PROMPTS = ([5, 6, 7, 8, 9, 10], [11, 12, 13])  # rows of different lengths: an array mask
@@ -26,14 +26,7 @@ def _batch(model, prompts=PROMPTS):
 def _check_against_model(model, step, prompts=PROMPTS, steps=3, atol=1e-4):
     """``step`` on one batch = the model's own call on an identical batch, for a few
     greedy steps. The model's modules read the fused arrays' views, as prefill does."""
-    mine, theirs = _batch(model, prompts), _batch(model, prompts)
-    tokens = mx.array([[1]] * len(prompts), dtype=mx.int32)
-    for _ in range(steps):
-        got = step(tokens, mine)
-        want = model(tokens, cache=theirs)[:, -1, :]
-        assert got.shape == want.shape
-        assert mx.allclose(got, want, atol=atol).item(), mx.abs(got - want).max().item()
-        tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
+    check_step(model, step, prompts, steps=steps, atol=atol)
 
 
 @pytest.mark.parametrize("compile", [True, False])

@@ -75,6 +75,25 @@ def prefilled_batch(model, prompts) -> list:
     return caches
 
 
+def check_step(model, step, prompts, steps: int = 4, atol: float | None = None) -> None:
+    """A decode ``step`` against the model's own call on identical batch caches, a
+    few greedy steps: logits to float32 rounding (or within ``atol``), and the keys and
+    values it wrote."""
+    mine, theirs = prefilled_batch(model, prompts), prefilled_batch(model, prompts)
+    tokens = mx.array([[1]] * len(prompts), dtype=mx.int32)
+    for _ in range(steps):
+        got = step(tokens, mine)
+        want = model(tokens, cache=theirs)[:, -1, :]
+        assert got.shape == want.shape
+        err = mx.abs(got - want).max().item()
+        assert err < (atol or 1e-4 * max(1.0, mx.abs(want).max().item())), err
+        tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
+    for a, b in zip(mine, theirs):
+        assert a.length == b.length and a.pad == b.pad
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            assert mx.allclose(x[:, :, : a.length], y[:, :, : b.length], atol=atol or 1e-5).item()
+
+
 RANDOM_LLAMA = dict(
     hidden_size=64,
     num_hidden_layers=2,

@@ -17,6 +17,7 @@ from tests.helpers.models import (  # noqa: E402
     ROPES,
     TINY_GEMMA2,
     TINY_GEMMA3,
+    check_step,
     prefilled_batch,
 )
 
@@ -32,35 +33,19 @@ def _native(model) -> NativeDecodeStep:
     return step
 
 
-def _check(model, step, prompts, steps=4):
-    mine, theirs = prefilled_batch(model, prompts), prefilled_batch(model, prompts)
-    tokens = mx.array([[1]] * len(prompts), dtype=mx.int32)
-    for _ in range(steps):
-        got = step(tokens, mine)
-        want = model(tokens, cache=theirs)[:, -1, :]
-        assert got.shape == want.shape
-        err = mx.abs(got - want).max().item()
-        assert err < 1e-4 * max(1.0, mx.abs(want).max().item()), err
-        tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
-    for a, b in zip(mine, theirs):
-        assert a.length == b.length and a.pad == b.pad
-        assert mx.allclose(a.keys[:, :, : a.length], b.keys[:, :, : b.length], atol=1e-5).item()
-        assert mx.allclose(a.values[:, :, : a.length], b.values[:, :, : b.length], atol=1e-5).item()
-
-
 @pytest.mark.parametrize("flavour", sorted(ROPES))
 def test_native_step_matches_model(flavour):
     model = build_random_model("llama", {**TINY, **ROPES[flavour]}, seed=11).model
     step = _native(model)
-    _check(model, step, PROMPTS)
-    _check(model, step, PROMPTS[:1])
+    check_step(model, step, PROMPTS)
+    check_step(model, step, PROMPTS[:1])
 
 
 def test_native_step_cache_grows():
     """A row whose keys reach the end of the buffer: the cache grows between steps."""
     model = build_random_model("llama", TINY, seed=5).model
     step = _native(model)
-    _check(model, step, ([3] * 254, [4, 5]), steps=5)
+    check_step(model, step, ([3] * 254, [4, 5]), steps=5)
 
 
 def test_native_step_row_independent_of_batch():
@@ -85,8 +70,8 @@ def test_native_step_matches_gemma3(window):
     loaded = build_random_model("gemma3_text", {**TINY_GEMMA, "sliding_window": window}, seed=3)
     step = _native(loaded.model)
     assert step.gemma and step._s.n_layers == 6
-    _check(loaded.model, step, PROMPTS, steps=6)
-    _check(loaded.model, step, PROMPTS[:1], steps=6)
+    check_step(loaded.model, step, PROMPTS, steps=6)
+    check_step(loaded.model, step, PROMPTS[:1], steps=6)
 
 
 def test_native_step_leaves_other_layers_to_the_lean_step():

@@ -20,7 +20,7 @@ from tests.helpers.models import (  # noqa: E402
     TINY_GEMMA2,
     TINY_GEMMA3,
     TINY_QWEN3,
-    prefilled_batch,
+    check_step,
 )
 
 TINY = {**RANDOM_LLAMA, "vocab_size": 97}
@@ -31,29 +31,13 @@ TINY_GEMMA = {**TINY_GEMMA3, "vocab_size": 97, "sliding_window": 4}
 PROMPTS = ([5, 6, 7, 8, 9, 10], [11, 12, 13], [14])  # ragged: an array mask
 
 
-def _check(model, step, prompts, steps=4):
-    """``step`` against the model's own call on the same caches: logits to float32
-    rounding, and the KV it wrote."""
-    mine, theirs = prefilled_batch(model, prompts), prefilled_batch(model, prompts)
-    tokens = mx.array([[1]] * len(prompts), dtype=mx.int32)
-    for _ in range(steps):
-        got = step(tokens, mine)
-        want = model(tokens, cache=theirs)[:, -1, :]
-        assert got.shape == want.shape
-        err = mx.abs(got - want).max().item()
-        assert err < 1e-4 * max(1.0, mx.abs(want).max().item()), err
-        tokens = mx.argmax(want, axis=-1, keepdims=True).astype(mx.int32)
-    for a, b in zip(mine, theirs):  # the KV it wrote is the model's
-        assert mx.allclose(a.keys[:, :, : a.length], b.keys[:, :, : b.length], atol=1e-5).item()
-
-
 @pytest.mark.parametrize("flavour", sorted(ROPES))
 def test_lean_step_matches_model(flavour):
     model = build_random_model("llama", {**TINY, **ROPES[flavour]}, seed=11).model
     step = CpuDecodeStep.build(model)
     assert step is not None
-    _check(model, step, PROMPTS)
-    _check(model, step, PROMPTS[:1])  # one row: no mask
+    check_step(model, step, PROMPTS)
+    check_step(model, step, PROMPTS[:1])  # one row: no mask
 
 
 @pytest.mark.parametrize("window", [4, 512])
@@ -64,8 +48,8 @@ def test_lean_step_matches_gemma3(window):
     step = CpuDecodeStep.build(model.model)
     assert step is not None and step.family == "gemma3"
     assert len(step._ropes) == 2 and step._sliding == [True] * 5 + [False]
-    _check(model.model, step, PROMPTS, steps=6)
-    _check(model.model, step, PROMPTS[:1], steps=6)
+    check_step(model.model, step, PROMPTS, steps=6)
+    check_step(model.model, step, PROMPTS[:1], steps=6)
 
 
 def test_lean_step_gemma3_untied_head():
@@ -82,7 +66,7 @@ def test_lean_step_gemma3_untied_head():
     assert step is not None
     assert mx.array_equal(step._head_wt, model.lm_head.weight.T).item()
     assert not mx.array_equal(step._head_wt, model.model.embed_tokens.weight.T).item()
-    _check(model, step, PROMPTS)
+    check_step(model, step, PROMPTS)
 
 
 def test_runner_uses_it_on_the_cpu_and_falls_back():
@@ -109,8 +93,8 @@ def test_lean_step_matches_gemma2():
     attention.install(model.model)  # the reference's own call on a batch needs its mask form
     step = CpuDecodeStep.build(model.model)
     assert step is not None and step.family == "gemma2"
-    _check(model.model, step, PROMPTS, steps=6)
-    _check(model.model, step, PROMPTS[:1], steps=6)
+    check_step(model.model, step, PROMPTS, steps=6)
+    check_step(model.model, step, PROMPTS[:1], steps=6)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "gemma2"])

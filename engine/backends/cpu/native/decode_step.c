@@ -166,6 +166,20 @@ static void attn_task(const void *p, int task) {
               a->out + (size_t)b * nq + (size_t)h * G * hd, hd);
 }
 
+/* x += a @ w^T, with ``norm`` (Gemma 3's sandwich norm) applied to the product first
+   when given; without it the product adds itself to x (beta = 1, the lean step's
+   ``addmm``). a: [B, K], w: [D, K], tmp: [B, D] scratch. */
+static void add_product(float *x, const float *a, const float *w, const float *norm, float eps,
+                        int B, int D, int K, float *tmp) {
+  if (!norm) {
+    cblas_sgemm(RowMajor, NoTrans, Trans, B, D, K, 1.f, a, K, w, K, 1.f, x, D);
+    return;
+  }
+  cblas_sgemm(RowMajor, NoTrans, Trans, B, D, K, 1.f, a, K, w, K, 0.f, tmp, D);
+  rms_rows(tmp, norm, eps, B, D, tmp);
+  for (size_t i = 0; i < (size_t)B * D; i++) x[i] += tmp[i];
+}
+
 int markbase_decode_step(const mb_step_t *s) {
   const int B = s->B, D = s->D, hd = s->head_dim, I = s->inter;
   const int nq = s->n_heads * hd, nk = s->n_kv * hd, nqkv = nq + 2 * nk;
@@ -210,23 +224,11 @@ int markbase_decode_step(const mb_step_t *s) {
     /* the (row, head) tasks on the pool when there is enough work to share */
     if (!(tasks > 1 && work >= SMALL_PAR_WORK && pool_parts(attn_task, &job, tasks)))
       for (int t = 0; t < tasks; t++) attn_task(&job, t);
-    if (L->post_attn_norm) {
-      cblas_sgemm(RowMajor, NoTrans, Trans, B, D, nq, 1.f, att, nq, L->w_o, nq, 0.f, tmp, D);
-      rms_rows(tmp, L->post_attn_norm, s->eps, B, D, tmp);
-      for (size_t i = 0; i < (size_t)B * D; i++) x[i] += tmp[i];
-    } else {
-      cblas_sgemm(RowMajor, NoTrans, Trans, B, D, nq, 1.f, att, nq, L->w_o, nq, 1.f, x, D);
-    }
+    add_product(x, att, L->w_o, L->post_attn_norm, s->eps, B, D, nq, tmp);
     rms_rows(x, L->mlp_norm, s->eps, B, D, xn);
     cblas_sgemm(RowMajor, NoTrans, Trans, B, 2 * I, D, 1.f, xn, D, L->w_gu, D, 0.f, gu, 2 * I);
     (s->gemma ? gelu_mul_rows : silu_mul_rows)(gu, B, I, act);
-    if (L->post_mlp_norm) {
-      cblas_sgemm(RowMajor, NoTrans, Trans, B, D, I, 1.f, act, I, L->w_down, I, 0.f, tmp, D);
-      rms_rows(tmp, L->post_mlp_norm, s->eps, B, D, tmp);
-      for (size_t i = 0; i < (size_t)B * D; i++) x[i] += tmp[i];
-    } else {
-      cblas_sgemm(RowMajor, NoTrans, Trans, B, D, I, 1.f, act, I, L->w_down, I, 1.f, x, D);
-    }
+    add_product(x, act, L->w_down, L->post_mlp_norm, s->eps, B, D, I, tmp);
   }
   rms_rows(x, s->final_norm, s->eps, B, D, xn);
   cblas_sgemm(RowMajor, NoTrans, Trans, B, s->vocab, D, 1.f, xn, D, s->head_w, D, 0.f, s->logits,
