@@ -202,6 +202,7 @@ class NativeDecodeStep:
         s.head_w = _weight_ptr(lean._head_wt)
         s.scale = lean.scale
         s.layers = self._layers
+        log.info("C decode step: %d %s layers", s.n_layers, lean.family)
         # the window of Gemma 3's sliding layers, as the lean step masks them
         self._window = [lean.window if w else None for w in lean._sliding]
         # per RoPE setting: chunk index -> (cos, sin) [_CHUNK, head_dim] of its positions

@@ -68,6 +68,7 @@ def test_fast_paths_serve_gemma3(server, reference):
     log = server.log_path.read_text(errors="replace")
     assert "lean CPU decode step not used" not in log, server.log_tail()
     assert "C decode step not used" not in log, server.log_tail()
+    assert "C decode step: 18 gemma3 layers" in log, server.log_tail()
     counts = [int(n) for n in re.findall(r"quantized CPU decode matmuls: (\d+) weight", log)]
     assert counts and counts[-1] >= SHADOWED, server.log_tail()
 
