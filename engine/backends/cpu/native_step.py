@@ -78,6 +78,7 @@ class _Step(ctypes.Structure):
             for n in ("B", "D", "n_heads", "n_kv", "head_dim", "inter", "vocab", "n_layers")
         ],
         ("traditional", ctypes.c_int),
+        ("n_embed", ctypes.c_int),
         ("gemma", ctypes.c_int),
         ("eps", ctypes.c_float),
         ("embed_scale", ctypes.c_float),
@@ -148,6 +149,8 @@ class NativeDecodeStep:
             raise _Unsupported("MLX's matmuls do not reach the shim")
         if len(lean._ropes) > 2:
             raise _Unsupported("more than two RoPE settings")
+        if lean.head_dim > 512:
+            raise _Unsupported(f"head_dim {lean.head_dim} (at most 512)")
         self.lean = lean
         self.gemma = lean.family == "gemma3"
         self._fn = lib.markbase_decode_step
@@ -196,6 +199,7 @@ class NativeDecodeStep:
         s.vocab = int(lean._head_wt.shape[1])
         s.n_layers = len(inner.layers)
         s.traditional = int(lean.traditional)
+        s.n_embed = int(embed.weight.shape[0])
         s.gemma = int(self.gemma)
         s.embed_scale = float(lean._embed_scale.astype(mx.float32).item()) if self.gemma else 1.0
         s.embed = _vector_ptr(embed.weight, self._keep)
@@ -277,5 +281,6 @@ class NativeDecodeStep:
             s.cs[i], s.sn[i] = cos.ctypes.data, sin.ctypes.data
         rc = self._fn(ctypes.byref(s))
         if rc != 0:
-            raise RuntimeError(f"the C decode step failed ({rc})")
+            why = {-2: "out of memory", -3: "a token id outside the embedding"}.get(rc, rc)
+            raise RuntimeError(f"the C decode step failed: {why}")
         return mx.array(logits)

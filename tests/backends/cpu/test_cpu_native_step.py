@@ -109,3 +109,13 @@ def test_two_models_decode_at_once():
         assert len(together[i]) == 8
         for a, b in zip(alone[i], together[i]):
             assert mx.array_equal(a, b).item()
+
+
+def test_a_token_outside_the_vocabulary_is_an_error_not_a_read():
+    """A token id past the embedding table fails the step with a clear error instead
+    of reading memory past the table."""
+    model = build_random_model("llama", TINY, seed=8).model
+    step = _native(model)
+    batch = prefilled_batch(model, PROMPTS[:1])
+    with pytest.raises(RuntimeError, match="token id outside the embedding"):
+        step(mx.array([[TINY["vocab_size"] + 5]], dtype=mx.int32), batch)

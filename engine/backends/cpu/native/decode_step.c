@@ -33,6 +33,7 @@ typedef struct {
 
 typedef struct {
   int B, D, n_heads, n_kv, head_dim, inter, vocab, n_layers, traditional;
+  int n_embed;       /* rows of the embedding table (token ids are checked against it) */
   int gemma;         /* Gemma 3's layer form: sandwich norms, head norms, GELU-tanh MLP */
   float eps, embed_scale; /* the embedding times embed_scale (Gemma 3; 1 for llama) */
   const float *embed;      /* [vocab, D] */
@@ -145,6 +146,7 @@ typedef struct {
   const mb_layer_t *L;
   const float *qkv;
   float *out; /* [B, nq] */
+  int oom;    /* a task could not grow its scratch (set by any thread) */
 } attn_job_t;
 
 /* Row b = task / n_kv, KV head h = task % n_kv: its G query heads against the row's
@@ -156,7 +158,10 @@ static void attn_task(const void *p, int task) {
   const int b = task / s->n_kv, h = task % s->n_kv, hd = s->head_dim;
   const int G = s->n_heads / s->n_kv, nq = s->n_heads * hd, nk = s->n_kv * hd;
   const int t0 = L->start[b], T = L->t_new + 1 - t0;
-  if (!grow(&s_scores, &s_scores_cap, (size_t)G * T)) abort();
+  if (!grow(&s_scores, &s_scores_cap, (size_t)G * T)) {
+    __atomic_store_n(&((attn_job_t *)p)->oom, 1, __ATOMIC_RELAXED);
+    return;
+  }
   const float *q = a->qkv + (size_t)b * (nq + 2 * nk) + (size_t)h * G * hd;
   const float *K = L->k + b * L->kb + h * L->kh + t0 * L->kt;
   const float *V = L->v + b * L->vb + h * L->vh + t0 * L->vt;
@@ -184,6 +189,8 @@ int markbase_decode_step(const mb_step_t *s) {
   const int B = s->B, D = s->D, hd = s->head_dim, I = s->inter;
   const int nq = s->n_heads * hd, nk = s->n_kv * hd, nqkv = nq + 2 * nk;
   if (hd > 512 || s->n_heads % s->n_kv) return -1;
+  for (int b = 0; b < B; b++)
+    if (s->tokens[b] < 0 || s->tokens[b] >= s->n_embed) return -3;
   const size_t need = (size_t)B * (3 * D + nqkv + nq + 3 * I);
   if (!grow(&s_work, &s_work_cap, need)) return -2;
   float *x = s_work, *xn = x + (size_t)B * D, *tmp = xn + (size_t)B * D;
@@ -220,10 +227,11 @@ int markbase_decode_step(const mb_step_t *s) {
       }
     }
     work *= (long)s->n_heads * hd;
-    attn_job_t job = {s, L, qkv, att};
+    attn_job_t job = {s, L, qkv, att, 0};
     /* the (row, head) tasks on the pool when there is enough work to share */
     if (!(tasks > 1 && work >= SMALL_PAR_WORK && pool_parts(attn_task, &job, tasks)))
       for (int t = 0; t < tasks; t++) attn_task(&job, t);
+    if (__atomic_load_n(&job.oom, __ATOMIC_RELAXED)) return -2;
     add_product(x, att, L->w_o, L->post_attn_norm, s->eps, B, D, nq, tmp);
     rms_rows(x, L->mlp_norm, s->eps, B, D, xn);
     cblas_sgemm(RowMajor, NoTrans, Trans, B, 2 * I, D, 1.f, xn, D, L->w_gu, D, 0.f, gu, 2 * I);
