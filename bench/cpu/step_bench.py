@@ -1,4 +1,4 @@
-"""Decode step of the default model on the CPU, against llama.cpp on the same GGUF, in
+"""Decode step of a built-in model (default: the default model) on the CPU, against llama.cpp on the same GGUF, in
 one run: markbase's decode steps (engine/backends/cpu/native_step.py's C step,
 engine/backends/cpu/step.py's lean step and
 engine/model/decode_step.py's fused step, each with the quantized products of
@@ -7,6 +7,7 @@ llama.cpp (llama-cpp-python's bindings, 2 threads) decoding the same batch sizes
 
     .venv/bin/python bench/cpu/step_bench.py --batches 1,4,16
     .venv/bin/python bench/cpu/step_bench.py --batches 1,4,16 --no-llamacpp
+    .venv/bin/python bench/cpu/step_bench.py --model gemma3-270m --no-llamacpp
 
 Every row: 256 positions already in the KV cache (as llama.cpp's), 32 timed steps,
 median; tok/s = batch / step time. A second table splits each quantized row's step into
@@ -48,18 +49,20 @@ KV = 256
 STEPS = 32
 
 
-def markbase_rows(batches: list[int], rounds: int) -> list[dict]:
-    # two copies of the model, each with its step built (and its fused weights
-    # registered with the quantized products) as the server builds them
+def markbase_rows(batches: list[int], rounds: int, model: str) -> list[dict]:
+    # a copy of the model per step, each with its step built (and its fused weights
+    # registered with the quantized products) as the server builds them; the fused
+    # step only where it takes the model's layers (llama's)
     runners = {}
     for name in ("native", "lean", "fused"):
         os.environ["MARKBASE_CPU_STEP"] = name
-        lm = load_model("smollm2-135m-instruct", weight_format="float32")
+        lm = load_model(model, weight_format="float32")
         runners[name] = ModelRunner(lm.model, lm.cpu_shadows)
     os.environ.pop("MARKBASE_CPU_STEP")
     assert isinstance(runners["native"].decode_step, NativeDecodeStep)
     assert isinstance(runners["lean"].decode_step, CpuDecodeStep)
-    assert isinstance(runners["fused"].decode_step, FusedDecodeStep)
+    if not isinstance(runners["fused"].decode_step, FusedDecodeStep):
+        del runners["fused"]
     lib = cpu_qgemm._lib() if runners["lean"].qgemm is not None else None
     # (step, quantized products, int8 inputs: MARKBASE_QGEMM_INT8's llama.cpp numerics)
     configs = [
@@ -69,6 +72,7 @@ def markbase_rows(batches: list[int], rounds: int) -> list[dict]:
         ("fused", True, False),
     ]
     configs = [c for c in configs if lib is not None and (not c[2] or lib.markbase_qw_has_int8())]
+    configs = [c for c in configs if c[0] in runners]
     configs.append(("lean", False, False))
     prompt = [(i * 7 + 13) % 40000 + 100 for i in range(KV)]
     layer_kv = {}
@@ -124,14 +128,14 @@ def markbase_rows(batches: list[int], rounds: int) -> list[dict]:
     return rows
 
 
-def llamacpp_rows(batches: list[int], threads: int) -> list[dict]:
+def llamacpp_rows(batches: list[int], threads: int, model: str) -> list[dict]:
     import peers
     from formats import run_llamacpp
 
     if not peers.llamacpp_ok():
         print(f"# llama.cpp skipped: no llama-cpp-python in {peers.LLAMACPP_VENV}")
         return []
-    gguf = str(peers.gguf_path("smollm2-135m-instruct"))
+    gguf = str(peers.gguf_path(model))
     rows = run_llamacpp(str(peers.llamacpp_python()), gguf, batches, threads)
     for r in rows:
         r["config"] = f"llama.cpp {r['format'].split()[-1]}, {threads} threads"
@@ -152,6 +156,7 @@ def print_table(rows: list[dict], batches: list[int], cell) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="a built-in GGUF alias")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (best kept)")
     ap.add_argument("--no-llamacpp", action="store_true")
@@ -159,8 +164,8 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    rows = [] if args.no_llamacpp else llamacpp_rows(batches, args.threads)
-    rows += markbase_rows(batches, args.rounds)
+    rows = [] if args.no_llamacpp else llamacpp_rows(batches, args.threads, args.model)
+    rows += markbase_rows(batches, args.rounds, args.model)
     ref = {r["batch"]: r["tok_s"] for r in rows if r["config"].startswith("llama.cpp")}
 
     def speed(r: dict) -> str:
