@@ -181,6 +181,13 @@ def decode_q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(rows, -1), np.ascontiguousarray(d.reshape(rows, -1), dtype=np.float32)
 
 
+def expand_q6_k(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """float32 (rows, cols) of ``decode_q6_k``'s output: ``(q - 32) * scale`` per 16."""
+    rows = q.shape[0]
+    w = (q.astype(np.float32) - 32.0).reshape(rows, -1, Q6_K_GROUP) * scale[..., None]
+    return w.reshape(rows, -1)
+
+
 def dequantize(raw: np.ndarray, gtype: T, cols: int) -> np.ndarray:
     """float32 (rows, cols) of any GGML tensor ``raw`` (rows, bytes_per_row)."""
     rows = raw.shape[0]
@@ -193,9 +200,7 @@ def dequantize(raw: np.ndarray, gtype: T, cols: int) -> np.ndarray:
         q, scale, bias, _ = decode(raw, gtype)
         return expand(q, scale, bias)
     if gtype == T.Q6_K:
-        q, d = decode_q6_k(raw)
-        w = (q.astype(np.float32) - 32.0).reshape(rows, -1, 16) * d[..., None]
-        return w.reshape(rows, cols)
+        return expand_q6_k(*decode_q6_k(raw))
     from gguf.quants import dequantize as gguf_dequantize
 
     return gguf_dequantize(raw, gtype).reshape(rows, cols).astype(np.float32)

@@ -647,38 +647,31 @@ def gguf_weights(
                     ws.origin[n] = origin
                 ws.quant[module] = {"group_size": p.group_size, "bits": p.bits, "mode": "affine"}
             continue
-        if (
+        # one float matrix of its own from a type whose codes the CPU's products read
+        shadowed = (
             shadows is not None
             and bits is None
             and not is_float
             and len(shape) == 2
             and len(dests) == 1
             and dests[0][1] is None
-            and gq.EXACT_BITS.get(t.ggml_type)
-        ):
+        )
+        shadow = None
+        if shadowed and gq.EXACT_BITS.get(t.ggml_type):
             # decoded once: the codes give both the shadow and the float32 values
             q, scale, bias, qbits = gq.decode(raw, t.ggml_type)
             shadow = cpu.shadow_of_codes(fix(q), fix(scale), fix(bias), qbits, gq.GROUP)
-            if shadow is not None:
-                shadows[dests[0][0].rsplit(".", 1)[0]] = shadow
             a = gq.expand(q, scale, bias).reshape(shape)
-        elif (
-            shadows is not None
-            and bits is None
-            and len(shape) == 2
-            and len(dests) == 1
-            and dests[0][1] is None
-            and t.ggml_type == T.Q6_K
-        ):
-            # Q6_K's codes as an 8-bit shadow with a scale per 16 weights (the float32
-            # values are the same products the kernel's fma rounds to)
+        elif shadowed and t.ggml_type == T.Q6_K:
+            # an 8-bit shadow with a scale per 16 weights (the float32 values are the
+            # products the kernel's fma rounds to)
             q, scale = gq.decode_q6_k(raw)
             shadow = cpu.shadow_of_codes(fix(q), fix(scale), fix(-32.0 * scale), 6, gq.Q6_K_GROUP)
-            if shadow is not None:
-                shadows[dests[0][0].rsplit(".", 1)[0]] = shadow
-            a = gq.dequantize(raw, t.ggml_type, t.ne[0]).reshape(shape)
+            a = gq.expand_q6_k(q, scale).reshape(shape)
         else:
             a = gq.dequantize(raw, t.ggml_type, t.ne[0]).reshape(shape)
+        if shadow is not None:
+            shadows[dests[0][0].rsplit(".", 1)[0]] = shadow
         if (
             arch.norm_offset
             and name.endswith(".weight")

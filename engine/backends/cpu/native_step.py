@@ -232,10 +232,9 @@ class NativeDecodeStep:
         sin = np.stack([chunks[p // _CHUNK][1][p % _CHUNK] for p in positions])
         return cos, sin
 
-    def _fits(self, cache, b: int) -> bool:
+    def _fits(self, kvs: list, b: int) -> bool:
         """Batch caches of the layers' own kinds, every row in each (what the C step
         indexes)."""
-        kvs = list(cache)
         if len(kvs) != self._s.n_layers or b == 0:
             return False
         return all(
@@ -248,10 +247,10 @@ class NativeDecodeStep:
 
     def __call__(self, tokens, cache):
         b = tokens.shape[0]
-        if not self._fits(cache, b):
+        kvs = list(cache)
+        if not self._fits(kvs, b):
             return self.lean(tokens, cache)
         s = self._s
-        kvs = list(cache)
         positions = kvs[0].positions()  # before the reserve below moves them
         factors = [self._rope_factors(i, positions) for i in range(len(self._factors))]
         # each layer's new time index and its rows' first visible one (a sliding

@@ -97,46 +97,31 @@ static void rope_rows(float *qkv, const float *cs, const float *sn, float scale,
   }
 }
 
-static void silu_mul_rows(const float *gu, int B, int I, float *out) {
-  for (int b = 0; b < B; b++) {
-    const float *g = gu + (size_t)b * 2 * I, *u = g + I;
-    float *o = out + (size_t)b * I;
-    int i = 0;
-#if defined(MB_AVX2) || defined(MB_AVX512)
-    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-    for (; i + 8 <= I; i += 8) {
-      const __m256 gv = _mm256_loadu_ps(g + i);
-      const __m256 e = exp8(_mm256_sub_ps(zero, gv));
-      _mm256_storeu_ps(o + i, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + i)),
-                                            _mm256_add_ps(one, e)));
-    }
-#endif
-    for (; i < I; i++) o[i] = g[i] * u[i] / (1.f + expf(-g[i]));
-  }
-}
-
-/* gelu_approx(g) * u as g * u * sigmoid(2 c (g + 0.044715 g^3)), c = sqrt(2 / pi)
-   (engine/backends/cpu/fast_math.py's form) */
-static void gelu_mul_rows(const float *gu, int B, int I, float *out) {
+/* The gated MLP's activation, g * u / (1 + exp(-z)), from the fused gate|up rows:
+   SiLU (z = g) or, with ``gelu``, gelu_approx(g) * u as g * u * sigmoid(2 c (g +
+   0.044715 g^3)), c = sqrt(2 / pi) (engine/backends/cpu/fast_math.py's forms). */
+static void glu_rows(const float *gu, int B, int I, int gelu, float *out) {
   const float c2 = 1.5957691216057308f;
   for (int b = 0; b < B; b++) {
     const float *g = gu + (size_t)b * 2 * I, *u = g + I;
     float *o = out + (size_t)b * I;
     int i = 0;
 #if defined(MB_AVX2) || defined(MB_AVX512)
-    const __m256 one = _mm256_set1_ps(1.f), k = _mm256_set1_ps(0.044715f);
-    const __m256 nc2 = _mm256_set1_ps(-c2);
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    const __m256 k = _mm256_set1_ps(0.044715f), nc2 = _mm256_set1_ps(-c2);
     for (; i + 8 <= I; i += 8) {
       const __m256 gv = _mm256_loadu_ps(g + i);
-      const __m256 y = _mm256_add_ps(gv, _mm256_mul_ps(_mm256_mul_ps(k, gv), _mm256_mul_ps(gv, gv)));
-      const __m256 e = exp8(_mm256_mul_ps(nc2, y));
+      __m256 nz = _mm256_sub_ps(zero, gv);
+      if (gelu)
+        nz = _mm256_mul_ps(
+            nc2, _mm256_add_ps(gv, _mm256_mul_ps(_mm256_mul_ps(k, gv), _mm256_mul_ps(gv, gv))));
       _mm256_storeu_ps(o + i, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + i)),
-                                            _mm256_add_ps(one, e)));
+                                            _mm256_add_ps(one, exp8(nz))));
     }
 #endif
     for (; i < I; i++) {
-      const float y = g[i] + 0.044715f * g[i] * g[i] * g[i];
-      o[i] = g[i] * u[i] / (1.f + expf(-c2 * y));
+      const float nz = gelu ? -c2 * (g[i] + 0.044715f * g[i] * g[i] * g[i]) : -g[i];
+      o[i] = g[i] * u[i] / (1.f + expf(nz));
     }
   }
 }
@@ -196,13 +181,9 @@ int markbase_decode_step(const mb_step_t *s) {
   float *x = s_work, *xn = x + (size_t)B * D, *tmp = xn + (size_t)B * D;
   float *qkv = tmp + (size_t)B * D, *att = qkv + (size_t)B * nqkv, *gu = att + (size_t)B * nq;
   float *act = gu + (size_t)B * 2 * I;
-  for (int b = 0; b < B; b++) {
+  for (int b = 0; b < B; b++) { /* (times 1 for llama: the same values) */
     const float *e = s->embed + (size_t)s->tokens[b] * D;
-    float *xr = x + (size_t)b * D;
-    if (s->gemma)
-      for (int i = 0; i < D; i++) xr[i] = e[i] * s->embed_scale;
-    else
-      memcpy(xr, e, sizeof(float) * D);
+    for (int i = 0; i < D; i++) x[(size_t)b * D + i] = e[i] * s->embed_scale;
   }
   const int tasks = B * s->n_kv;
   for (int l = 0; l < s->n_layers; l++) {
@@ -235,7 +216,7 @@ int markbase_decode_step(const mb_step_t *s) {
     add_product(x, att, L->w_o, L->post_attn_norm, s->eps, B, D, nq, tmp);
     rms_rows(x, L->mlp_norm, s->eps, B, D, xn);
     cblas_sgemm(RowMajor, NoTrans, Trans, B, 2 * I, D, 1.f, xn, D, L->w_gu, D, 0.f, gu, 2 * I);
-    (s->gemma ? gelu_mul_rows : silu_mul_rows)(gu, B, I, act);
+    glu_rows(gu, B, I, s->gemma, act);
     add_product(x, act, L->w_down, L->post_mlp_norm, s->eps, B, D, I, tmp);
   }
   rms_rows(x, s->final_norm, s->eps, B, D, xn);
