@@ -461,29 +461,17 @@ static void deq4_row(const uint8_t *q, const float *s, const float *b, int K, in
       }
   }
 }
+/* Each chunk of 16 weights: elements 0-7 to the first half of w, 8-15 to the second,
+   with its group's scale and bias (groups of 16, 32, 64, ...). */
 static void deq8_row(const uint8_t *q, const float *s, const float *b, int K, int gs, float *w) {
-  const int per = gs / 32;
   float *w2 = w + K / 2;
-  if (gs == 16) { /* the same layout, a scale and bias per chunk of 16 */
-    for (int c = 0; c < K / 16; c++) {
-      const __m256 sc = _mm256_set1_ps(s[c]), bi = _mm256_set1_ps(b[c]);
-      const uint8_t *p = q + c * 16;
-      _mm256_storeu_ps(w + c * 8, deq8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), sc, bi));
-      _mm256_storeu_ps(w2 + c * 8,
-                       deq8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))), sc, bi));
-    }
-    return;
-  }
-  for (int g = 0, blk = 0; g < K / gs; g++) {
-    __m256 sc = _mm256_set1_ps(s[g]), bi = _mm256_set1_ps(b[g]);
-    for (int j = 0; j < per; j++, blk++)
-      for (int h = 0; h < 32; h += 16) {
-        const uint8_t *p = q + blk * 32 + h;
-        const int o = (blk * 32 + h) / 2;
-        _mm256_storeu_ps(w + o, deq8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), sc, bi));
-        _mm256_storeu_ps(w2 + o,
-                         deq8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))), sc, bi));
-      }
+  for (int c = 0; c < K / 16; c++) {
+    const int g = c * 16 / gs;
+    const __m256 sc = _mm256_set1_ps(s[g]), bi = _mm256_set1_ps(b[g]);
+    const uint8_t *p = q + c * 16;
+    _mm256_storeu_ps(w + c * 8, deq8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), sc, bi));
+    _mm256_storeu_ps(w2 + c * 8,
+                     deq8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))), sc, bi));
   }
 }
 /* R buffered weight rows (K floats apart) against T input rows; out[i * ostride + r].
