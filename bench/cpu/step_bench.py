@@ -1,7 +1,7 @@
-"""Decode step of a built-in model (default: the default model) on the CPU, against llama.cpp on the same GGUF, in
-one run: markbase's decode steps (engine/backends/cpu/native_step.py's C step,
-engine/backends/cpu/step.py's lean step and
-engine/model/decode_step.py's fused step, each with the quantized products of
+"""Decode step of a built-in model (`--model`, the default model unless given) on the
+CPU, against llama.cpp on the same GGUF, in one run: markbase's decode steps
+(engine/backends/cpu/native_step.py's C step, engine/backends/cpu/step.py's lean step
+and engine/model/decode_step.py's fused step, each with the quantized products of
 engine/backends/cpu/qgemm.py and with float32 OpenBLAS) interleaved in one process, and
 llama.cpp (llama-cpp-python's bindings, 2 threads) decoding the same batch sizes.
 

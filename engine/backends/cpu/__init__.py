@@ -3,7 +3,7 @@ engine/model/, engine/loading/, server/) imports from engine/backends/cpu.
 
 Inside: ``blas`` (MLX's float32 matmuls bound to a fast system BLAS, and the C shim in
 ``native/``), ``qgemm`` (4-bit decode products from quantized copies of float32
-weights), ``step`` (the lean decode step), ``native_step`` (the llama-form step as one C call), ``attention`` (``sdpa``: attention with the softmax
+weights), ``step`` (the lean decode step), ``native_step`` (the llama and Gemma 3 decode step as one C call), ``attention`` (``sdpa``: attention with the softmax
 inside the score product), ``fast_math`` (exp and SwiGLU without MLX's
 slow exp), ``tuning`` (the weight format per machine).
 

@@ -1,4 +1,4 @@
-"""The llama-form decode step as one C call (native/decode_step.c).
+"""The llama and Gemma 3 decode step as one C call (native/decode_step.c).
 
 Why: the lean step (step.py) still spends most of a small model's one-row step
 outside its products: ~30 MLX nodes a layer at ~5 us of dispatch each, Python building
@@ -126,7 +126,7 @@ def _vector_ptr(a: mx.array, keep: list) -> int:
 class NativeDecodeStep:
     """``step(tokens [B, 1] int32, cache) -> logits [B, V]`` through one C call;
     ``build`` returns the lean step instead when the model's layers are not llama's or
-    the shim lacks the C step."""
+    Gemma 3's, or the shim lacks the C step."""
 
     @classmethod
     def build(cls, model):
